@@ -1,0 +1,59 @@
+# megatron-ext: `make demo` and `make test` set everything up on a fresh machine.
+# Both create .venv with Python 3.12 when it is missing and install the package (editable)
+# with the pinned versions in constraints.txt.
+
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# A Python 3.12 that actually runs: python3.12 on PATH (a pyenv shim may exist but fail),
+# else pyenv's own 3.12 build.
+PYTHON312 ?= $(shell \
+  if python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then \
+    command -v python3.12; \
+  else \
+    root=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); \
+    for p in $$root/versions/3.12*/bin/python3.12; do \
+      if [ -x "$$p" ] && "$$p" -c 'import sys' >/dev/null 2>&1; then echo $$p; break; fi; \
+    done; \
+  fi)
+
+.PHONY: venv demo test lint bench clean help
+
+help:
+	@echo "make demo   - train the tiny CPU GPT recipe on 2 gloo ranks (runs/demo/)"
+	@echo "make test   - run the test suite"
+	@echo "make lint   - ruff"
+	@echo "make bench  - optimizer benchmark (megatron-ext bench optimizers)"
+
+$(STAMP): setup.py constraints.txt
+	@if [ ! -x "$(PY)" ]; then \
+	  if [ -z "$(PYTHON312)" ]; then \
+	    echo "error: no working Python 3.12 found (tried python3.12 on PATH and pyenv's versions/3.12*)." >&2; \
+	    echo "       install Python 3.12 or pass PYTHON312=/path/to/python3.12" >&2; exit 1; \
+	  fi; \
+	  echo "creating $(VENV) with $(PYTHON312)"; \
+	  "$(PYTHON312)" -m venv $(VENV); \
+	fi
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/megatron-ext launch recipes/tiny_cpu_gpt.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(VENV)/bin/megatron-ext bench optimizers
+
+clean:
+	rm -rf runs build *.egg-info

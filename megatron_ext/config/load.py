@@ -1,0 +1,192 @@
+"""Load a recipe: YAML -> nested dict -> ``key=value`` overrides -> typed, validated ``Recipe``.
+
+Every mistake becomes one :class:`ConfigError` naming the key, what is wrong and the fix
+(with a "did you mean" for misspelt keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_ext.config.errors import ConfigError
+from megatron_ext.config.schema import Recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                world_size: int | None = None) -> Recipe:
+    """Read ``path`` (a file, or the name of a shipped recipe), apply overrides, validate."""
+    raw = read_yaml(resolve_recipe_path(path))
+    raw = apply_overrides(raw, overrides)
+    recipe = recipe_from_dict(raw)
+    recipe.check(world_size)
+    return recipe
+
+
+def shipped_recipes_dir() -> Path:
+    """Folder of the recipes shipped as package data (``megatron_ext.recipes``)."""
+    import megatron_ext.recipes as shipped
+
+    return Path(shipped.__file__).parent
+
+
+def resolve_recipe_path(path: str | Path) -> Path:
+    """A path as given, else a shipped recipe by name (``tiny_cpu_gpt`` or ``tiny_cpu_gpt.yaml``)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else p.name + ".yaml"
+    candidate = shipped_recipes_dir() / name
+    if candidate.is_file():
+        return candidate
+    available = sorted(q.stem for q in shipped_recipes_dir().glob("*.yaml"))
+    raise ConfigError(f"recipe file {str(path)!r} not found; shipped recipes: "
+                      f"{', '.join(available)}")
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings to the nested dict (values parsed as YAML scalars)."""
+    out = _deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optimizer.lr=3e-4)")
+        key, value = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"override {item!r} has an empty key")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            node[parts[-1]] = value
+    return out
+
+
+def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
+    """Build a typed ``Recipe``; unknown keys, wrong types and out-of-range values raise."""
+    return _build(Recipe, raw, prefix="")
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe)
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "recipe"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__} {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else (
+                f"; valid keys: {', '.join(fields)}")
+            raise ConfigError(f"unknown key {prefix}{key!r}{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, raw[name], prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", raw[name], tp, f.metadata)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value: Any, tp: Any, meta: Any) -> Any:
+    args = typing.get_args(tp)
+    optional = (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                and type(None) in args)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    value = _convert(key, value, tp)
+    _check_range(key, value, meta)
+    return value
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported type {tp}")  # a schema bug, not a user error
+
+
+def _check_range(key: str, value: Any, meta: Any) -> None:
+    if not meta:
+        return
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}{hint}")
+    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                            ("le", lambda v, b: v <= b, "<=")):
+        b = meta.get(bound)
+        if b is not None and isinstance(value, (int, float)) and not ok(value, b):
+            raise ConfigError(f"{key}={value!r} is out of range: it must be {word} {b}")

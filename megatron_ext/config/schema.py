@@ -1,0 +1,243 @@
+"""The recipe schema: one typed dataclass per YAML section.
+
+Field names follow megatron-core where a counterpart exists (``TransformerConfig``,
+``OptimizerConfig``, ``DistributedDataParallelConfig``, ``OptimizerParamScheduler``).  Each field
+may carry validation metadata (``ge``/``gt``/``le`` bounds, ``choices``) read by
+:mod:`megatron_ext.config.load`; cross-field rules live in :meth:`Recipe.check`.
+
+This module must not import torch: the launcher validates recipes before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def spec(default: Any, *, ge: float | None = None, gt: float | None = None,
+         le: float | None = None, choices: tuple[Any, ...] | None = None,
+         help: str = "") -> Any:
+    """A dataclass field with validation metadata."""
+    meta = {"ge": ge, "gt": gt, "le": le, "choices": choices, "help": help}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+TRAINERS = ("gpt", "soma", "dipaco")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adamw",)  # grows as optimizers are registered with the adapter
+
+
+@dataclass
+class ModelConfig:
+    """GPT architecture (megatron-core ``TransformerConfig`` names)."""
+
+    num_layers: int = spec(2, ge=1)
+    hidden_size: int = spec(128, ge=1)
+    num_attention_heads: int = spec(4, ge=1)
+    num_query_groups: int | None = spec(None, ge=1, help="GQA groups; None = MHA")
+    ffn_hidden_size: int | None = spec(None, ge=1, help="None = 4*hidden (2/3 of it for SwiGLU)")
+    kv_channels: int | None = spec(None, ge=1)
+    vocab_size: int | None = spec(None, ge=1, help="None = tokenizer's vocabulary")
+    make_vocab_size_divisible_by: int = spec(128, ge=1)
+    normalization: str = spec("RMSNorm", choices=("RMSNorm", "LayerNorm"))
+    layernorm_epsilon: float = spec(1e-5, gt=0.0)
+    position_embedding_type: str = spec("rope", choices=("rope", "learned_absolute"))
+    rotary_base: int = spec(10000, ge=1)
+    activation: str = spec("swiglu", choices=("swiglu", "gelu"))
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = spec(0.02, gt=0.0)
+    hidden_dropout: float = spec(0.0, ge=0.0, le=1.0)
+    attention_dropout: float = spec(0.0, ge=0.0, le=1.0)
+    transformer_impl: str = spec("auto", choices=("auto", "local", "transformer_engine"),
+                                 help="auto = Transformer Engine when installed and on GPU")
+    # Mixture of experts (0 experts = dense)
+    num_moe_experts: int = spec(0, ge=0)
+    moe_router_topk: int = spec(2, ge=1)
+    moe_ffn_hidden_size: int | None = spec(None, ge=1)
+    moe_router_score_function: str = spec("softmax", choices=("softmax", "sigmoid"))
+    moe_router_enable_expert_bias: bool = False
+    moe_router_load_balancing_type: str = spec("aux_loss",
+                                               choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = spec(0.0, ge=0.0)
+    moe_token_dispatcher_type: str = spec("alltoall", choices=("alltoall", "allgather"))
+    moe_grouped_gemm: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer hyperparameters (megatron-core ``OptimizerConfig`` names)."""
+
+    name: str = spec("adamw", choices=OPTIMIZERS)
+    lr: float = spec(3e-4, gt=0.0)
+    min_lr: float = spec(0.0, ge=0.0)
+    weight_decay: float = spec(0.1, ge=0.0)
+    adam_beta1: float = spec(0.9, ge=0.0, le=1.0)
+    adam_beta2: float = spec(0.95, ge=0.0, le=1.0)
+    adam_eps: float = spec(1e-8, gt=0.0)
+    clip_grad: float = spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str = spec("", help="indexed-dataset prefix (<path>.bin/.idx)")
+    source: list[str] = spec([], help="text inputs built into `path` when it is missing; "
+                                      "'python-stdlib' = the installed stdlib's docstrings")
+    tokenizer: str = spec("byte", choices=("byte", "sentencepiece"))
+    tokenizer_model: str = spec("", help="SentencePiece .model file")
+    split: str = spec("98,2,0", help="train,valid,test weights")
+    num_workers: int = spec(0, ge=0)
+
+
+@dataclass
+class TrainingConfig:
+    """Loop length, batch and the LR schedule (``OptimizerParamScheduler`` names)."""
+
+    steps: int = spec(100, ge=1)
+    micro_batch_size: int = spec(4, ge=1)
+    global_batch_size: int = spec(8, ge=1)
+    seq_length: int = spec(128, ge=1)
+    seed: int = spec(1234, ge=0)
+    precision: str = spec("fp32", choices=PRECISIONS)
+    lr_warmup_steps: int = spec(0, ge=0)
+    lr_decay_style: str = spec("cosine", choices=("constant", "linear", "cosine", "WSD"))
+    lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
+    lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
+    lr_wsd_decay_style: str = spec("minus_sqrt",
+                                   choices=("minus_sqrt", "linear", "cosine", "exponential"))
+    eval_interval: int = spec(0, ge=0, help="0 = no evaluation")
+    eval_iters: int = spec(4, ge=1)
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes; data parallel is derived: dp = world / (tp * pp * cp)."""
+
+    tensor_model_parallel_size: int = spec(1, ge=1)
+    pipeline_model_parallel_size: int = spec(1, ge=1)
+    context_parallel_size: int = spec(1, ge=1)
+    expert_model_parallel_size: int = spec(1, ge=1)
+    sequence_parallel: bool = False
+    backend: str = spec("auto", choices=("auto", "nccl", "gloo"),
+                        help="auto = nccl with CUDA, gloo without")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = spec(1, ge=1)
+    tensorboard: bool = True
+    progress_bar: str = spec("auto", choices=("auto", "on", "off"))
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = spec(0, ge=0, help="0 = only at the end")
+    save_at_end: bool = True
+    load: str = spec("auto", help="'auto' = resume from run_dir/checkpoints if present; "
+                                  "'none'; or a checkpoint directory")
+    keep_last: int = spec(2, ge=1)
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node_cpu: int = spec(2, ge=1, help="ranks per node on a CPU-only host")
+    master_port: int = spec(29500, ge=1, le=65535)
+    threads_per_rank: int = spec(0, ge=0, help="torch threads per rank; 0 = cores / ranks")
+
+
+@dataclass
+class Recipe:
+    """A whole run: the object every trainer receives."""
+
+    trainer: str = spec("gpt", choices=TRAINERS)
+    run_dir: str = spec("runs/default", help="logs, plots, checkpoints, summary.json")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def check(self, world_size: int | None = None) -> None:
+        """Cross-field rules; raises ``ConfigError``. ``world_size`` adds the layout checks."""
+        from megatron_ext.config.errors import ConfigError
+
+        m, t, p = self.model, self.training, self.parallel
+        if m.hidden_size % m.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                              f"model.num_attention_heads={m.num_attention_heads}")
+        groups = m.num_query_groups or m.num_attention_heads
+        if m.num_attention_heads % groups:
+            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not "
+                              f"divisible by model.num_query_groups={groups}")
+        if m.num_moe_experts and m.moe_router_topk > m.num_moe_experts:
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} exceeds "
+                              f"model.num_moe_experts={m.num_moe_experts}")
+        if m.num_moe_experts and m.num_moe_experts % p.expert_model_parallel_size:
+            raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
+                              f"parallel.expert_model_parallel_size="
+                              f"{p.expert_model_parallel_size}")
+        if groups % p.tensor_model_parallel_size:
+            raise ConfigError(f"attention groups ({groups}) are not divisible by "
+                              f"parallel.tensor_model_parallel_size="
+                              f"{p.tensor_model_parallel_size}")
+        if m.num_layers % p.pipeline_model_parallel_size:
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by "
+                              f"parallel.pipeline_model_parallel_size="
+                              f"{p.pipeline_model_parallel_size}")
+        if t.lr_warmup_steps > t.steps:
+            raise ConfigError(f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds "
+                              f"training.steps={t.steps}")
+        if self.optimizer.min_lr > self.optimizer.lr:
+            raise ConfigError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds "
+                              f"optimizer.lr={self.optimizer.lr}")
+        if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is None:
+            raise ConfigError("training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
+                              "(the length of the final decay window)")
+        if self.trainer == "gpt" and not self.data.path:
+            raise ConfigError("data.path is empty: set it to an indexed-dataset prefix "
+                              "(build one with `megatron-ext data build`)")
+        if self.data.tokenizer == "sentencepiece" and not self.data.tokenizer_model:
+            raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model "
+                              "(train one with `megatron-ext data tokenizer`)")
+        if world_size is not None:
+            self.check_layout(world_size)
+
+    def model_parallel_size(self) -> int:
+        p = self.parallel
+        return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                * p.context_parallel_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size()
+
+    def check_layout(self, world_size: int) -> None:
+        """World size against the parallel layout and the batch sizes."""
+        from megatron_ext.config.errors import ConfigError
+
+        p, t = self.parallel, self.training
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tp*pp*cp = "
+                f"{p.tensor_model_parallel_size}*{p.pipeline_model_parallel_size}*"
+                f"{p.context_parallel_size} = {mp}: change the rank count or the parallel sizes")
+        dp = world_size // mp
+        if self.model.num_moe_experts:
+            edp = dp * p.context_parallel_size
+            if edp % p.expert_model_parallel_size:
+                raise ConfigError(
+                    f"data-parallel size {dp} (x cp) is not divisible by "
+                    f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}")
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: "
+                f"use a multiple of {t.micro_batch_size * dp}")

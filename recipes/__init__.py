@@ -1,0 +1,1 @@
+"""Recipes shipped as package data (YAML files)."""

@@ -1,0 +1,60 @@
+"""Packaging for megatron-ext.
+
+The top-level folders ``optimizers/``, ``launch/`` and ``recipes/`` are installed *inside* the
+``megatron_ext`` namespace (``megatron_ext.optimizers`` ...): the bare names belong to other PyPI
+distributions, so nothing is installed under them.  ``package_dir`` does the mapping for both
+regular and editable installs.
+"""
+
+from setuptools import find_packages, setup
+
+# folder on disk -> installed package
+NAMESPACE_MAP = {"optimizers": "megatron_ext.optimizers", "launch": "megatron_ext.launch",
+                 "recipes": "megatron_ext.recipes"}
+
+
+def _packages() -> tuple[list[str], dict[str, str]]:
+    """All packages and where they live: megatron_ext.* as is, the mapped folders renamed."""
+    packages = find_packages(include=["megatron_ext", "megatron_ext.*"])
+    package_dir = {"megatron_ext": "megatron_ext"}
+    for folder, name in NAMESPACE_MAP.items():
+        packages.append(name)
+        package_dir[name] = folder
+        for sub in find_packages(where=folder):
+            packages.append(f"{name}.{sub}")
+            package_dir[f"{name}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = _packages()
+
+setup(
+    name="megatron-ext",
+    version="0.1.0",
+    description="Matrix optimizers, a layer-wise distributed optimizer and recipes for megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12,<3.13",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data={"megatron_ext.recipes": ["*.yaml"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.19,<0.20",
+        "pyyaml>=6",
+        "numpy>=1.26",
+        "sentencepiece>=0.2",
+        "mpi4py>=4",
+        "mpich>=4",
+        "triton>=3",
+        "tensorboard>=2.16",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6", "emerging-optimizers==0.3.0"],
+    },
+    entry_points={"console_scripts": ["megatron-ext=megatron_ext.launch.cli:main"]},
+)
