@@ -25,7 +25,7 @@ def spec(default: Any, *, ge: float | None = None, gt: float | None = None,
 
 
 TRAINERS = ("gpt", "soma", "dipaco")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw",)  # grows as optimizers are registered with the adapter
 
 
@@ -110,8 +110,6 @@ class TrainingConfig:
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
     lr_wsd_decay_style: str = spec("minus_sqrt",
                                    choices=("minus_sqrt", "linear", "cosine", "exponential"))
-    eval_interval: int = spec(0, ge=0, help="0 = no evaluation")
-    eval_iters: int = spec(4, ge=1)
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Run megatron-core's model and DDP on a CPU host (gloo), without touching a CUDA host.
+
+megatron-core assumes a CUDA device in a handful of places that matter for GPTModel (dense and
+MoE) and ``DistributedDataParallel``.  :func:`apply_cpu_compat` redirects exactly these calls,
+and only when ``torch.cuda.is_available()`` is false; on a CUDA host it returns without changing
+anything.  Every replaced call, and why:
+
+``torch.cuda.current_device``  -> ``torch.cpu.current_device`` (``"cpu"``)
+    Weight, grad-buffer and router tensors are created with ``device=torch.cuda.current_device()``.
+``torch.cuda.set_device``      -> no-op
+    Called with the local rank during initialisation; a CPU host has one device.
+``torch.cuda.Stream`` / ``current_stream`` / ``default_stream`` / ``stream``
+                                -> ``torch.cpu`` equivalents (one implicit stream)
+    DDP's grad-sync and the MoE layer put communication on side streams and wait on them; the
+    MoE token dispatcher synchronises the event a side stream's ``record_event`` returns, so the
+    CPU stream returns an (always complete) event there instead of ``None``.
+``torch.cuda.Event``            -> ``torch.cpu.Event`` (always complete)
+    DDP records events to order bucket communication after the backward computation.
+``torch.cuda.synchronize``      -> ``torch.cpu.synchronize`` (no-op)
+    Timers and DDP flush the device before measuring / finishing.
+``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed`` and megatron-core's
+``tensor_parallel.random._set_cuda_rng_state``  -> the CPU default generator
+    megatron-core's RNG tracker forks "device" RNG streams (data-parallel, tensor-parallel,
+    expert-parallel) around dropout and weight init; on a CPU host the device generator *is* the
+    CPU generator, so the tracker seeds, saves and restores that one.
+Nothing else is patched.  Call it once per process before building the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+class _CpuStream(torch.cpu.Stream):
+    """torch.cpu.Stream whose ``record_event`` returns an event (megatron-core synchronises it)."""
+
+    def record_event(self, event: torch.cpu.Event | None = None) -> torch.cpu.Event:
+        return event if event is not None else torch.cpu.Event()
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _replacements() -> list[tuple[object, str, object]]:
+    import megatron.core.tensor_parallel.random as mc_random
+
+    cpu = torch.cpu
+    return [
+        (torch.cuda, "current_device", cpu.current_device),
+        (torch.cuda, "set_device", lambda device: None),
+        (torch.cuda, "Stream", _CpuStream),
+        (torch.cuda, "current_stream", lambda device=None: _CURRENT_STREAM),
+        (torch.cuda, "default_stream", lambda device=None: _CURRENT_STREAM),
+        (torch.cuda, "stream", cpu.stream),
+        (torch.cuda, "Event", cpu.Event),
+        (torch.cuda, "synchronize", cpu.synchronize),
+        (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed) and None),
+        (mc_random, "_set_cuda_rng_state", _set_rng_state),
+    ]
+
+
+def apply_cpu_compat() -> bool:
+    """Patch the calls listed in the module docstring when CUDA is unavailable.
+
+    Returns True when the patches are (now or already) in place, False on a CUDA host, where
+    nothing is changed.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if not _APPLIED:
+        for owner, name, replacement in _replacements():
+            setattr(owner, name, replacement)
+        _APPLIED = True
+    return True
+
+
+def replaced_calls() -> list[str]:
+    """Dotted names of every call this module replaces (for logs and the docstring test)."""
+    return [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, _ in _replacements()]

@@ -1,0 +1,141 @@
+"""Build megatron-core's ``GPTModel`` (dense or MoE) from a recipe's ``ModelConfig``.
+
+The layer spec is megatron-core's own: Transformer Engine's when it is installed and the model
+runs on CUDA (``transformer_impl: auto``), else the local spec with :class:`SdpaAttention` as
+core attention, which runs on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.config.errors import ConfigError
+from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.megatron.attention import SdpaAttention
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_transformer_engine(model: ModelConfig) -> bool:
+    """Resolve ``model.transformer_impl``; asking for TE where it cannot run is an error."""
+    available = have_transformer_engine() and torch.cuda.is_available()
+    if model.transformer_impl == "transformer_engine" and not available:
+        raise ConfigError("model.transformer_impl=transformer_engine needs Transformer Engine "
+                          "and a CUDA GPU (use the NGC container), or set it to 'local'/'auto'")
+    return model.transformer_impl == "transformer_engine" or (
+        model.transformer_impl == "auto" and available)
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig,
+                       precision: str) -> TransformerConfig:
+    """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA)."""
+    if precision not in DTYPES:
+        raise ConfigError(f"training.precision={precision!r} is not supported by the GPT "
+                          f"trainer yet; use one of {', '.join(DTYPES)}")
+    cuda = torch.cuda.is_available()
+    swiglu = model.activation == "swiglu"
+    ffn = model.ffn_hidden_size or (
+        int(8 * model.hidden_size / 3 + 63) // 64 * 64 if swiglu else 4 * model.hidden_size)
+    moe = model.num_moe_experts > 0
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=ffn,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        bf16=precision == "bf16",
+        params_dtype=DTYPES[precision],
+        pipeline_dtype=DTYPES[precision],
+        # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
+        use_cpu_initialization=not cuda,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        num_moe_experts=model.num_moe_experts if moe else None,
+        moe_router_topk=model.moe_router_topk if moe else 2,
+        moe_ffn_hidden_size=(model.moe_ffn_hidden_size or ffn) if moe else None,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias if moe else False,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_router_dtype="fp32" if moe else None,
+    )
+
+
+def layer_spec(model: ModelConfig) -> ModuleSpec:
+    """megatron-core's GPT layer spec: TE's, or the local one with SDPA core attention."""
+    experts = model.num_moe_experts or None
+    if use_transformer_engine(model):
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=model.moe_grouped_gemm,
+            qk_layernorm=model.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=model.moe_grouped_gemm,
+                                    qk_layernorm=model.qk_layernorm,
+                                    normalization=model.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up so every tensor-parallel shard has a multiple of ``divisible_by``."""
+    multiple = divisible_by * tp
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str,
+                    vocab_size: int, seq_length: int) -> GPTModel:
+    """A ``GPTModel`` on the current device (CPU without CUDA); the last pipeline stage computes
+    the per-token loss when given labels."""
+    from megatron.core import parallel_state
+
+    config = transformer_config(model, parallel, precision)
+    vocab = padded_vocab_size(model.vocab_size or vocab_size, model.make_vocab_size_divisible_by,
+                              parallel.tensor_model_parallel_size)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model),
+        vocab_size=vocab,
+        max_sequence_length=seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

@@ -1,0 +1,254 @@
+"""megatron-ext's optimizer adapter: megatron-core's ``MegatronOptimizer`` interface around any
+``torch.optim.Optimizer``, identical on CPU and GPU.
+
+megatron-core's own wrappers (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``) allocate
+``device='cuda'`` tensors and check CUDA tensor types, so they cannot run on a CPU host.  This
+adapter keeps the same contract (``step() -> (success, grad_norm, num_zeros)``, ``zero_grad``,
+``get_grad_norm``, ``state_dict``, ``sharded_state_dict`` for dist_checkpointing) and:
+
+* reads each parameter's gradient from DDP's ``param.main_grad`` (fp32 grad buffer);
+* keeps an fp32 master copy for every bf16 parameter (fp32 parameters are their own master);
+* computes the global gradient norm and zero count once, counting tensor-parallel duplicates and
+  shared (tied) parameters once, reduced over the model-parallel group (dense) and the
+  expert-model-parallel group (MoE experts);
+* skips the step (``success=False``) when the gradient norm is not finite.
+
+The wrapped optimizer is built by a factory over parameter groups, so the matrix optimizers and
+the layer-wise distributed optimizer slot in without touching the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+)
+from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.transformer.module import param_is_not_shared
+
+from megatron_ext.config.schema import OptimizerConfig
+
+InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerConfig:
+    """The recipe's optimizer section as megatron-core's ``OptimizerConfig``."""
+    return McOptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=False,
+    )
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    """megatron-core marks expert-parallel parameters with ``allreduce=False``."""
+    return not getattr(param, "allreduce", True)
+
+
+def default_param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]],
+                         weight_decay: float) -> list[dict[str, Any]]:
+    """megatron-core's convention: weight decay on matrices, none on biases and norm weights."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
+    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                 eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+    return build
+
+
+class MegatronExtOptimizer(MegatronOptimizer):
+    """``MegatronOptimizer`` over fp32 master parameters; see the module docstring.
+
+    Args:
+        model_groups: parameter groups over the *model* parameters (dicts with ``params`` and
+            per-group options such as ``weight_decay``).
+        inner_factory: builds the wrapped optimizer from the same groups over master parameters.
+        config: megatron-core ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``...).
+    """
+
+    def __init__(self, model_groups: list[dict[str, Any]], inner_factory: InnerFactory,
+                 config: McOptimizerConfig) -> None:
+        self.model_params: list[torch.nn.Parameter] = []
+        self.master_params: list[torch.nn.Parameter] = []
+        master_groups = []
+        for group in model_groups:
+            masters = []
+            for p in group["params"]:
+                master = p if p.dtype == torch.float32 else torch.nn.Parameter(
+                    p.detach().clone().float())
+                # Tensor-parallel attributes travel with the master (for norm filtering).
+                for attr in ("tensor_model_parallel", "partition_dim", "shared", "allreduce"):
+                    if hasattr(p, attr) and master is not p:
+                        setattr(master, attr, getattr(p, attr))
+                self.model_params.append(p)
+                self.master_params.append(master)
+                masters.append(master)
+            master_groups.append({**group, "params": masters})
+        super().__init__(inner_factory(master_groups), config)
+        device = self.master_params[0].device if self.master_params else torch.device("cpu")
+        self._scale = torch.ones(1, dtype=torch.float32, device=device)
+
+    # -- gradients ------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Point master grads at DDP's fp32 ``main_grad`` buffers; False = no inf/nan check
+        failed (the finite check happens on the global norm in :meth:`step`)."""
+        for p, master in zip(self.model_params, self.master_params, strict=True):
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            master.grad = None if grad is None else grad.float()
+        return False
+
+    def _norm_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Grads counted once: (dense, expert), without TP duplicates and shared copies."""
+        dense, expert = [], []
+        for p in self.master_params:
+            if p.grad is None or not param_is_not_shared(p):
+                continue
+            if not tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+                continue
+            (expert if is_expert_param(p) else dense).append(p.grad)
+        return dense, expert
+
+    @staticmethod
+    def _sum_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                            for g in grads]).sum()
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the gradients (all ranks of the model and expert groups)."""
+        dense, expert = self._norm_groups()
+        dev = self._scale.device
+        dense_sq, expert_sq = self._sum_sq(dense, dev), self._sum_sq(expert, dev)
+        if dist.is_initialized():
+            dist.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
+            dist.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return math.sqrt(float(dense_sq + expert_sq))
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = self.get_grad_norm()
+        if clip_grad > 0 and math.isfinite(norm):
+            coeff = clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_([p.grad for p in self.master_params if p.grad is not None],
+                                    coeff)
+        return norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        dense, expert = self._norm_groups()
+        dev = self._scale.device
+        counts = [torch.tensor(float(sum(int((g == 0).sum()) for g in gs)), device=dev)
+                  for gs in (dense, expert)]
+        if dist.is_initialized():
+            dist.all_reduce(counts[0], group=parallel_state.get_model_parallel_group())
+            dist.all_reduce(counts[1], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return float(counts[0] + counts[1])
+
+    # -- step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        for p, master in zip(self.model_params, self.master_params, strict=True):
+            if master is not p:
+                p.data.copy_(master.data)
+        return True
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """Clip, count zeros, update. Returns (success, grad_norm, num_zeros_in_grad)."""
+        self.prepare_grads()
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        if not math.isfinite(grad_norm):
+            return False, grad_norm, None
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in (*self.model_params, *self.master_params):
+            p.grad = None
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale
+
+    def reload_model_params(self, state_dict: dict | None = None) -> None:
+        """Refresh fp32 masters from the model parameters (after the model was loaded)."""
+        with torch.no_grad():
+            for p, master in zip(self.model_params, self.master_params, strict=True):
+                if master is not p:
+                    master.data.copy_(p.data)
+
+    # -- state ----------------------------------------------------------------------------
+    def _fp32_masters(self) -> list[torch.Tensor]:
+        return [m for p, m in zip(self.model_params, self.master_params, strict=True)
+                if m is not p]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optim = state_dict["optimizer"]
+        if "common_step" in optim["state"]:
+            self._restore_common_per_param_step(optim, optim["state"].pop("common_step"))
+        self.optimizer.load_state_dict(optim)
+        with torch.no_grad():
+            for mine, saved in zip(self._fp32_masters(), state_dict["fp32_masters"], strict=True):
+                mine.copy_(saved)
+
+    def _init_state(self) -> None:
+        """Create the wrapped optimizer's state (zero grads, a step with lr 0 would change
+        weight-decayed params, so use the optimizer's own lazy init via a zero-lr step)."""
+        if self.optimizer.state:
+            return
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+        for p in self.master_params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, (lr, wd) in zip(self.optimizer.param_groups, saved, strict=True):
+            g["lr"], g["weight_decay"] = lr, wd
+        self.zero_grad()
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """Optimizer state as ShardedTensors laid out like the model parameters they belong to
+        (so dist_checkpointing can save and reshard it)."""
+        if is_loading:
+            self._init_state()
+        state = self.state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
+        fp32_ids = [i for i, (p, m) in enumerate(zip(self.model_params, self.master_params,
+                                                     strict=True)) if m is not p]
+        state["fp32_masters"] = [
+            make_sharded_optimizer_tensor(id_map[i], master, prefix="optimizer.state.fp32_param")
+            for i, master in zip(fp32_ids, state["fp32_masters"], strict=True)]
+        step = self._extract_common_per_param_step(state["optimizer"])
+        optim_state_to_sharding_state(state["optimizer"], id_map, exclude_keys="step")
+        if step is not None:
+            state["optimizer"]["state"]["common_step"] = step
+        return state

@@ -1,0 +1,1 @@
+"""Trainers and their shared pieces: the GPT loop, metrics/logging, checkpointing."""

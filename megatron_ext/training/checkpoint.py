@@ -1,0 +1,124 @@
+"""GPT checkpoints with megatron-core ``dist_checkpointing``, written atomically.
+
+Layout under ``<run_dir>/checkpoints``::
+
+    step_000100/        a complete checkpoint (dist_checkpointing files + metadata)
+    latest              text file naming the newest complete checkpoint
+
+A save goes to ``.step_000100.tmp`` first; only after every rank has finished writing does rank 0
+rename it to ``step_000100`` and then replace ``latest`` (``os.replace``, atomic on POSIX).  A
+crash at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``.tmp``
+folder is removed by the next save.
+
+Contents: the model and optimizer as ShardedTensors (resharding-ready), and as per-rank
+``ShardedObject``s the RNG states and the loop state (step, consumed samples).  The LR schedule
+is a pure function of the step, so the step restores it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+LATEST = "latest"
+
+
+def _name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _per_rank(key: str, obj: Any) -> ShardedObject:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return ShardedObject(key, obj, (world,), (rank,), replica_id=0)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any],
+                   is_loading: bool) -> dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "rng": _per_rank("rng", rng_state()),
+        "loop": _per_rank("loop", loop_state),
+    }
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    pointer = ckpt_dir / LATEST
+    if not pointer.is_file():
+        return None
+    path = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
+    if not (path / "metadata.json").is_file():
+        raise RuntimeError(f"{pointer} names {path.name}, which is not a complete checkpoint; "
+                           f"remove {pointer} to start over or point it at another step_* folder")
+    return path
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any,
+                    loop_state: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoint ``step`` atomically on every rank; returns its final path."""
+    final = ckpt_dir / _name(step)
+    tmp = ckpt_dir / f".{_name(step)}.tmp"
+    if dist.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob(".step_*.tmp"):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, loop_state, is_loading=False),
+                            str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
+        pointer_tmp.write_text(final.name + "\n", encoding="utf-8")
+        os.replace(pointer_tmp, ckpt_dir / LATEST)
+        _prune(ckpt_dir, keep_last)
+    dist.barrier()
+    return final
+
+
+def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
+    for old in done[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Load model, optimizer and RNG state in place; returns the saved loop state."""
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, {}, is_loading=True),
+                                    str(path))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    return state["loop"]

@@ -1,0 +1,37 @@
+"""Shared test helpers: running scripts under torchrun on CPU/gloo."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DIST = Path(__file__).resolve().parent / "dist"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
+                 cwd: Path | None = None, env: dict[str, str] | None = None,
+                 check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``nproc`` gloo ranks on this host; raises with its output on failure."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+                **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or ROOT, env=full_env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc

@@ -1,0 +1,55 @@
+"""Run under torchrun (or alone): one forward/backward of a megatron-core GPTModel wrapped in
+megatron-core DDP on CPU/gloo; rank 0 saves the synchronised gradients.
+
+Each rank takes its contiguous slice of one fixed global batch, so a 1-rank run on the whole
+batch is the reference for a 2-rank run.  Usage: ddp_grads.py OUT.pt dense|moe
+"""
+
+import os
+import sys
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.megatron.model import build_gpt_model
+from megatron_ext.megatron.parallel import destroy_distributed, init_distributed
+
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
+
+
+def main(out: str, kind: str) -> None:
+    torch.set_num_threads(1)
+    parallel = ParallelConfig()
+    env = init_distributed(parallel, seed=7, master_port=int(os.environ.get("MASTER_PORT", 29501)))
+    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                            num_query_groups=2, ffn_hidden_size=64, vocab_size=VOCAB,
+                            make_vocab_size_divisible_by=1)
+    if kind == "moe":
+        model_cfg.num_moe_experts = 4
+        model_cfg.moe_router_topk = 2
+        model_cfg.moe_ffn_hidden_size = 32
+        model_cfg.moe_router_score_function = "sigmoid"
+        model_cfg.moe_router_enable_expert_bias = True
+    module = build_gpt_model(model_cfg, parallel, "fp32", vocab_size=VOCAB, seq_length=SEQ)
+    model = DistributedDataParallel(
+        module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    per_rank = GLOBAL_BATCH // env.dp_size
+    mine = tokens[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
+    position_ids = torch.arange(SEQ).expand(per_rank, SEQ)
+    losses = model(mine[:, :-1], position_ids, None, labels=mine[:, 1:])
+    losses.mean().backward()
+    model.finish_grad_sync()
+    if env.rank == 0:
+        grads = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
+        torch.save({"grads": grads, "world": env.world_size,
+                    "dp": parallel_state.get_data_parallel_world_size()}, out)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
