@@ -6,11 +6,16 @@ distributions, so nothing is installed under them.  ``package_dir`` does the map
 regular and editable installs.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 # folder on disk -> installed package
-NAMESPACE_MAP = {"optimizers": "megatron_ext.optimizers", "launch": "megatron_ext.launch",
-                 "recipes": "megatron_ext.recipes"}
+NAMESPACE_MAP = {
+    "optimizers": "megatron_ext.optimizers",
+    "launch": "megatron_ext.launch",
+    "recipes": "megatron_ext.recipes",
+}
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:
@@ -31,8 +36,8 @@ PACKAGES, PACKAGE_DIR = _packages()
 setup(
     name="megatron-ext",
     version="0.1.0",
-    description="Matrix optimizers, a layer-wise distributed optimizer and recipes for megatron-core",
-    long_description=open("README.md", encoding="utf-8").read(),
+    description="Matrix optimizers, layer-wise distributed optimizer, recipes for megatron-core",
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12,<3.13",
@@ -52,6 +57,7 @@ setup(
         "tensorboard>=2.16",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "psutil>=5.9",  # dist_checkpointing's async file writer
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "emerging-optimizers==0.3.0"],

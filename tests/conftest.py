@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,18 +21,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
-                 cwd: Path | None = None, env: dict[str, str] | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``nproc`` gloo ranks on this host; raises with its output on failure."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd or ROOT, env=full_env)
+def run_torchrun(
+    script: str | Path,
+    nproc: int,
+    *args: str,
+    timeout: int = 600,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    module: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` (a file, or a module name with ``module=True``) with ``nproc`` gloo ranks
+    on this host; fails the test with the output when it exits non-zero and ``check``."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        *(["-m"] if module else []),
+        str(script),
+        *args,
+    ]
+    # Output goes to files, not pipes: helper processes that outlive a crashed rank (e.g.
+    # dist_checkpointing's writer) would hold a pipe open and block the read until timeout.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run(
+            cmd, stdout=out, stderr=err, timeout=timeout, cwd=cwd or ROOT, env=full_env
+        ).returncode
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                    f"\n--- stderr\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc

@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, str] = {
-    # "optimizers": "megatron_ext.bench.optimizers",  (enabled when the module lands)
+    "optimizers": "megatron_ext.bench.optimizers",
 }
 
 

@@ -4,5 +4,11 @@ from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.load import apply_overrides, load_recipe, recipe_from_dict, recipe_to_dict
 from megatron_ext.config.schema import Recipe
 
-__all__ = ["ConfigError", "Recipe", "apply_overrides", "load_recipe", "recipe_from_dict",
-           "recipe_to_dict"]
+__all__ = [
+    "ConfigError",
+    "Recipe",
+    "apply_overrides",
+    "load_recipe",
+    "recipe_from_dict",
+    "recipe_to_dict",
+]

@@ -19,8 +19,9 @@ from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.schema import Recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                world_size: int | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+) -> Recipe:
     """Read ``path`` (a file, or the name of a shipped recipe), apply overrides, validate."""
     raw = read_yaml(resolve_recipe_path(path))
     raw = apply_overrides(raw, overrides)
@@ -37,7 +38,7 @@ def shipped_recipes_dir() -> Path:
 
 
 def resolve_recipe_path(path: str | Path) -> Path:
-    """A path as given, else a shipped recipe by name (``tiny_cpu_gpt`` or ``tiny_cpu_gpt.yaml``)."""
+    """A path as given, else a shipped recipe by name (``tiny_cpu_gpt``, ``tiny_cpu_gpt.yaml``)."""
     p = Path(path)
     if p.is_file():
         return p
@@ -46,8 +47,9 @@ def resolve_recipe_path(path: str | Path) -> Path:
     if candidate.is_file():
         return candidate
     available = sorted(q.stem for q in shipped_recipes_dir().glob("*.yaml"))
-    raise ConfigError(f"recipe file {str(path)!r} not found; shipped recipes: "
-                      f"{', '.join(available)}")
+    raise ConfigError(
+        f"recipe file {str(path)!r} not found; shipped recipes: {', '.join(available)}"
+    )
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -58,8 +60,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of sections, got "
-                          f"{type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -112,8 +115,11 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else (
-                f"; valid keys: {', '.join(fields)}")
+            hint = (
+                f"; did you mean {prefix}{close[0]!r}?"
+                if close
+                else (f"; valid keys: {', '.join(fields)}")
+            )
             raise ConfigError(f"unknown key {prefix}{key!r}{hint}")
     kwargs = {}
     for name, f in fields.items():
@@ -129,8 +135,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(key: str, value: Any, tp: Any, meta: Any) -> Any:
     args = typing.get_args(tp)
-    optional = (typing.get_origin(tp) in (typing.Union, types.UnionType)
-                and type(None) in args)
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
     if optional:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
@@ -185,8 +190,11 @@ def _check_range(key: str, value: Any, meta: Any) -> None:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}{hint}")
-    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                            ("le", lambda v, b: v <= b, "<=")):
+    for bound, ok, word in (
+        ("ge", lambda v, b: v >= b, ">="),
+        ("gt", lambda v, b: v > b, ">"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
         b = meta.get(bound)
         if b is not None and isinstance(value, (int, float)) and not ok(value, b):
             raise ConfigError(f"{key}={value!r} is out of range: it must be {word} {b}")

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def spec(default: Any, *, ge: float | None = None, gt: float | None = None,
-         le: float | None = None, choices: tuple[Any, ...] | None = None,
-         help: str = "") -> Any:
+def spec(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+    help: str = "",
+) -> Any:
     """A dataclass field with validation metadata."""
     meta = {"ge": ge, "gt": gt, "le": le, "choices": choices, "help": help}
     if isinstance(default, (list, dict)):
@@ -52,16 +58,20 @@ class ModelConfig:
     init_method_std: float = spec(0.02, gt=0.0)
     hidden_dropout: float = spec(0.0, ge=0.0, le=1.0)
     attention_dropout: float = spec(0.0, ge=0.0, le=1.0)
-    transformer_impl: str = spec("auto", choices=("auto", "local", "transformer_engine"),
-                                 help="auto = Transformer Engine when installed and on GPU")
+    transformer_impl: str = spec(
+        "auto",
+        choices=("auto", "local", "transformer_engine"),
+        help="auto = Transformer Engine when installed and on GPU",
+    )
     # Mixture of experts (0 experts = dense)
     num_moe_experts: int = spec(0, ge=0)
     moe_router_topk: int = spec(2, ge=1)
     moe_ffn_hidden_size: int | None = spec(None, ge=1)
     moe_router_score_function: str = spec("softmax", choices=("softmax", "sigmoid"))
     moe_router_enable_expert_bias: bool = False
-    moe_router_load_balancing_type: str = spec("aux_loss",
-                                               choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_router_load_balancing_type: str = spec(
+        "aux_loss", choices=("aux_loss", "seq_aux_loss", "none")
+    )
     moe_aux_loss_coeff: float = spec(0.0, ge=0.0)
     moe_token_dispatcher_type: str = spec("alltoall", choices=("alltoall", "allgather"))
     moe_grouped_gemm: bool = False
@@ -86,8 +96,11 @@ class DataConfig:
     """Where tokens come from."""
 
     path: str = spec("", help="indexed-dataset prefix (<path>.bin/.idx)")
-    source: list[str] = spec([], help="text inputs built into `path` when it is missing; "
-                                      "'python-stdlib' = the installed stdlib's docstrings")
+    source: list[str] = spec(
+        [],
+        help="text inputs built into `path` when it is missing; "
+        "'python-stdlib' = the installed stdlib's docstrings",
+    )
     tokenizer: str = spec("byte", choices=("byte", "sentencepiece"))
     tokenizer_model: str = spec("", help="SentencePiece .model file")
     split: str = spec("98,2,0", help="train,valid,test weights")
@@ -108,8 +121,9 @@ class TrainingConfig:
     lr_decay_style: str = spec("cosine", choices=("constant", "linear", "cosine", "WSD"))
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
-    lr_wsd_decay_style: str = spec("minus_sqrt",
-                                   choices=("minus_sqrt", "linear", "cosine", "exponential"))
+    lr_wsd_decay_style: str = spec(
+        "minus_sqrt", choices=("minus_sqrt", "linear", "cosine", "exponential")
+    )
 
 
 @dataclass
@@ -121,8 +135,9 @@ class ParallelConfig:
     context_parallel_size: int = spec(1, ge=1)
     expert_model_parallel_size: int = spec(1, ge=1)
     sequence_parallel: bool = False
-    backend: str = spec("auto", choices=("auto", "nccl", "gloo"),
-                        help="auto = nccl with CUDA, gloo without")
+    backend: str = spec(
+        "auto", choices=("auto", "nccl", "gloo"), help="auto = nccl with CUDA, gloo without"
+    )
 
 
 @dataclass
@@ -136,8 +151,11 @@ class LoggingConfig:
 class CheckpointConfig:
     save_interval: int = spec(0, ge=0, help="0 = only at the end")
     save_at_end: bool = True
-    load: str = spec("auto", help="'auto' = resume from run_dir/checkpoints if present; "
-                                  "'none'; or a checkpoint directory")
+    load: str = spec(
+        "auto",
+        help="'auto' = resume from run_dir/checkpoints if present; "
+        "'none'; or a checkpoint directory",
+    )
     keep_last: int = spec(2, ge=1)
 
 
@@ -169,49 +187,70 @@ class Recipe:
 
         m, t, p = self.model, self.training, self.parallel
         if m.hidden_size % m.num_attention_heads:
-            raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
-                              f"model.num_attention_heads={m.num_attention_heads}")
+            raise ConfigError(
+                f"model.hidden_size={m.hidden_size} is not divisible by "
+                f"model.num_attention_heads={m.num_attention_heads}"
+            )
         groups = m.num_query_groups or m.num_attention_heads
         if m.num_attention_heads % groups:
-            raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not "
-                              f"divisible by model.num_query_groups={groups}")
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} is not "
+                f"divisible by model.num_query_groups={groups}"
+            )
         if m.num_moe_experts and m.moe_router_topk > m.num_moe_experts:
-            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} exceeds "
-                              f"model.num_moe_experts={m.num_moe_experts}")
+            raise ConfigError(
+                f"model.moe_router_topk={m.moe_router_topk} exceeds "
+                f"model.num_moe_experts={m.num_moe_experts}"
+            )
         if m.num_moe_experts and m.num_moe_experts % p.expert_model_parallel_size:
-            raise ConfigError(f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
-                              f"parallel.expert_model_parallel_size="
-                              f"{p.expert_model_parallel_size}")
+            raise ConfigError(
+                f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
+                f"parallel.expert_model_parallel_size="
+                f"{p.expert_model_parallel_size}"
+            )
         if groups % p.tensor_model_parallel_size:
-            raise ConfigError(f"attention groups ({groups}) are not divisible by "
-                              f"parallel.tensor_model_parallel_size="
-                              f"{p.tensor_model_parallel_size}")
+            raise ConfigError(
+                f"attention groups ({groups}) are not divisible by "
+                f"parallel.tensor_model_parallel_size="
+                f"{p.tensor_model_parallel_size}"
+            )
         if m.num_layers % p.pipeline_model_parallel_size:
-            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by "
-                              f"parallel.pipeline_model_parallel_size="
-                              f"{p.pipeline_model_parallel_size}")
+            raise ConfigError(
+                f"model.num_layers={m.num_layers} is not divisible by "
+                f"parallel.pipeline_model_parallel_size="
+                f"{p.pipeline_model_parallel_size}"
+            )
         if t.lr_warmup_steps > t.steps:
-            raise ConfigError(f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds "
-                              f"training.steps={t.steps}")
+            raise ConfigError(
+                f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={t.steps}"
+            )
         if self.optimizer.min_lr > self.optimizer.lr:
-            raise ConfigError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds "
-                              f"optimizer.lr={self.optimizer.lr}")
+            raise ConfigError(
+                f"optimizer.min_lr={self.optimizer.min_lr} exceeds optimizer.lr={self.optimizer.lr}"
+            )
         if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is None:
-            raise ConfigError("training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
-                              "(the length of the final decay window)")
+            raise ConfigError(
+                "training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
+                "(the length of the final decay window)"
+            )
         if self.trainer == "gpt" and not self.data.path:
-            raise ConfigError("data.path is empty: set it to an indexed-dataset prefix "
-                              "(build one with `megatron-ext data build`)")
+            raise ConfigError(
+                "data.path is empty: set it to an indexed-dataset prefix "
+                "(build one with `megatron-ext data build`)"
+            )
         if self.data.tokenizer == "sentencepiece" and not self.data.tokenizer_model:
-            raise ConfigError("data.tokenizer=sentencepiece needs data.tokenizer_model "
-                              "(train one with `megatron-ext data tokenizer`)")
+            raise ConfigError(
+                "data.tokenizer=sentencepiece needs data.tokenizer_model "
+                "(train one with `megatron-ext data tokenizer`)"
+            )
         if world_size is not None:
             self.check_layout(world_size)
 
     def model_parallel_size(self) -> int:
         p = self.parallel
-        return (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                * p.context_parallel_size)
+        return (
+            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+        )
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // self.model_parallel_size()
@@ -226,16 +265,19 @@ class Recipe:
             raise ConfigError(
                 f"world size {world_size} is not divisible by tp*pp*cp = "
                 f"{p.tensor_model_parallel_size}*{p.pipeline_model_parallel_size}*"
-                f"{p.context_parallel_size} = {mp}: change the rank count or the parallel sizes")
+                f"{p.context_parallel_size} = {mp}: change the rank count or the parallel sizes"
+            )
         dp = world_size // mp
         if self.model.num_moe_experts:
             edp = dp * p.context_parallel_size
             if edp % p.expert_model_parallel_size:
                 raise ConfigError(
                     f"data-parallel size {dp} (x cp) is not divisible by "
-                    f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}")
+                    f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}"
+                )
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by "
                 f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: "
-                f"use a multiple of {t.micro_batch_size * dp}")
+                f"use a multiple of {t.micro_batch_size * dp}"
+            )

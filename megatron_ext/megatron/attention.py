@@ -41,13 +41,16 @@ class SdpaAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise ValueError("SdpaAttention does not implement context parallelism; "
-                             "use Transformer Engine attention (model.transformer_impl)")
+            raise ValueError(
+                "SdpaAttention does not implement context parallelism; "
+                "use Transformer Engine attention (model.transformer_impl)"
+            )
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"SdpaAttention supports causal or no mask, got {attn_mask_type}")
         if config.softmax_type != "vanilla":
-            raise ValueError(f"SdpaAttention supports softmax_type='vanilla' only, "
-                             f"got {config.softmax_type!r}")
+            raise ValueError(
+                f"SdpaAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}"
+            )
         if config.window_size is not None:
             raise ValueError("SdpaAttention does not implement sliding-window attention")
         if pg_collection is None:
@@ -57,10 +60,10 @@ class SdpaAttention(MegatronModule):
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
         self.head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(
-            self.head_dim)
-        self.dropout_p = (config.attention_dropout if attention_dropout is None
-                          else attention_dropout)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
 
     def forward(
         self,
@@ -84,7 +87,9 @@ class SdpaAttention(MegatronModule):
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             is_causal=mask_type == AttnMaskType.causal,
             dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.scale,

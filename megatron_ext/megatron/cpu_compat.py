@@ -23,6 +23,11 @@ anything.  Every replaced call, and why:
     megatron-core's RNG tracker forks "device" RNG streams (data-parallel, tensor-parallel,
     expert-parallel) around dropout and weight init; on a CPU host the device generator *is* the
     CPU generator, so the tracker seeds, saves and restores that one.
+``torch.zeros(..., device="cuda")`` inside ``megatron.core.pipeline_parallel.schedules``
+    -> the same on the CPU.  The forward/backward schedules allocate their token counter on
+    "cuda" literally; the module's ``torch`` name is bound to a proxy that forwards everything to
+    torch and rewrites only that device argument of ``zeros``.
+
 Nothing else is patched.  Call it once per process before building the model.
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import torch
 
 _APPLIED = False
+
 
 class _CpuStream(torch.cpu.Stream):
     """torch.cpu.Stream whose ``record_event`` returns an event (megatron-core synchronises it)."""
@@ -42,11 +48,25 @@ class _CpuStream(torch.cpu.Stream):
 _CURRENT_STREAM = _CpuStream()
 
 
+class _SchedulesTorch:
+    """Stands in for ``torch`` inside megatron-core's schedules module (see module docstring)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: object, device: object = None, **kwargs: object) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*size, device=device, **kwargs)
+
+
 def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
 
 def _replacements() -> list[tuple[object, str, object]]:
+    import megatron.core.pipeline_parallel.schedules as mc_schedules
     import megatron.core.tensor_parallel.random as mc_random
 
     cpu = torch.cpu
@@ -62,6 +82,7 @@ def _replacements() -> list[tuple[object, str, object]]:
         (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed) and None),
         (mc_random, "_set_cuda_rng_state", _set_rng_state),
+        (mc_schedules, "torch", _SchedulesTorch()),
     ]
 
 

@@ -34,22 +34,29 @@ def use_transformer_engine(model: ModelConfig) -> bool:
     """Resolve ``model.transformer_impl``; asking for TE where it cannot run is an error."""
     available = have_transformer_engine() and torch.cuda.is_available()
     if model.transformer_impl == "transformer_engine" and not available:
-        raise ConfigError("model.transformer_impl=transformer_engine needs Transformer Engine "
-                          "and a CUDA GPU (use the NGC container), or set it to 'local'/'auto'")
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine needs Transformer Engine "
+            "and a CUDA GPU (use the NGC container), or set it to 'local'/'auto'"
+        )
     return model.transformer_impl == "transformer_engine" or (
-        model.transformer_impl == "auto" and available)
+        model.transformer_impl == "auto" and available
+    )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig,
-                       precision: str) -> TransformerConfig:
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, precision: str
+) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA)."""
     if precision not in DTYPES:
-        raise ConfigError(f"training.precision={precision!r} is not supported by the GPT "
-                          f"trainer yet; use one of {', '.join(DTYPES)}")
+        raise ConfigError(
+            f"training.precision={precision!r} is not supported by the GPT "
+            f"trainer yet; use one of {', '.join(DTYPES)}"
+        )
     cuda = torch.cuda.is_available()
     swiglu = model.activation == "swiglu"
     ffn = model.ffn_hidden_size or (
-        int(8 * model.hidden_size / 3 + 63) // 64 * 64 if swiglu else 4 * model.hidden_size)
+        int(8 * model.hidden_size / 3 + 63) // 64 * 64 if swiglu else 4 * model.hidden_size
+    )
     moe = model.num_moe_experts > 0
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -101,11 +108,16 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
     experts = model.num_moe_experts or None
     if use_transformer_engine(model):
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=model.moe_grouped_gemm,
-            qk_layernorm=model.qk_layernorm)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=model.moe_grouped_gemm,
-                                    qk_layernorm=model.qk_layernorm,
-                                    normalization=model.normalization)
+            num_experts=experts,
+            moe_grouped_gemm=model.moe_grouped_gemm,
+            qk_layernorm=model.qk_layernorm,
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        qk_layernorm=model.qk_layernorm,
+        normalization=model.normalization,
+    )
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     return spec
 
@@ -116,15 +128,19 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
-def build_gpt_model(model: ModelConfig, parallel: ParallelConfig, precision: str,
-                    vocab_size: int, seq_length: int) -> GPTModel:
+def build_gpt_model(
+    model: ModelConfig, parallel: ParallelConfig, precision: str, vocab_size: int, seq_length: int
+) -> GPTModel:
     """A ``GPTModel`` on the current device (CPU without CUDA); the last pipeline stage computes
     the per-token loss when given labels."""
     from megatron.core import parallel_state
 
     config = transformer_config(model, parallel, precision)
-    vocab = padded_vocab_size(model.vocab_size or vocab_size, model.make_vocab_size_divisible_by,
-                              parallel.tensor_model_parallel_size)
+    vocab = padded_vocab_size(
+        model.vocab_size or vocab_size,
+        model.make_vocab_size_divisible_by,
+        parallel.tensor_model_parallel_size,
+    )
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(model),

@@ -43,9 +43,16 @@ InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerConfig:
     """The recipe's optimizer section as megatron-core's ``OptimizerConfig``."""
     return McOptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=False,
     )
 
@@ -55,23 +62,33 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def default_param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                         weight_decay: float) -> list[dict[str, Any]]:
+def default_param_groups(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
     """megatron-core's convention: weight decay on matrices, none on biases and norm weights."""
     decay, no_decay = [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
         (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
     return [g for g in groups if g["params"]]
 
 
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
     def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                 eps=cfg.adam_eps, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=True,
+        )
+
     return build
 
 
@@ -85,16 +102,23 @@ class MegatronExtOptimizer(MegatronOptimizer):
         config: megatron-core ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``...).
     """
 
-    def __init__(self, model_groups: list[dict[str, Any]], inner_factory: InnerFactory,
-                 config: McOptimizerConfig) -> None:
+    def __init__(
+        self,
+        model_groups: list[dict[str, Any]],
+        inner_factory: InnerFactory,
+        config: McOptimizerConfig,
+    ) -> None:
         self.model_params: list[torch.nn.Parameter] = []
         self.master_params: list[torch.nn.Parameter] = []
         master_groups = []
         for group in model_groups:
             masters = []
             for p in group["params"]:
-                master = p if p.dtype == torch.float32 else torch.nn.Parameter(
-                    p.detach().clone().float())
+                master = (
+                    p
+                    if p.dtype == torch.float32
+                    else torch.nn.Parameter(p.detach().clone().float())
+                )
                 # Tensor-parallel attributes travel with the master (for norm filtering).
                 for attr in ("tensor_model_parallel", "partition_dim", "shared", "allreduce"):
                     if hasattr(p, attr) and master is not p:
@@ -104,6 +128,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 masters.append(master)
             master_groups.append({**group, "params": masters})
         super().__init__(inner_factory(master_groups), config)
+        self.is_stub_optimizer = False  # read by the base class's param_groups property
         device = self.master_params[0].device if self.master_params else torch.device("cpu")
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
 
@@ -134,8 +159,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
     def _sum_sq(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
-                            for g in grads]).sum()
+        return torch.stack(
+            [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]
+        ).sum()
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
@@ -145,7 +171,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
         dense_sq, expert_sq = self._sum_sq(dense, dev), self._sum_sq(expert, dev)
         if dist.is_initialized():
             dist.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
-            dist.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            dist.all_reduce(
+                expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            )
         return math.sqrt(float(dense_sq + expert_sq))
 
     @torch.no_grad()
@@ -154,19 +182,24 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if clip_grad > 0 and math.isfinite(norm):
             coeff = clip_grad / (norm + 1e-6)
             if coeff < 1.0:
-                torch._foreach_mul_([p.grad for p in self.master_params if p.grad is not None],
-                                    coeff)
+                torch._foreach_mul_(
+                    [p.grad for p in self.master_params if p.grad is not None], coeff
+                )
         return norm
 
     @torch.no_grad()
     def count_zeros(self) -> float:
         dense, expert = self._norm_groups()
         dev = self._scale.device
-        counts = [torch.tensor(float(sum(int((g == 0).sum()) for g in gs)), device=dev)
-                  for gs in (dense, expert)]
+        counts = [
+            torch.tensor(float(sum(int((g == 0).sum()) for g in gs)), device=dev)
+            for gs in (dense, expert)
+        ]
         if dist.is_initialized():
             dist.all_reduce(counts[0], group=parallel_state.get_model_parallel_group())
-            dist.all_reduce(counts[1], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            dist.all_reduce(
+                counts[1], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            )
         return float(counts[0] + counts[1])
 
     # -- step -----------------------------------------------------------------------------
@@ -204,8 +237,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     # -- state ----------------------------------------------------------------------------
     def _fp32_masters(self) -> list[torch.Tensor]:
-        return [m for p, m in zip(self.model_params, self.master_params, strict=True)
-                if m is not p]
+        return [m for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
@@ -234,19 +266,24 @@ class MegatronExtOptimizer(MegatronOptimizer):
             g["lr"], g["weight_decay"] = lr, wd
         self.zero_grad()
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
-                           metadata: dict | None = None) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict[str, Any]:
         """Optimizer state as ShardedTensors laid out like the model parameters they belong to
         (so dist_checkpointing can save and reshard it)."""
         if is_loading:
             self._init_state()
         state = self.state_dict()
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
-        fp32_ids = [i for i, (p, m) in enumerate(zip(self.model_params, self.master_params,
-                                                     strict=True)) if m is not p]
+        fp32_ids = [
+            i
+            for i, (p, m) in enumerate(zip(self.model_params, self.master_params, strict=True))
+            if m is not p
+        ]
         state["fp32_masters"] = [
             make_sharded_optimizer_tensor(id_map[i], master, prefix="optimizer.state.fp32_param")
-            for i, master in zip(fp32_ids, state["fp32_masters"], strict=True)]
+            for i, master in zip(fp32_ids, state["fp32_masters"], strict=True)
+        ]
         step = self._extract_common_per_param_step(state["optimizer"])
         optim_state_to_sharding_state(state["optimizer"], id_map, exclude_keys="step")
         if step is not None:

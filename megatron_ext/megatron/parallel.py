@@ -35,8 +35,10 @@ def resolve_backend(parallel: ParallelConfig) -> str:
     if parallel.backend == "auto":
         return "nccl" if cuda else "gloo"
     if parallel.backend == "nccl" and not cuda:
-        raise RuntimeError("parallel.backend=nccl needs CUDA GPUs; this host has none "
-                           "(use parallel.backend=gloo or auto)")
+        raise RuntimeError(
+            "parallel.backend=nccl needs CUDA GPUs; this host has none "
+            "(use parallel.backend=gloo or auto)"
+        )
     return parallel.backend
 
 
@@ -56,8 +58,9 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 295
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(minutes=10))
+        dist.init_process_group(
+            backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=10)
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -66,10 +69,15 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 295
             expert_model_parallel_size=parallel.expert_model_parallel_size,
         )
     set_seeds(seed)
-    return DistEnv(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                   dp_rank=parallel_state.get_data_parallel_rank(),
-                   dp_size=parallel_state.get_data_parallel_world_size(),
-                   device=device, backend=backend)
+    return DistEnv(
+        rank=env.rank,
+        world_size=env.world_size,
+        local_rank=env.local_rank,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        device=device,
+        backend=backend,
+    )
 
 
 def set_seeds(seed: int) -> None:

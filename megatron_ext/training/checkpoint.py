@@ -37,9 +37,12 @@ def _name(step: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -59,9 +62,15 @@ def _per_rank(key: str, obj: Any) -> ShardedObject:
     return ShardedObject(key, obj, (world,), (rank,), replica_id=0)
 
 
-def _sharded_state(model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any],
-                   is_loading: bool) -> dict[str, Any]:
-    model_sd = model.sharded_state_dict()
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron-core's DDP wrapper (its keys carry no ``module.`` prefix)."""
+    return getattr(model, "module", model)
+
+
+def _sharded_state(
+    model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any], is_loading: bool
+) -> dict[str, Any]:
+    model_sd = _unwrap(model).sharded_state_dict()
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -77,13 +86,21 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
         return None
     path = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
     if not (path / "metadata.json").is_file():
-        raise RuntimeError(f"{pointer} names {path.name}, which is not a complete checkpoint; "
-                           f"remove {pointer} to start over or point it at another step_* folder")
+        raise RuntimeError(
+            f"{pointer} names {path.name}, which is not a complete checkpoint; "
+            f"remove {pointer} to start over or point it at another step_* folder"
+        )
     return path
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer: Any,
-                    loop_state: dict[str, Any], keep_last: int) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Any,
+    loop_state: dict[str, Any],
+    keep_last: int,
+) -> Path:
     """Write checkpoint ``step`` atomically on every rank; returns its final path."""
     final = ckpt_dir / _name(step)
     tmp = ckpt_dir / f".{_name(step)}.tmp"
@@ -93,8 +110,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, model: torch.nn.Module, optimizer
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, loop_state, is_loading=False),
-                            str(tmp))
+    dist_checkpointing.save(
+        _sharded_state(model, optimizer, loop_state, is_loading=False), str(tmp)
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
@@ -116,9 +134,10 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Load model, optimizer and RNG state in place; returns the saved loop state."""
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, {}, is_loading=True),
-                                    str(path))
-    model.load_state_dict(state["model"])
+    state = dist_checkpointing.load(
+        _sharded_state(model, optimizer, {}, is_loading=True), str(path)
+    )
+    _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     return state["loop"]

@@ -21,8 +21,9 @@ def train_main(recipe_path: str, overrides: list[str]) -> int:
     if recipe.trainer not in TRAINERS:
         from megatron_ext.config.errors import ConfigError
 
-        raise ConfigError(f"trainer={recipe.trainer!r} is not available yet; "
-                          f"available: {', '.join(TRAINERS)}")
+        raise ConfigError(
+            f"trainer={recipe.trainer!r} is not available yet; available: {', '.join(TRAINERS)}"
+        )
     if recipe.launch.threads_per_rank:
         import torch
 

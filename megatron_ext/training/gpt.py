@@ -22,7 +22,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.data import build_gpt_datasets, build_tokenizer, ensure_indexed_dataset
+from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.optimizer import (
     MegatronExtOptimizer,
@@ -67,18 +67,31 @@ def setup(recipe: Recipe) -> GPTRun:
     t, run_dir = recipe.training, Path(recipe.run_dir)
 
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
-    ensure_indexed_dataset(recipe.data, tokenizer)  # builds from data.source on rank 0 if missing
+    ensure_dataset(recipe, tokenizer, env)
     train_data, _, _ = build_gpt_datasets(
-        recipe.data.path, tokenizer, seq_length=t.seq_length, split=recipe.data.split,
-        seed=t.seed, num_samples=(t.steps * t.global_batch_size, 0, 0),
-        cache_dir=run_dir / "data_cache")
+        recipe.data.path,
+        tokenizer,
+        seq_length=t.seq_length,
+        split=recipe.data.split,
+        seed=t.seed,
+        num_samples=(t.steps * t.global_batch_size, None, None),
+    )
 
-    module = build_gpt_model(recipe.model, recipe.parallel, t.precision,
-                             vocab_size=tokenizer.vocab_size, seq_length=t.seq_length)
+    module = build_gpt_model(
+        recipe.model,
+        recipe.parallel,
+        t.precision,
+        vocab_size=tokenizer.vocab_size,
+        seq_length=t.seq_length,
+    )
     config = module.config
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                              use_distributed_optimizer=False), module)
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+        module,
+    )
     # megatron-core's schedule finalises grads (DP all-reduce, MoE expert-bias update) via this.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
@@ -86,15 +99,56 @@ def setup(recipe: Recipe) -> GPTRun:
     bf16 = t.precision == "bf16"
     optimizer = MegatronExtOptimizer(
         default_param_groups(model.module.named_parameters(), recipe.optimizer.weight_decay),
-        adamw_factory(recipe.optimizer), megatron_optimizer_config(recipe.optimizer, bf16))
+        adamw_factory(recipe.optimizer),
+        megatron_optimizer_config(recipe.optimizer, bf16),
+    )
 
     dp = env.world_size // recipe.model_parallel_size()
-    flops = gpt_train_flops_per_token(recipe.model, t.seq_length, module.vocab_size,
-                                      config.ffn_hidden_size, config.kv_channels)
-    return GPTRun(recipe=recipe, env=env, model=model, optimizer=optimizer,
-                  schedule=LRSchedule.from_recipe(recipe.optimizer, t), train_data=train_data,
-                  num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
-                  flops_per_token=flops, run_dir=run_dir)
+    flops = gpt_train_flops_per_token(
+        recipe.model, t.seq_length, module.vocab_size, config.ffn_hidden_size, config.kv_channels
+    )
+    return GPTRun(
+        recipe=recipe,
+        env=env,
+        model=model,
+        optimizer=optimizer,
+        schedule=LRSchedule.from_recipe(recipe.optimizer, t),
+        train_data=train_data,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+        flops_per_token=flops,
+        run_dir=run_dir,
+    )
+
+
+def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
+    """Build ``data.path`` from ``data.source`` on rank 0 when it does not exist yet.
+
+    Rank 0's outcome is shared with every rank, so a failed build stops all of them (with rank
+    0's message) instead of leaving the others waiting at a barrier.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = recipe.data.path
+    if IndexedDataset.exists(prefix) or not recipe.data.source:
+        return
+    error: Exception | None = None
+    if env.rank == 0:
+        try:
+            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+            stats = build_indexed_dataset(recipe.data.source, prefix, tokenizer)
+            print(
+                f"built {prefix}: {stats.documents:,} documents, {stats.tokens:,} tokens "
+                f"in {stats.seconds:.1f} s",
+                flush=True,
+            )
+        except Exception as exc:  # re-raised below, after telling the other ranks
+            error = exc
+    ok = torch.tensor([0.0 if error else 1.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise RuntimeError(f"rank 0 failed to build the dataset {prefix} (see its message)")
 
 
 def resume(run: GPTRun) -> None:
@@ -102,8 +156,7 @@ def resume(run: GPTRun) -> None:
     choice = run.recipe.checkpoint.load
     if choice == "none":
         return
-    path = (ckpt.latest_checkpoint(run.run_dir / "checkpoints") if choice == "auto"
-            else Path(choice))
+    path = ckpt.latest_checkpoint(run.run_dir / "checkpoints") if choice == "auto" else Path(choice)
     if path is None:
         return
     if not path.is_dir():
@@ -122,8 +175,10 @@ def microbatches(run: GPTRun, step: int) -> Iterator[dict[str, torch.Tensor]]:
     for m in range(run.num_microbatches):
         start = first + m * t.micro_batch_size
         samples = [run.train_data[start + i] for i in range(t.micro_batch_size)]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(run.env.device)
-               for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        yield {
+            key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(run.env.device)
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
@@ -145,9 +200,14 @@ def train_step(run: GPTRun, step: int) -> tuple[float, float, bool]:
     run.optimizer.zero_grad()
     t = run.recipe.training
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=microbatches(run, step), model=[run.model],
-        num_microbatches=run.num_microbatches, seq_length=t.seq_length,
-        micro_batch_size=t.micro_batch_size, forward_only=False)
+        forward_step_func=forward_step,
+        data_iterator=microbatches(run, step),
+        model=[run.model],
+        num_microbatches=run.num_microbatches,
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        forward_only=False,
+    )
     lr = run.schedule.lr_at(step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -166,14 +226,31 @@ def train(run: GPTRun) -> dict[str, Any]:
     """The loop. Returns the run summary (also written to ``run_dir/summary.json``)."""
     recipe, t = run.recipe, run.recipe.training
     rank0 = run.env.rank == 0
+    if run.start_step >= t.steps:
+        if rank0:
+            print(
+                f"{run.run_dir}: already trained to step {run.start_step} of {t.steps}; "
+                f"raise training.steps to continue, or delete {run.run_dir} to start over",
+                flush=True,
+            )
+        return {}
     tokens_per_step = t.global_batch_size * t.seq_length
-    log = MetricsLogger(run.run_dir, t.steps, run.env.world_size, run.flops_per_token,
-                        enabled=rank0, tensorboard=recipe.logging.tensorboard,
-                        progress_bar=recipe.logging.progress_bar,
-                        log_interval=recipe.logging.log_interval, start_step=run.start_step)
-    log.info(f"megatron-ext gpt | world {run.env.world_size} ({run.env.backend}) | "
-             f"params {sum(p.numel() for p in run.model.parameters()):,} | "
-             f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}")
+    log = MetricsLogger(
+        run.run_dir,
+        t.steps,
+        run.env.world_size,
+        run.flops_per_token,
+        enabled=rank0,
+        tensorboard=recipe.logging.tensorboard,
+        progress_bar=recipe.logging.progress_bar,
+        log_interval=recipe.logging.log_interval,
+        start_step=run.start_step,
+    )
+    log.info(
+        f"megatron-ext gpt | world {run.env.world_size} ({run.env.backend}) | "
+        f"params {sum(p.numel() for p in run.model.parameters()):,} | "
+        f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}"
+    )
     ckpt_dir = run.run_dir / "checkpoints"
     save_every = recipe.checkpoint.save_interval
     try:
@@ -184,16 +261,30 @@ def train(run: GPTRun) -> dict[str, Any]:
                 raise NonFiniteLossError(
                     f"step {step + 1}: training loss is {loss} (grad norm {grad_norm}); "
                     f"stopping without checkpointing this state. Lower optimizer.lr, enable "
-                    f"optimizer.clip_grad, or resume from {ckpt_dir}")
+                    f"optimizer.clip_grad, or resume from {ckpt_dir}"
+                )
             done = step + 1
-            log.record(done, done * tokens_per_step, t.global_batch_size,
-                       run.schedule.lr_at(step), loss, grad_norm, time.perf_counter() - t0,
-                       tokens_per_step)
+            log.record(
+                done,
+                done * tokens_per_step,
+                t.global_batch_size,
+                run.schedule.lr_at(step),
+                loss,
+                grad_norm,
+                time.perf_counter() - t0,
+                tokens_per_step,
+            )
             if (save_every and done % save_every == 0) or (
-                    done == t.steps and recipe.checkpoint.save_at_end):
-                ckpt.save_checkpoint(ckpt_dir, done, run.model, run.optimizer,
-                                     {"step": done, "consumed_samples": done * t.global_batch_size},
-                                     recipe.checkpoint.keep_last)
+                done == t.steps and recipe.checkpoint.save_at_end
+            ):
+                ckpt.save_checkpoint(
+                    ckpt_dir,
+                    done,
+                    run.model,
+                    run.optimizer,
+                    {"step": done, "consumed_samples": done * t.global_batch_size},
+                    recipe.checkpoint.keep_last,
+                )
     finally:
         log.close()
     return summarize(run, log)
@@ -206,16 +297,21 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
     tokens = sum(r.tokens_per_s * r.step_time_s for r in timed)
     seconds = sum(r.step_time_s for r in timed)
     summary = {
-        "trainer": "gpt", "steps": run.recipe.training.steps, "start_step": run.start_step,
-        "world_size": run.env.world_size, "backend": run.env.backend,
-        "optimizer": run.recipe.optimizer.name, "precision": run.recipe.training.precision,
+        "trainer": "gpt",
+        "steps": run.recipe.training.steps,
+        "start_step": run.start_step,
+        "world_size": run.env.world_size,
+        "backend": run.env.backend,
+        "optimizer": run.recipe.optimizer.name,
+        "precision": run.recipe.training.precision,
         "first_loss": recs[0].loss if recs else None,
         "last_loss": recs[-1].loss if recs else None,
         "losses": [r.loss for r in recs],
         "tokens_per_s": tokens / seconds if seconds else None,
         "tokens_per_s_per_rank": tokens / seconds / run.env.world_size if seconds else None,
-        "tflops_per_rank": (tokens / seconds / run.env.world_size * run.flops_per_token / 1e12
-                            if seconds else None),
+        "tflops_per_rank": (
+            tokens / seconds / run.env.world_size * run.flops_per_token / 1e12 if seconds else None
+        ),
         "elapsed_s": recs[-1].elapsed_s if recs else 0.0,
     }
     if run.env.rank == 0:

@@ -17,8 +17,9 @@ from typing import Any
 from megatron_ext.config.schema import ModelConfig
 
 
-def gpt_train_flops_per_token(model: ModelConfig, seq_length: int, vocab_size: int,
-                              ffn_hidden_size: int, kv_channels: int) -> float:
+def gpt_train_flops_per_token(
+    model: ModelConfig, seq_length: int, vocab_size: int, ffn_hidden_size: int, kv_channels: int
+) -> float:
     """Training FLOPs per token of the standard GPT estimate (matmuls only).
 
     forward = 2 FLOPs per multiply-add over every weight matmul a token passes through
@@ -76,9 +77,18 @@ class StepRecord:
 class MetricsLogger:
     """Writes step records on rank 0 to stdout (or a progress bar), TensorBoard and JSONL."""
 
-    def __init__(self, run_dir: Path, total_steps: int, world_size: int, flops_per_token: float,
-                 enabled: bool, tensorboard: bool, progress_bar: str, log_interval: int,
-                 start_step: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        world_size: int,
+        flops_per_token: float,
+        enabled: bool,
+        tensorboard: bool,
+        progress_bar: str,
+        log_interval: int,
+        start_step: int = 0,
+    ) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
         self.world_size = world_size
@@ -103,30 +113,53 @@ class MetricsLogger:
         if use_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step",
-                             dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def record(self, step: int, consumed_tokens: int, global_batch: int, lr: float,
-               loss: float, grad_norm: float, step_time_s: float, step_tokens: int) -> StepRecord:
+    def record(
+        self,
+        step: int,
+        consumed_tokens: int,
+        global_batch: int,
+        lr: float,
+        loss: float,
+        grad_norm: float,
+        step_time_s: float,
+        step_tokens: int,
+    ) -> StepRecord:
         """Record step ``step`` (1-based count of completed steps) and emit it."""
         elapsed = time.perf_counter() - self.t0
         done = step - self.start_step
         eta = elapsed / max(done, 1) * (self.total_steps - step)
         tps = step_tokens / max(step_time_s, 1e-9)
         rec = StepRecord(
-            step=step, consumed_tokens=consumed_tokens, global_batch=global_batch, lr=lr,
-            loss=loss, grad_norm=grad_norm, tokens_per_s=tps,
+            step=step,
+            consumed_tokens=consumed_tokens,
+            global_batch=global_batch,
+            lr=lr,
+            loss=loss,
+            grad_norm=grad_norm,
+            tokens_per_s=tps,
             tokens_per_s_per_rank=tps / self.world_size,
             tflops_per_rank=tps / self.world_size * self.flops_per_token / 1e12,
-            elapsed_s=elapsed, eta_s=eta, step_time_s=step_time_s)
+            elapsed_s=elapsed,
+            eta_s=eta,
+            step_time_s=step_time_s,
+        )
         self.records.append(rec)
         if not self.enabled:
             return rec
         self._jsonl.write(json.dumps(rec.__dict__) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_rank",
-                        "tflops_per_rank", "global_batch"):
+            for key in (
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "tokens_per_s_per_rank",
+                "tflops_per_rank",
+                "global_batch",
+            ):
                 self._tb.add_scalar(f"train/{key}", getattr(rec, key), step)
         if self._bar is not None:
             self._bar.update(1)
@@ -137,12 +170,14 @@ class MetricsLogger:
 
     def format(self, r: StepRecord) -> str:
         width = len(str(self.total_steps))
-        return (f"step {r.step:>{width}}/{self.total_steps} | tokens {_fmt_count(r.consumed_tokens)}"
-                f" | gbs {r.global_batch} | lr {r.lr:.3e} | loss {r.loss:.4f}"
-                f" | gnorm {r.grad_norm:.3f} | tok/s {_fmt_count(r.tokens_per_s)}"
-                f" ({_fmt_count(r.tokens_per_s_per_rank)}/rank)"
-                f" | TFLOP/s/rank {r.tflops_per_rank:.4f}"
-                f" | elapsed {_fmt_time(r.elapsed_s)} | eta {_fmt_time(r.eta_s)}")
+        return (
+            f"step {r.step:>{width}}/{self.total_steps} | tokens {_fmt_count(r.consumed_tokens)}"
+            f" | gbs {r.global_batch} | lr {r.lr:.3e} | loss {r.loss:.4f}"
+            f" | gnorm {r.grad_norm:.3f} | tok/s {_fmt_count(r.tokens_per_s)}"
+            f" ({_fmt_count(r.tokens_per_s_per_rank)}/rank)"
+            f" | TFLOP/s/rank {r.tflops_per_rank:.4f}"
+            f" | elapsed {_fmt_time(r.elapsed_s)} | eta {_fmt_time(r.eta_s)}"
+        )
 
     def _emit(self, line: str) -> None:
         if self._bar is not None:

@@ -1,0 +1,394 @@
+"""``megatron-ext launch``: validate a recipe, then run it on every rank with torchrun.
+
+The layout comes from one of three places, flags winning over SLURM field by field:
+
+* one node: ``torchrun --standalone --nproc-per-node N`` (rendezvous on a free local port);
+* flags: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint HOST:PORT`` (c10d rendezvous);
+* SLURM (inside ``srun --ntasks-per-node=1``, one launcher per node): node count, node id,
+  the first host of the node list at ``launch.master_port`` as the rendezvous, the job id as
+  the rendezvous id.
+
+The recipe is validated at the resulting world size *before* anything starts, so a layout that
+does not fit fails here with one message instead of on N ranks after the rendezvous.
+
+:func:`build_launch_command` is the whole decision, free of side effects (it reads the recipe,
+nothing else): an environment mapping and a :class:`HostInfo` in, ``(argv, env)`` out.
+:func:`launch_main` probes the host, then prints (``--dry-run``) or runs the command.
+
+This module never imports torch: it must work, and fail clearly, before any rank exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from megatron_ext.config.errors import ConfigError
+from megatron_ext.config.load import load_recipe
+from megatron_ext.config.schema import Recipe
+from megatron_ext.launch.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
+
+# Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
+# ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
+RANK_ENTRY = ("-m", "megatron_ext.launch.cli", "train")
+DEFAULT_RDZV_ID = "megatron-ext"
+# The stop signals torchrun handles by terminating its ranks cleanly. Others (SIGUSR1 for a
+# SLURM time-limit warning, ...) are not forwarded: they would kill torchrun but not the ranks.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the user asked for on the command line; None = not given."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    nproc_per_node: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LaunchRequest:
+        return cls(
+            recipe=args.recipe,
+            overrides=tuple(args.overrides),
+            nproc_per_node=args.nproc_per_node,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id,
+        )
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """The local hardware the launcher sizes the job for."""
+
+    gpus: int
+    cpus: int
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the job spans nodes. ``rdzv_endpoint`` None means a standalone single node."""
+
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    rdzv_endpoint: str | None
+    rdzv_id: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class LaunchCommand(NamedTuple):
+    """The torchrun command line and the variables the launcher adds to its environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def launch_main(args: argparse.Namespace) -> int:
+    """``megatron-ext launch``: print (``--dry-run``) or run the torchrun command."""
+    argv, env = build_launch_command(LaunchRequest.from_args(args), os.environ, probe_host())
+    if args.dry_run:
+        print(format_dry_run(argv, env))
+        return 0
+    if importlib.util.find_spec("torch") is None:  # finds the package without importing it
+        raise ConfigError(
+            f"torch is not installed for {sys.executable}; install this package "
+            "with its dependencies (make venv) or run inside the container"
+        )
+    return run_forwarding_signals(argv, {**os.environ, **env})
+
+
+def build_launch_command(
+    request: LaunchRequest,
+    environ: Mapping[str, str],
+    host: HostInfo,
+    *,
+    python: str = sys.executable,
+) -> LaunchCommand:
+    """Validate the recipe at the job's world size and build the torchrun command.
+
+    ``environ`` is only read (SLURM variables); ``python`` is the interpreter that runs
+    torchrun and, through it, every rank. Raises ``ConfigError`` for any user mistake.
+    """
+    recipe = load_recipe(request.recipe, request.overrides)  # fields first: clearer messages
+    layout = resolve_layout(request, environ, host, recipe)
+    _check_gpus_per_rank(layout, host, recipe)
+    recipe.check(world_size=layout.world_size)
+    argv = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(layout),
+        *RANK_ENTRY,
+        request.recipe,
+        *request.overrides,
+    ]
+    return LaunchCommand(argv, rank_environment(recipe, layout, host))
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def resolve_layout(
+    request: LaunchRequest, environ: Mapping[str, str], host: HostInfo, recipe: Recipe
+) -> NodeLayout:
+    """Nodes, this node's rank, ranks per node and the rendezvous, from flags then SLURM."""
+    slurm = slurm_nodes(environ)
+    nnodes = _first(request.nnodes, slurm.nnodes if slurm else None, 1)
+    node_rank = _first(request.node_rank, slurm.node_rank if slurm else None, 0)
+    nproc = _first(request.nproc_per_node, host.gpus or None, recipe.launch.nproc_per_node_cpu)
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes {nnodes}: need at least one node")
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc}: need at least one rank per node")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(
+            f"--node-rank {node_rank} is not in [0, {nnodes - 1}] for "
+            f"{nnodes} node(s): node ranks count from 0"
+        )
+
+    endpoint = request.rdzv_endpoint
+    if endpoint is None and slurm is not None and nnodes > 1:
+        endpoint = f"{slurm.first_host}:{recipe.launch.master_port}"
+    if endpoint is None:
+        if nnodes > 1:
+            raise ConfigError(
+                f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (an address "
+                "of the first node that every node can reach), or run under SLURM"
+            )
+        if request.rdzv_id is not None:
+            raise ConfigError(
+                "--rdzv-id needs --rdzv-endpoint (a single node uses a private rendezvous)"
+            )
+        return NodeLayout(1, 0, nproc, None, "")
+    parse_endpoint(endpoint)
+    rdzv_id = _first(request.rdzv_id, slurm.job_id if slurm else None, DEFAULT_RDZV_ID)
+    return NodeLayout(nnodes, node_rank, nproc, endpoint, rdzv_id)
+
+
+@dataclass(frozen=True)
+class SlurmNodes:
+    """The job step this launcher runs in, one launcher per node."""
+
+    nnodes: int
+    node_rank: int
+    first_host: str
+    job_id: str
+
+
+def slurm_nodes(environ: Mapping[str, str]) -> SlurmNodes | None:
+    """The SLURM step's nodes, or None outside a SLURM step (no SLURM_JOB_ID/SLURM_NODEID)."""
+    if "SLURM_JOB_ID" not in environ or "SLURM_NODEID" not in environ:
+        return None
+    nnodes = _first_int(environ, SLURM_NUM_NODES_VARS)
+    host = slurm_first_host(environ)
+    if nnodes is None or host is None:
+        raise ConfigError(
+            "SLURM_JOB_ID is set but the node count (SLURM_JOB_NUM_NODES) or the "
+            "node list (SLURM_JOB_NODELIST) is missing"
+        )
+    tasks = _first_int(environ, ("SLURM_STEP_NUM_TASKS",))
+    if tasks is not None and tasks != nnodes:
+        # torchrun starts the ranks itself: one launcher per node, not one per rank.
+        raise ConfigError(
+            f"this SLURM step runs {tasks} tasks on {nnodes} node(s); run one "
+            "launcher per node (srun --ntasks-per-node=1 megatron-ext launch ...), "
+            "or one rank per task with `srun ... megatron-ext train`"
+        )
+    node_rank = _first_int(environ, ("SLURM_NODEID",))
+    return SlurmNodes(nnodes, _first(node_rank, 0), host, environ["SLURM_JOB_ID"])
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port); anything else is a ConfigError."""
+    m = re.fullmatch(
+        r"(?:\[(?P<ip6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s:\[\]]+)):(?P<port>\d+)", endpoint
+    )
+    port = int(m["port"]) if m else 0
+    if m is None or not 1 <= port <= 65535:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT with a port in "
+            "1-65535 (e.g. node01:29500, 10.0.0.1:29500, [fe80::1]:29500)"
+        )
+    return m["ip6"] or m["host"], port
+
+
+def torchrun_args(layout: NodeLayout) -> list[str]:
+    """torchrun's own options for this layout."""
+    if layout.rdzv_endpoint is None:
+        return ["--standalone", "--nproc-per-node", str(layout.nproc_per_node)]
+    # With the c10d backend torchrun orders global ranks at the rendezvous and only logs
+    # --node-rank; it is passed so every node's command line says which node it is.
+    return [
+        "--nnodes",
+        str(layout.nnodes),
+        "--node-rank",
+        str(layout.node_rank),
+        "--nproc-per-node",
+        str(layout.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        layout.rdzv_endpoint,
+        "--rdzv-id",
+        layout.rdzv_id,
+    ]
+
+
+def _check_gpus_per_rank(layout: NodeLayout, host: HostInfo, recipe: Recipe) -> None:
+    """NCCL needs a GPU per rank; more ranks than GPUs fails late and obscurely, so fail now."""
+    if host.gpus and layout.nproc_per_node > host.gpus and recipe.parallel.backend != "gloo":
+        raise ConfigError(
+            f"--nproc-per-node {layout.nproc_per_node} exceeds the {host.gpus} "
+            f"GPU(s) on this node (NCCL needs one GPU per rank): use at most "
+            f"{host.gpus}, or parallel.backend=gloo"
+        )
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict[str, str]:
+    """Variables every rank gets on top of the launcher's own environment.
+
+    OMP_NUM_THREADS: ``launch.threads_per_rank``, else this node's cores shared out between its
+    ranks (torchrun would otherwise force 1, starving CPU ranks).
+    PYTHONUNBUFFERED: log lines reach a pipe or a SLURM output file as they are printed.
+    CUDA_DEVICE_MAX_CONNECTIONS=1 (GPU, tp or cp > 1): megatron-core overlaps tensor/context
+    parallel communication with compute by issue order, which holds only with one hardware
+    queue (required up to Hopper; set before CUDA starts, hence here).
+    """
+    threads = recipe.launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    p = recipe.parallel
+    if host.gpus and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return env
+
+
+# --------------------------------------------------------------------------- host probing
+
+
+def probe_host(environ: Mapping[str, str] | None = None) -> HostInfo:
+    """GPUs and CPU cores available to this process."""
+    environ = os.environ if environ is None else environ
+    return HostInfo(gpus=count_gpus(environ), cpus=count_cpus())
+
+
+def count_gpus(
+    environ: Mapping[str, str], dev_dir: Path = Path("/dev"), nvidia_smi: str | None = None
+) -> int:
+    """NVIDIA GPUs visible to this process, found without CUDA or torch.
+
+    CUDA_VISIBLE_DEVICES when set (SLURM sets it for the GPUs it allocated), else the
+    /dev/nvidiaN device files, else ``nvidia-smi -L`` (``nvidia_smi`` overrides its path).
+    """
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return count_visible_devices(environ["CUDA_VISIBLE_DEVICES"])
+    devices = [p for p in dev_dir.glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit()]
+    if devices:
+        return len(devices)
+    smi = nvidia_smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0  # a broken driver install counts as no GPU; the CPU path still works
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def count_visible_devices(value: str) -> int:
+    """Devices named by CUDA_VISIBLE_DEVICES.
+
+    Like CUDA, count up to the first entry that is not a device (an index >= 0 or a GPU/MIG
+    UUID): ``""``, ``-1`` and SLURM's ``NoDevFiles`` hide every GPU; ``0,1,-1,2`` shows two.
+    """
+    count = 0
+    for item in value.split(","):
+        item = item.strip()
+        if not (item.isdigit() or item.startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+def count_cpus() -> int:
+    """Cores this process may run on (respects taskset, cgroups cpusets and srun binding)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# --------------------------------------------------------------------------- output and run
+
+
+def format_dry_run(argv: list[str], env: Mapping[str, str]) -> str:
+    """A shell snippet that does what the launcher would: the variables, then the command."""
+    exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
+    return "\n".join([*exports, shlex.join(argv)])
+
+
+def run_forwarding_signals(argv: list[str], env: Mapping[str, str]) -> int:
+    """Run ``argv`` to completion; pass stop signals on; return its exit code.
+
+    The child gets its own process group so that a Ctrl-C at the terminal reaches torchrun
+    exactly once (from here) rather than twice (terminal and here), which would cut short
+    torchrun's shutdown of the ranks. Death by signal N returns 128+N, as a shell would.
+    """
+    child = subprocess.Popen(argv, env=dict(env), process_group=0)
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _first[T](*values: T | None) -> T:
+    """The first value that is not None (the last one is the default and must not be)."""
+    for value in values:
+        if value is not None:
+            return value
+    raise AssertionError("no default given")
+
+
+def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            if not value.isdigit():
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer")
+            return int(value)
+    return None

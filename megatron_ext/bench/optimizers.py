@@ -1,0 +1,273 @@
+"""``megatron-ext bench optimizers``: seconds per step of every optimizer on the reference workload.
+
+Workload (fp32): 4 layers of a d=512 GPT block — fused QKV 1536×512, proj 512×512, fc1 2048×512,
+fc2 512×2048 — each with 16 experts of 256×512 and 16 of 512×256: 144 matrices, 29,360,128
+parameters, gradients drawn from N(0, 1e-3²). Prints, per optimizer and mode: seconds per step
+(median over ``--steps`` after ``--warmup``), Newton–Schulz GFLOP/s against the machine's
+measured fp32 matmul rate, the orthogonality error ‖O − UVᵀ‖_F/‖UVᵀ‖_F, and optimizer state in
+bytes. If Emerging-Optimizers is importable its Muon and KL-SOAP run in the same process and the
+ratios (our time / theirs) are reported. Figures only, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
+
+MODES = (
+    "muon_quintic_plain",
+    "muon_quintic",
+    "muon_polar_express",
+    "mop",
+    "kl_soap_qr",
+    "kl_soap_cholesky_qr2",
+    "kl_soap_eigh",
+    "kl_soap_ns_root",
+    "adamw",
+    "lion",
+    "emerging_muon",
+    "emerging_kl_soap",
+)
+DEFAULT_MODES = tuple(m for m in MODES if m not in ("kl_soap_eigh", "kl_soap_ns_root"))
+
+LAYERS, EXPERTS = 4, 16
+DENSE_SHAPES = ((1536, 512), (512, 512), (2048, 512), (512, 2048))
+EXPERT_SHAPES = ((256, 512), (512, 256))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(DEFAULT_MODES),
+        metavar="MODE",
+        help=f"modes to run (default: all but kl_soap_eigh, kl_soap_ns_root); from {MODES}",
+    )
+
+
+def workload_shapes() -> list[tuple[int, int]]:
+    """The 144 matrix shapes of the reference workload, layer by layer."""
+    shapes: list[tuple[int, int]] = []
+    for _ in range(LAYERS):
+        shapes.extend(DENSE_SHAPES)
+        for shape in EXPERT_SHAPES:
+            shapes.extend([shape] * EXPERTS)
+    return shapes
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megatron_ext.optimizers import (
+        MOP,
+        KLSoap,
+        Lion,
+        Muon,
+        newton_schulz,
+        newton_schulz_flops,
+    )
+
+    torch.set_num_threads(args.threads)
+    shapes = workload_shapes()
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    numel = sum(w.numel() for w in weights)
+
+    emerging = _import_emerging()
+    factories: dict[str, Any] = {
+        "muon_quintic_plain": lambda ps: Muon(ps, coefficients="quintic", ns_method="plain"),
+        "muon_quintic": lambda ps: Muon(ps, coefficients="quintic"),
+        "muon_polar_express": lambda ps: Muon(ps, coefficients="polar_express"),
+        "mop": lambda ps: MOP(ps),
+        "kl_soap_qr": lambda ps: KLSoap(ps, refresh_mode="qr"),
+        "kl_soap_cholesky_qr2": lambda ps: KLSoap(ps, refresh_mode="cholesky_qr2"),
+        "kl_soap_eigh": lambda ps: KLSoap(ps, refresh_mode="eigh"),
+        "kl_soap_ns_root": lambda ps: KLSoap(ps, inverse_root="newton_schulz"),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        "lion": lambda ps: Lion(ps),
+    }
+    if emerging is not None:
+        eo_muon, eo_soap = emerging
+        # Emerging-Optimizers names the (3.4445, −4.7750, 2.0315) triple "simple"; it is the
+        # coefficient set this project calls "quintic", so both sides run the same polynomial.
+        factories["emerging_muon"] = lambda ps: eo_muon.Muon(
+            ps, lr=0.02, weight_decay=0.0, fp32_matmul_prec="highest", coefficient_type="simple"
+        )
+        factories["emerging_kl_soap"] = lambda ps: eo_soap.SOAP(
+            ps,
+            lr=3e-3,
+            weight_decay=0.0,
+            use_kl_shampoo=True,
+            fp32_matmul_prec="highest",
+            qr_fp32_matmul_prec="highest",
+        )
+
+    matmul_gflops = _matmul_rate(torch)
+    sample = _one_of_each_shape(grads)
+    polar = [_polar64(torch, g) for g in sample]
+    ns_settings = {
+        "muon_quintic_plain": ("quintic", "plain"),
+        "muon_quintic": ("quintic", "auto"),
+        "muon_polar_express": ("polar_express", "auto"),
+    }
+
+    results: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        if mode not in factories:
+            print(f"{mode}: skipped (emerging-optimizers is not importable)")
+            continue
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = factories[mode](params)
+        times = []
+        for i in range(args.warmup + args.steps):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            start = time.perf_counter()
+            opt.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        entry: dict[str, Any] = {
+            "s_per_step": statistics.median(times),
+            "s_per_step_min": min(times),
+            "state_bytes": _state_bytes(torch, opt),
+            "ortho_error": None,
+        }
+        if mode in ns_settings:
+            coefficients, method = ns_settings[mode]
+            outs = [newton_schulz(g, coefficients=coefficients, method=method) for g in sample]
+            entry["ortho_error"] = _mean_error(torch, outs, polar)
+            flops = 0
+            for m, n in shapes:
+                use = method
+                if method == "auto":
+                    gram = newton_schulz_flops(m, n, 5, "gram")
+                    use = "gram" if gram < newton_schulz_flops(m, n, 5, "plain") else "plain"
+                flops += newton_schulz_flops(m, n, 5, use)
+            entry["ns_gflop_per_step"] = flops / 1e9
+            entry["ns_gflops"] = flops / 1e9 / entry["s_per_step"]
+            entry["ns_fraction_of_matmul_rate"] = entry["ns_gflops"] / matmul_gflops
+        elif mode == "mop":
+            from megatron_ext.optimizers import polar_factor
+
+            outs = [polar_factor(g[None])[0][0] for g in sample]
+            entry["ortho_error"] = _mean_error(torch, outs, polar)
+        elif mode == "emerging_muon" and emerging is not None:
+            from emerging_optimizers.orthogonalized_optimizers import muon_utils
+
+            outs = [muon_utils.newton_schulz(g, 5, "simple") for g in sample]
+            entry["ortho_error"] = _mean_error(torch, outs, polar)
+            flops = sum(newton_schulz_flops(m, n, 5, "plain") for m, n in shapes)
+            entry["ns_gflops"] = flops / 1e9 / entry["s_per_step"]
+            entry["ns_fraction_of_matmul_rate"] = entry["ns_gflops"] / matmul_gflops
+        results[mode] = entry
+        del opt, params
+
+    ratios = _ratios(results)
+    report = {
+        "workload": {"matrices": len(shapes), "parameters": numel, "grad_std": 1e-3},
+        "machine": {"threads": args.threads, "matmul_gflops_fp32": matmul_gflops},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "results": results,
+        "ratios": ratios,
+    }
+    _print_table(report)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _import_emerging() -> tuple[Any, Any] | None:
+    try:
+        from emerging_optimizers.orthogonalized_optimizers import muon as eo_muon
+        from emerging_optimizers.soap import soap as eo_soap
+    except ImportError:
+        return None
+    return eo_muon, eo_soap
+
+
+def _matmul_rate(torch: Any) -> float:
+    """Best-of-10 fp32 GFLOP/s of a 1024³ matmul."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(12):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024**3 / best / 1e9
+
+
+def _one_of_each_shape(grads: list[Any]) -> list[Any]:
+    seen: dict[tuple[int, ...], Any] = {}
+    for g in grads:
+        seen.setdefault(tuple(g.shape), g)
+    return list(seen.values())
+
+
+def _polar64(torch: Any, g: Any) -> Any:
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    return u @ vh
+
+
+def _mean_error(torch: Any, outs: list[Any], polar: list[Any]) -> float:
+    errs = [
+        (torch.linalg.norm(o.double() - p) / torch.linalg.norm(p)).item()
+        for o, p in zip(outs, polar, strict=True)
+    ]
+    return sum(errs) / len(errs)
+
+
+def _state_bytes(torch: Any, opt: Any) -> int:
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    def ratio(ours: str, theirs: str, key: str = "s_per_step") -> float | None:
+        if ours in results and theirs in results:
+            return results[ours][key] / results[theirs][key]
+        return None
+
+    return {
+        "muon_vs_emerging": ratio("muon_quintic", "emerging_muon"),
+        "muon_plain_vs_emerging": ratio("muon_quintic_plain", "emerging_muon"),
+        "kl_soap_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap"),
+        "kl_soap_state_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap", "state_bytes"),
+    }
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    machine, work = report["machine"], report["workload"]
+    print(
+        f"workload: {work['matrices']} matrices, {work['parameters']:,} parameters, fp32, "
+        f"{machine['threads']} threads; matmul {machine['matmul_gflops_fp32']:.1f} GFLOP/s"
+    )
+    header = f"{'mode':22s} {'s/step':>8s} {'min':>8s} {'NS GFLOP/s':>11s} {'of mm':>6s} "
+    print(header + f"{'ortho err':>10s} {'state bytes':>14s}")
+    for mode, r in report["results"].items():
+        gflops = f"{r['ns_gflops']:.1f}" if "ns_gflops" in r else "-"
+        frac = f"{r['ns_fraction_of_matmul_rate']:.0%}" if "ns_gflops" in r else "-"
+        err = f"{r['ortho_error']:.2e}" if r["ortho_error"] is not None else "-"
+        print(
+            f"{mode:22s} {r['s_per_step']:8.3f} {r['s_per_step_min']:8.3f} {gflops:>11s} "
+            f"{frac:>6s} {err:>10s} {r['state_bytes']:>14,d}"
+        )
+    for name, value in report["ratios"].items():
+        print(f"{name}: {'-' if value is None else f'{value:.3f}'}")

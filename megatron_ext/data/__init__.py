@@ -1,0 +1,58 @@
+"""Data: tokenizers (bytes, SentencePiece), local text corpora, megatron-core indexed datasets.
+
+    tokenizer = build_tokenizer("byte")
+    build_indexed_dataset(["python-stdlib"], "data/stdlib", tokenizer)
+    train, valid, test = build_gpt_datasets("data/stdlib", tokenizer, seq_length=256,
+                                            split="98,2,0", seed=1234,
+                                            num_samples=(steps * global_batch, None, None))
+
+Names are imported on first use: ``megatron_ext.data.corpus`` and the CLI's input checks must
+not pay for importing torch and megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_ext.data.build import BuildStats, build_gpt_datasets, build_indexed_dataset
+    from megatron_ext.data.corpus import PYTHON_STDLIB, iter_documents
+    from megatron_ext.data.tokenizers import (
+        ByteTokenizer,
+        PretrainingTokenizer,
+        SentencePieceTokenizer,
+        build_tokenizer,
+        train_sentencepiece,
+    )
+
+_EXPORTS = {
+    "BuildStats": "build",
+    "build_gpt_datasets": "build",
+    "build_indexed_dataset": "build",
+    "PYTHON_STDLIB": "corpus",
+    "iter_documents": "corpus",
+    "ByteTokenizer": "tokenizers",
+    "PretrainingTokenizer": "tokenizers",
+    "SentencePieceTokenizer": "tokenizers",
+    "build_tokenizer": "tokenizers",
+    "train_sentencepiece": "tokenizers",
+}
+__all__ = [
+    "PYTHON_STDLIB",
+    "BuildStats",
+    "ByteTokenizer",
+    "PretrainingTokenizer",
+    "SentencePieceTokenizer",
+    "build_gpt_datasets",
+    "build_indexed_dataset",
+    "build_tokenizer",
+    "iter_documents",
+    "train_sentencepiece",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

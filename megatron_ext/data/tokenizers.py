@@ -1,0 +1,220 @@
+"""Tokenizers for pretraining: UTF-8 bytes, or a SentencePiece model trained on local text.
+
+Both subclass megatron-core's ``MegatronTokenizerBase``, the type ``GPTDatasetConfig.tokenizer``
+is declared with, and provide what megatron-core's datasets read from a tokenizer:
+
+- ``eod``: the end-of-document id appended after every document when a dataset is built;
+- ``pad``: an id that never occurs in a document (megatron-core pads short samples with it and
+  masks their loss);
+- ``vocab_size``: ids are in ``[0, vocab_size)``; it also picks the token dtype on disk;
+- ``unique_identifiers``: a JSON-able description that enters the hash naming the GPT dataset's
+  index cache.
+
+Chat templates are out of scope for pretraining tokenizers: ``apply_chat_template`` (abstract in
+megatron-core) raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import sentencepiece
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+from megatron_ext.config.errors import ConfigError
+
+TokenizerKind = Literal["byte", "sentencepiece"]
+SentencePieceModelType = Literal["bpe", "unigram"]
+
+
+class PretrainingTokenizer(MegatronTokenizerBase):
+    """What megatron-ext's tokenizers add to megatron-core's abstract interface: ``eod`` and
+    ``pad`` ids, and no chat template."""
+
+    eod: int
+    pad: int
+
+    @property
+    def eos(self) -> int:
+        """Alias of ``eod``: megatron-core reads ``eos`` in places where it means end of text."""
+        return self.eod
+
+    @property
+    def special_tokens_dict(self) -> dict[str, int]:
+        """Special ids by role; megatron-core checks that ``pad`` collides with none of them."""
+        return {"eod_token": self.eod, "pad_token": self.pad}
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} is a pretraining tokenizer; it has no chat template"
+        )
+
+
+class ByteTokenizer(PretrainingTokenizer):
+    """UTF-8 bytes as ids 0..255, then ``eod`` = 256 and ``pad`` = 257 (``vocab_size`` = 258).
+
+    Any string round-trips: ``detokenize(tokenize(s)) == s``. Decoding an arbitrary id sequence
+    (a model's sample) replaces invalid UTF-8 with U+FFFD and drops the special ids.
+    """
+
+    eod = 256
+    pad = 257
+
+    def __init__(self) -> None:
+        super().__init__(path="", config={})
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token names by id, in SentencePiece's spelling of byte pieces (``<0x41>``)."""
+        names = {f"<0x{b:02X}>": b for b in range(256)}
+        return {**names, "<eod>": self.eod, "<pad>": self.pad}
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        return {"class": "megatron_ext.ByteTokenizer", "vocab_size": self.vocab_size}
+
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` -> its UTF-8 bytes as ids (one id per byte)."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Ids -> text; special ids carry no text and are dropped, others must be in range."""
+        ids = list(ids)
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"ids outside [0, {self.vocab_size}) cannot be byte tokens")
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer(PretrainingTokenizer):
+    """A SentencePiece model (``.model`` file).
+
+    ``eod`` is the model's ``eos`` piece, or else a piece named ``<eod>``; ``pad`` is the model's
+    pad piece, or else -1 (megatron-core's own "no pad" value, which no token ever has).
+    """
+
+    def __init__(self, model_path: str | Path) -> None:
+        path = Path(model_path)
+        if not path.is_file():
+            raise ConfigError(
+                f"SentencePiece model {str(path)!r} not found (train one with "
+                "`megatron-ext data tokenizer`)"
+            )
+        proto = path.read_bytes()
+        super().__init__(path=str(path), config={})
+        self._model = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        self._sha256 = hashlib.sha256(proto).hexdigest()
+        self.eod = self._find_eod(path)
+        pad = self._model.pad_id()
+        self.pad = pad if pad >= 0 else -1
+
+    def _find_eod(self, path: Path) -> int:
+        if self._model.eos_id() >= 0:
+            return self._model.eos_id()
+        eod = self._model.piece_to_id("<eod>")
+        if eod != self._model.unk_id():
+            return eod
+        raise ConfigError(
+            f"SentencePiece model {str(path)!r} has neither an eos piece nor an "
+            "'<eod>' piece to end documents with; retrain it with eos_id >= 0"
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size()
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        # The model's content, not its path: moving the file keeps caches, retraining drops them.
+        return {"class": "megatron_ext.SentencePieceTokenizer", "model_sha256": self._sha256}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._model.encode(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Ids -> text; control pieces (eos, pad, ...) carry no text and are dropped."""
+        return self._model.decode(list(ids))
+
+
+def build_tokenizer(kind: TokenizerKind, model_path: str | Path = "") -> PretrainingTokenizer:
+    """The tokenizer a recipe or the CLI names: ``byte``, or ``sentencepiece`` with its model."""
+    if kind == "byte":
+        if model_path:
+            raise ConfigError(
+                "the byte tokenizer takes no model file; drop --tokenizer-model "
+                "(data.tokenizer_model) or use --tokenizer sentencepiece"
+            )
+        return ByteTokenizer()
+    if kind == "sentencepiece":
+        if not model_path:
+            raise ConfigError(
+                "the sentencepiece tokenizer needs its .model file "
+                "(--tokenizer-model / data.tokenizer_model)"
+            )
+        return SentencePieceTokenizer(model_path)
+    raise ConfigError(f"unknown tokenizer {kind!r}; choose byte or sentencepiece")
+
+
+def train_sentencepiece(
+    documents: Iterable[str],
+    output_prefix: str | Path,
+    vocab_size: int,
+    model_type: SentencePieceModelType = "bpe",
+) -> Path:
+    """Train a SentencePiece model on ``documents``; write ``<output_prefix>.model``.
+
+    The model is made to round-trip text: no normalisation (identity rule, whitespace kept, no
+    dummy prefix), newline as a piece of its own, and byte fallback so any character outside
+    the learned pieces (rare ones are left out: SentencePiece's default 99.95% character
+    coverage) still encodes, as its UTF-8 bytes. The 256 byte pieces count towards
+    ``vocab_size``. Ids: unk 0, bos 1, eos 2 (the tokenizer's ``eod``), pad 3.
+
+    The ``.model`` file is written to a temporary name and renamed, so a failed run leaves no
+    model behind. Returns the model's path.
+    """
+    # The trainer reads sentences, not documents: feed it lines (newline is a piece of its own).
+    # SentencePiece holds all its input in memory anyway, so a list costs nothing extra and
+    # keeps errors of the document stream out of the C++ trainer.
+    lines = [line for doc in documents for line in doc.split("\n") if line]
+    if not lines:
+        raise ConfigError("no text to train a SentencePiece model on")
+    output = Path(f"{output_prefix}.model")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            byte_fallback=True,
+            user_defined_symbols=["\n"],
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:  # e.g. a vocabulary too large or too small for the corpus
+        raise ConfigError(
+            f"SentencePiece training (vocab_size={vocab_size}, {model_type}) failed: {exc}"
+        ) from exc
+    partial = output.with_name(output.name + ".partial")
+    partial.write_bytes(model.getvalue())
+    partial.replace(output)
+    return output

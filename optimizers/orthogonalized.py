@@ -1,0 +1,249 @@
+"""Base class of the momentum-orthogonalising optimizers (Muon, MOP).
+
+:meth:`OrthogonalizedOptimizer.step` is fixed; subclasses override one hook,
+:meth:`~OrthogonalizedOptimizer.orthogonalize`, which maps a ``(B, m, n)`` batch of momenta
+(m ≤ n) to their (approximate) polar factors. Per step and parameter group:
+
+1. decoupled weight decay ``W ← (1 − ηλ)W`` and EMA momentum ``M ← βM + (1 − β)G``;
+2. every parameter is cut into matrices: a 2-D weight is one matrix, a 3-D ``(E, m, n)`` stack of
+   experts is E matrices, a fused QKV weight (group option ``qkv_layout``) is Q, K and V;
+3. matrices of the same shape (after turning each to rows ≤ columns) are stacked and
+   orthogonalised in one batched call — one copy of each momentum, nothing else full-size;
+4. ``W ← W − η·s·O`` with the per-matrix scale ``s`` of :func:`update_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .qkv import QKVLayout, qkv_views
+from .validation import check_choice, check_range
+
+__all__ = [
+    "MatrixSlot",
+    "OrthogonalizedOptimizer",
+    "ScaleMode",
+    "default_max_batch_numel",
+    "matrix_slots",
+    "update_scale",
+]
+
+ScaleMode = Literal["spectral", "shape", "unit_rms"]
+
+
+def default_max_batch_numel(device: torch.device) -> int:
+    """Elements of one stacked batch: shape groups are cut into batches of at most this size.
+
+    On GPUs a large batch (2^26 elements, 256 MiB in fp32) keeps the device busy while bounding
+    transient memory. On CPUs small batches (2^20 elements, 4 MiB) are faster: the m×m
+    intermediates of a batch then stay in cache, and buffers under glibc's 32 MiB mmap threshold
+    are reused instead of being page-faulted in afresh on every call (measured 0.66 s vs 0.75 s
+    for 128 matrices of 256×512 on 2 cores).
+    """
+    return 1 << 20 if device.type == "cpu" else 1 << 26
+
+
+def update_scale(rows: int, cols: int, mode: ScaleMode, extra: float = 1.0) -> float:
+    """Factor multiplying the orthogonalised ``rows×cols`` update.
+
+    * ``spectral``: ``√max(rows, cols)``. An orthogonal factor has RMS ``1/√max(rows, cols)``,
+      so the scaled update has RMS 1; ``extra=0.2`` gives AdamW's typical update RMS of 0.2
+      (Liu et al., "Muon is Scalable for LLM Training", 2025).
+    * ``shape``: ``√max(1, rows/cols)`` (Keller Jordan's original Muon).
+    * ``unit_rms``: ``√(rows/cols)``: the update has unit RMS→RMS operator norm, i.e. it maps
+      unit-RMS inputs to unit-RMS outputs (Bernstein & Newhouse; Pethick et al., Scion).
+    """
+    if mode == "spectral":
+        base = math.sqrt(max(rows, cols))
+    elif mode == "shape":
+        base = math.sqrt(max(1.0, rows / cols))
+    elif mode == "unit_rms":
+        base = math.sqrt(rows / cols)
+    else:
+        check_choice("scale_mode", mode, ScaleMode)
+        raise AssertionError("unreachable")
+    return base * extra
+
+
+@dataclass(frozen=True)
+class MatrixSlot:
+    """One matrix of a parameter: where its momentum is read and its update written.
+
+    ``source`` and ``target`` are views of the same shape ``(*lead, cols)`` whose row-major
+    flattening to ``(rows, cols)`` is the logical matrix (``lead`` is ``(rows,)`` for a plain
+    matrix and ``(groups, rows_per_group)`` for a Q, K or V block of a fused QKV weight).
+    """
+
+    source: torch.Tensor
+    target: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def transposed(self) -> bool:
+        """Processed as its transpose so that rows ≤ columns."""
+        return self.rows > self.cols
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """Shape of this matrix inside the stacked batch."""
+        return (min(self.rows, self.cols), max(self.rows, self.cols))
+
+    def load_into(self, dst: torch.Tensor) -> None:
+        """Copy the source matrix into ``dst`` (contiguous, :attr:`batch_shape`)."""
+        lead = self.source.shape[:-1]
+        if self.transposed:
+            dst.view(self.cols, *lead).copy_(self.source.movedim(-1, 0))
+        else:
+            dst.view(self.source.shape).copy_(self.source)
+
+    def add_to_target(self, update: torch.Tensor, alpha: float) -> None:
+        """``target += alpha · update`` for ``update`` in :attr:`batch_shape`."""
+        lead = self.target.shape[:-1]
+        if self.transposed:
+            update = update.view(self.cols, *lead).movedim(0, -1)
+        else:
+            update = update.view(self.target.shape)
+        self.target.add_(update, alpha=alpha)
+
+
+def matrix_slots(
+    source: torch.Tensor, target: torch.Tensor, qkv_layout: QKVLayout | None = None
+) -> list[MatrixSlot]:
+    """The matrices of one parameter: itself (2-D), one per expert (3-D) or Q, K, V (fused)."""
+    if source.ndim == 3:
+        return [
+            MatrixSlot(s, t, s.shape[0], s.shape[1]) for s, t in zip(source, target, strict=True)
+        ]
+    if source.ndim != 2:
+        raise ValueError(f"matrix optimizers take 2-D or 3-D parameters, got {tuple(source.shape)}")
+    if qkv_layout is None:
+        return [MatrixSlot(source, target, source.shape[0], source.shape[1])]
+    slots = []
+    for s, t in zip(qkv_views(source, qkv_layout), qkv_views(target, qkv_layout), strict=True):
+        slots.append(MatrixSlot(s, t, s.shape[0] * s.shape[1], s.shape[2]))
+    return slots
+
+
+def batched(slots: list[MatrixSlot], max_numel: int) -> Iterator[list[MatrixSlot]]:
+    """Cut a list of same-shape slots into batches of at most ``max_numel`` elements."""
+    m, n = slots[0].batch_shape
+    size = max(1, max_numel // (m * n))
+    for start in range(0, len(slots), size):
+        yield slots[start : start + size]
+
+
+class OrthogonalizedOptimizer(torch.optim.Optimizer):
+    """Momentum, then a batched orthogonalisation hook, then a scaled decoupled update.
+
+    Parameter-group options (all keyword-only in the subclasses): ``lr``, ``momentum`` (β of the
+    EMA), ``nesterov``, ``weight_decay`` (λ of ``W ← (1 − ηλ)W``), ``scale_mode``,
+    ``extra_scale_factor``, ``qkv_layout`` (a :class:`~.qkv.QKVLayout` for groups holding fused
+    QKV weights, else None).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        max_batch_numel: int | None = None,
+    ) -> None:
+        if max_batch_numel is not None:
+            check_range("max_batch_numel", max_batch_numel, low=1)
+        self.max_batch_numel = max_batch_numel
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._validate_group(group)
+        for p in group["params"]:
+            if p.ndim not in (2, 3):
+                raise ValueError(
+                    f"{type(self).__name__} takes 2-D matrices or 3-D expert stacks, got a "
+                    f"parameter of shape {tuple(p.shape)}; route it to AdamW "
+                    "(see megatron_ext.optimizers.routing)"
+                )
+            layout = group["qkv_layout"]
+            if layout is not None and (p.ndim != 2 or p.shape[0] != layout.rows):
+                raise ValueError(f"parameter of shape {tuple(p.shape)} does not match {layout}")
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check a group's hyperparameters; subclasses extend it for their own keys."""
+        check_range("lr", group["lr"], low=0.0)
+        check_range("momentum", group["momentum"], low=0.0, high=1.0, high_open=True)
+        check_range("weight_decay", group["weight_decay"], low=0.0)
+        check_range("extra_scale_factor", group["extra_scale_factor"], low=0.0, low_open=True)
+        check_choice("scale_mode", group["scale_mode"], ScaleMode)
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
+        layout = group["qkv_layout"]
+        if layout is not None and not isinstance(layout, QKVLayout):
+            raise ValueError(f"qkv_layout must be a QKVLayout or None, got {layout!r}")
+
+    def orthogonalize(self, x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Polar factor (approximate) of each matrix of the ``(B, m, n)`` fp32 batch, m ≤ n.
+
+        ``x`` is a private copy of the momenta, which the hook may overwrite.
+        """
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimisation step; ``closure`` re-evaluates the loss as in torch.optim."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+
+        lr, beta = group["lr"], group["momentum"]
+        if group["weight_decay"] != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        torch._foreach_lerp_(buffers, grads, 1.0 - beta)
+        if group["nesterov"]:
+            sources = [g.lerp(b, beta) for g, b in zip(grads, buffers, strict=True)]
+        else:
+            sources = buffers
+
+        by_shape: dict[tuple[int, int], list[MatrixSlot]] = defaultdict(list)
+        for p, source in zip(params, sources, strict=True):
+            for slot in matrix_slots(source, p, group["qkv_layout"]):
+                by_shape[slot.batch_shape].append(slot)
+
+        for (m, n), slots in by_shape.items():
+            device = slots[0].source.device
+            limit = self.max_batch_numel or default_max_batch_numel(device)
+            for chunk in batched(slots, limit):
+                x = torch.empty(
+                    len(chunk), m, n, dtype=torch.float32, device=chunk[0].source.device
+                )
+                for i, slot in enumerate(chunk):
+                    slot.load_into(x[i])
+                ortho = self.orthogonalize(x, group)
+                for i, slot in enumerate(chunk):
+                    scale = update_scale(
+                        slot.rows, slot.cols, group["scale_mode"], group["extra_scale_factor"]
+                    )
+                    slot.add_to_target(ortho[i], alpha=-lr * scale)

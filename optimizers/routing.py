@@ -1,0 +1,70 @@
+"""Which optimizer each parameter gets, from its name and shape.
+
+Default rules (megatron-core parameter names; the first rule that applies wins):
+
+1. a recipe override: ``(pattern, optimizer)`` pairs, ``fnmatch`` globs on the full name, in order;
+2. AdamW for embeddings (``embedding``), the output layer (``output_layer``), Mamba ``conv1d``
+   weights, norms (``norm`` in the name, e.g. ``layer_norm_weight``, ``q_layernorm``), biases,
+   and every tensor that is not 2-D or 3-D;
+3. AdamW for the MoE router (``router.weight``, E×d): its rows are per-expert logit directions
+   whose norms set the routing temperature, which orthogonalising would flatten;
+4. the matrix optimizer for the remaining 2-D hidden weights (attention projections, MLP) and
+   3-D stacked expert weights.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["MATRIX_OPTIMIZERS", "route_parameter", "split_parameters"]
+
+MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")
+
+_ADAMW_NAME_PARTS = ("embedding", "output_layer", "conv1d", "norm", "router.weight")
+
+
+def route_parameter(
+    name: str,
+    shape: Sequence[int],
+    *,
+    matrix_optimizer: str = "muon",
+    overrides: Sequence[tuple[str, str]] = (),
+) -> str:
+    """Registry name of the optimizer for parameter ``name`` of ``shape``.
+
+    Args:
+        name: full parameter name, e.g. ``decoder.layers.0.mlp.linear_fc1.weight``.
+        shape: its shape.
+        matrix_optimizer: the optimizer for hidden matrices (``muon``, ``mop``, ``kl_soap``).
+        overrides: ``(glob, optimizer)`` pairs tried first, in order.
+    """
+    for pattern, optimizer in overrides:
+        if fnmatch.fnmatchcase(name, pattern):
+            return optimizer
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) not in (2, 3) or leaf == "bias" or leaf.endswith("_bias"):
+        return "adamw"
+    if any(part in name for part in _ADAMW_NAME_PARTS):
+        return "adamw"
+    return matrix_optimizer
+
+
+def split_parameters(
+    named_parameters: Iterable[tuple[str, torch.Tensor]],
+    *,
+    matrix_optimizer: str = "muon",
+    overrides: Sequence[tuple[str, str]] = (),
+) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Group trainable ``(name, param)`` pairs by their routed optimizer name (order kept)."""
+    routed: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, param in named_parameters:
+        if not param.requires_grad:
+            continue
+        opt = route_parameter(
+            name, tuple(param.shape), matrix_optimizer=matrix_optimizer, overrides=overrides
+        )
+        routed.setdefault(opt, []).append((name, param))
+    return routed

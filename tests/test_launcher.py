@@ -1,0 +1,582 @@
+"""The launcher: torchrun commands for one node, flags and SLURM; rank detection for torchrun, MPI
+and srun; the real CLI's --dry-run; and that none of it imports torch.
+
+Command building is tested through ``build_launch_command`` with a made-up environment and host,
+so no test depends on the machine it runs on or starts torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext.config.errors import ConfigError
+from megatron_ext.launch.launcher import (
+    HostInfo,
+    LaunchRequest,
+    build_launch_command,
+    count_gpus,
+    count_visible_devices,
+    parse_endpoint,
+)
+from megatron_ext.launch.rank_env import (
+    RankEnv,
+    detect_rank_env,
+    expand_nodelist,
+    expand_tasks_per_node,
+    export_torch_env,
+)
+
+PY = "/opt/python/bin/python3"  # any interpreter path: the launcher must use the one it is given
+RANK_ENTRY = ["-m", "megatron_ext.launch.cli", "train"]
+CPU_HOST = HostInfo(gpus=0, cpus=8)
+GPU_HOST = HostInfo(gpus=8, cpus=96)
+MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
+
+
+def write_recipe(tmp_path: Path, **sections: dict) -> str:
+    """A valid small recipe (1 layer, global batch 64, micro batch 1), with ``sections`` merged."""
+    raw: dict = {
+        "trainer": "gpt",
+        "data": {"path": "/data/tokens"},
+        "model": {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4},
+        "training": {"micro_batch_size": 1, "global_batch_size": 64},
+        "launch": {"nproc_per_node_cpu": 2, "master_port": 29611},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def build(
+    recipe: str,
+    environ: dict[str, str] | None = None,
+    host: HostInfo = CPU_HOST,
+    overrides: tuple[str, ...] = (),
+    **flags: object,
+) -> tuple[list[str], dict[str, str]]:
+    request = LaunchRequest(recipe=recipe, overrides=overrides, **flags)  # type: ignore[arg-type]
+    return build_launch_command(request, environ or {}, host, python=PY)
+
+
+def torchrun(*args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", *args]
+
+
+def slurm_env(**extra: str) -> dict[str, str]:
+    """The variables `srun --ntasks-per-node=1` sets on the third of four nodes."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NNODES": "4",
+        "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "gpu[007-010]",
+        "SLURM_NODELIST": "gpu[007-010]",
+        "SLURM_STEP_NUM_TASKS": "4",
+        **extra,
+    }
+
+
+# --------------------------------------------------------------------------- one node
+
+
+def test_single_node_is_standalone_with_the_recipes_cpu_rank_count(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path)
+    argv, env = build(recipe, overrides=("optimizer.lr=1e-3",))
+    assert argv == [
+        *torchrun("--standalone", "--nproc-per-node", "2"),
+        *RANK_ENTRY,
+        recipe,
+        "optimizer.lr=1e-3",
+    ]
+    # 8 cores shared by 2 ranks; no CUDA-only variable on a CPU host
+    assert env == {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "1"}
+
+
+def test_gpu_host_runs_one_rank_per_gpu(tmp_path: Path) -> None:
+    recipe = write_recipe(
+        tmp_path, parallel={"tensor_model_parallel_size": 2}, launch={"threads_per_rank": 3}
+    )
+    argv, env = build(recipe, host=GPU_HOST)
+    assert argv[3:6] == ["--standalone", "--nproc-per-node", "8"]
+    assert env["OMP_NUM_THREADS"] == "3"  # the recipe's choice beats the 96 // 8 default
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # tp > 1 on GPU
+
+
+def test_data_parallel_gpu_run_leaves_cuda_connections_alone(tmp_path: Path) -> None:
+    _, env = build(write_recipe(tmp_path), host=GPU_HOST)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env
+    assert env["OMP_NUM_THREADS"] == "12"
+
+
+def test_cpu_host_never_sets_cuda_variables(tmp_path: Path) -> None:
+    _, env = build(write_recipe(tmp_path, parallel={"tensor_model_parallel_size": 2}))
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env
+
+
+def test_nproc_flag_beats_gpu_count(tmp_path: Path) -> None:
+    argv, _ = build(write_recipe(tmp_path), host=GPU_HOST, nproc_per_node=4)
+    assert argv[3:6] == ["--standalone", "--nproc-per-node", "4"]
+
+
+def test_more_ranks_than_gpus_fails_unless_gloo(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="exceeds the 8 GPU"):
+        build(write_recipe(tmp_path), host=GPU_HOST, nproc_per_node=16)
+    gloo = write_recipe(tmp_path, parallel={"backend": "gloo"})
+    assert build(gloo, host=GPU_HOST, nproc_per_node=16)[0][5] == "16"
+
+
+def test_layout_that_does_not_fit_the_world_fails_before_launch(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, training={"global_batch_size": 8})
+    with pytest.raises(ConfigError, match=r"global_batch_size=8 .* 1\*6 = 6"):
+        build(recipe, nnodes=2, node_rank=0, rdzv_endpoint="node01:29500", nproc_per_node=3)
+
+
+# --------------------------------------------------------------------------- multi-node flags
+
+
+def test_multi_node_from_flags(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path)
+    argv, _ = build(
+        recipe, host=GPU_HOST, nnodes=2, node_rank=1, rdzv_endpoint="node01:29400", rdzv_id="exp7"
+    )
+    assert argv == [
+        *torchrun(
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--nproc-per-node",
+            "8",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node01:29400",
+            "--rdzv-id",
+            "exp7",
+        ),
+        *RANK_ENTRY,
+        recipe,
+    ]
+
+
+def test_multi_node_flags_default_rdzv_id_is_shared_by_all_nodes(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path)
+    for node_rank in (0, 1):
+        argv, _ = build(
+            recipe, host=GPU_HOST, nnodes=2, node_rank=node_rank, rdzv_endpoint="node01:29400"
+        )
+        assert argv[argv.index("--rdzv-id") + 1] == "megatron-ext"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            {"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "n1:1"},
+            r"--node-rank 2 is not in \[0, 1\]",
+        ),
+        ({"nnodes": 2, "node_rank": -1, "rdzv_endpoint": "n1:1"}, "--node-rank -1"),
+        ({"nnodes": 0}, "--nnodes 0"),
+        ({"nproc_per_node": 0}, "--nproc-per-node 0"),
+        ({"nnodes": 2, "node_rank": 0}, "--nnodes 2 needs --rdzv-endpoint"),
+        ({"rdzv_id": "x"}, "--rdzv-id needs --rdzv-endpoint"),
+        ({"nnodes": 2, "rdzv_endpoint": "node01"}, "'node01' is not HOST:PORT"),
+        ({"nnodes": 2, "rdzv_endpoint": "node01:http"}, "is not HOST:PORT"),
+        ({"nnodes": 2, "rdzv_endpoint": "node01:70000"}, "port in 1-65535"),
+        ({"nnodes": 2, "rdzv_endpoint": ":29500"}, "is not HOST:PORT"),
+        ({"nnodes": 2, "rdzv_endpoint": "fe80::1:29500"}, "is not HOST:PORT"),  # needs [brackets]
+    ],
+)
+def test_bad_flags_are_config_errors(tmp_path: Path, flags: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build(write_recipe(tmp_path), **flags)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("node01:29500", ("node01", 29500)),
+        ("10.0.0.1:1", ("10.0.0.1", 1)),
+        ("gpu-7.cluster.local:65535", ("gpu-7.cluster.local", 65535)),
+        ("[fe80::1]:29500", ("fe80::1", 29500)),
+    ],
+)
+def test_parse_endpoint(endpoint: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(endpoint) == expected
+
+
+# --------------------------------------------------------------------------- SLURM
+
+
+def test_slurm_environment_gives_the_rendezvous(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path)  # 4 nodes x 8 GPUs = 32 ranks: 64 = 1 x 32 x 2 fits
+    argv, _ = build(recipe, slurm_env(), host=GPU_HOST)
+    assert argv == [
+        *torchrun(
+            "--nnodes",
+            "4",
+            "--node-rank",
+            "2",
+            "--nproc-per-node",
+            "8",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "gpu007:29611",
+            "--rdzv-id",
+            "4242",
+        ),
+        *RANK_ENTRY,
+        recipe,
+    ]
+
+
+def test_slurm_step_variables_win_over_the_job_allocation(tmp_path: Path) -> None:
+    # a 2-node step inside the 4-node job: node ids count within the step
+    env = slurm_env(
+        SLURM_STEP_NUM_NODES="2",
+        SLURM_STEP_NODELIST="gpu[009-010]",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_NODEID="1",
+    )
+    argv, _ = build(write_recipe(tmp_path), env, host=GPU_HOST)
+    assert argv[3:7] == ["--nnodes", "2", "--node-rank", "1"]
+    assert "gpu009:29611" in argv
+
+
+def test_flags_override_slurm_field_by_field(tmp_path: Path) -> None:
+    argv, _ = build(
+        write_recipe(tmp_path), slurm_env(), host=GPU_HOST, rdzv_endpoint="10.1.2.3:4000"
+    )
+    assert argv[3:7] == ["--nnodes", "4", "--node-rank", "2"]  # still from SLURM
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "10.1.2.3:4000"
+    assert argv[argv.index("--rdzv-id") + 1] == "4242"
+
+
+def test_single_node_slurm_job_is_standalone(tmp_path: Path) -> None:
+    env = slurm_env(
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_JOB_NODELIST="gpu007",
+        SLURM_NODELIST="gpu007",
+        SLURM_STEP_NUM_TASKS="1",
+    )
+    argv, _ = build(write_recipe(tmp_path), env, host=GPU_HOST)
+    assert argv[3:6] == ["--standalone", "--nproc-per-node", "8"]
+
+
+def test_slurm_step_with_one_task_per_gpu_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="one launcher per node"):
+        build(write_recipe(tmp_path), slurm_env(SLURM_STEP_NUM_TASKS="32"), host=GPU_HOST)
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node17", ["node17"]),
+        ("gpu[001-004,007],cpu01", ["gpu001", "gpu002", "gpu003", "gpu004", "gpu007", "cpu01"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("n[08-10]", ["n08", "n09", "n10"]),
+        ("a[1-2]-b[3,5]", ["a1-b3", "a1-b5", "a2-b3", "a2-b5"]),
+        ("x-[1],y.z,w[2-3]-ib", ["x-1", "y.z", "w2-ib", "w3-ib"]),
+    ],
+)
+def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["", "gpu[1-2", "gpu1-2]", "gpu[[1]]", "gpu[2-1]", "gpu[a-b]"])
+def test_malformed_nodelist_is_a_config_error(nodelist: str) -> None:
+    with pytest.raises(ConfigError, match="node list"):
+        expand_nodelist(nodelist)
+
+
+def test_expand_tasks_per_node() -> None:
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("8") == [8]
+    with pytest.raises(ConfigError, match="tasks-per-node"):
+        expand_tasks_per_node("2(3)")
+
+
+# --------------------------------------------------------------------------- GPU detection
+
+
+@pytest.mark.parametrize(
+    ("value", "count"),
+    [
+        ("0,1,2,3", 4),
+        ("3", 1),
+        ("", 0),
+        ("-1", 0),
+        ("NoDevFiles", 0),
+        ("0,1,-1,2", 2),
+        ("GPU-8f1c2a3e-aaaa-bbbb-cccc-000000000000,MIG-1234", 2),
+    ],
+)
+def test_count_visible_devices(value: str, count: int) -> None:
+    assert count_visible_devices(value) == count
+
+
+def test_count_gpus_from_dev_files_then_nvidia_smi(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-caps"):
+        (dev / name).touch()
+    assert count_gpus({}, dev) == 2
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": "5"}, dev) == 1  # the variable wins
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\n"
+        "echo '  MIG 1g.10gb Device 0: (UUID: MIG-2)'\necho 'GPU 1: NVIDIA H100'\n"
+    )
+    smi.chmod(0o755)
+    assert count_gpus({}, empty, nvidia_smi=str(smi)) == 2
+    assert count_gpus({}, empty, nvidia_smi=str(tmp_path / "missing")) == 0
+
+
+# --------------------------------------------------------------------------- rank detection
+
+
+def test_torchrun_variables() -> None:
+    env = detect_rank_env(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "1234",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+        }
+    )  # torchrun inside srun
+    assert env == RankEnv(5, 8, 1, 4, "n1", 1234, "torchrun")
+
+
+def test_open_mpi_variables_beat_slurm_ones_of_its_daemons() -> None:
+    env = detect_rank_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "6",
+            "OMPI_COMM_WORLD_SIZE": "16",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "0",
+        }
+    )
+    assert env == RankEnv(6, 16, 2, 8, None, None, "mpi")
+
+
+def test_mpich_hydra_variables() -> None:
+    env = detect_rank_env(
+        {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    )
+    assert env == RankEnv(3, 4, 1, 2, None, None, "mpi")
+
+
+def test_pmi_local_variables() -> None:
+    env = detect_rank_env(
+        {
+            "PMI_RANK": "0",
+            "PMI_SIZE": "2",
+            "PMI_LOCAL_RANK": "0",
+            "PMI_LOCAL_SIZE": "2",
+            "MASTER_PORT": "29999",
+        }
+    )
+    assert env == RankEnv(0, 2, 0, 2, None, 29999, "mpi")
+
+
+def test_slurm_srun_variables() -> None:
+    # srun -n 9 over 3 nodes places 4, 4, 1 tasks: this is the 2nd task on the 2nd node
+    env = detect_rank_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "9",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2),1",
+            "SLURM_TASKS_PER_NODE": "8(x3)",
+        }
+    )
+    assert env == RankEnv(5, 9, 1, 4, None, None, "slurm")
+
+
+def test_no_launcher_is_a_single_process() -> None:
+    assert detect_rank_env({"PATH": "/bin"}) == RankEnv(0, 1, 0, 1, None, None, "single")
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "MPI_LOCALRANKID or PMI_LOCAL_RANK is not set"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+            "rank 2 of 2",
+        ),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not a non-negative integer"),
+    ],
+)
+def test_broken_rank_environment_is_a_config_error(environ: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        detect_rank_env(environ)
+
+
+def test_export_torch_env_master_address_sources() -> None:
+    out: dict[str, str] = {}
+    export_torch_env(RankEnv(1, 4, 1, 2, "n1", None, "mpi"), out, default_port=29611)
+    assert out == {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29611",
+    }
+
+    slurm = {"SLURM_NODELIST": "gpu[03-04]"}
+    export_torch_env(RankEnv(3, 4, 1, 2, None, 1234, "slurm"), slurm)
+    assert (slurm["MASTER_ADDR"], slurm["MASTER_PORT"]) == ("gpu03", "1234")
+
+    one_host: dict[str, str] = {}
+    export_torch_env(RankEnv(1, 2, 1, 2, None, None, "mpi"), one_host)
+    assert one_host["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_export_torch_env_refuses_to_guess_across_hosts() -> None:
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
+        export_torch_env(RankEnv(1, 4, 1, 2, None, None, "mpi"), {})
+
+
+# --------------------------------------------------------------------------- real CLI
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables and without GPUs, plus ``extra``."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MASTER_"))
+    }
+    return {**base, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(MEGATRON_EXT), *args],
+        env=clean_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def parse_dry_run(stdout: str) -> tuple[dict[str, str], list[str]]:
+    *exports, command = stdout.strip().splitlines()
+    env = dict(shlex.split(line)[1].split("=", 1) for line in exports)
+    assert all(line.startswith("export ") for line in exports)
+    return env, shlex.split(command)
+
+
+def test_cli_dry_run_prints_the_command(tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path, launch={"threads_per_rank": 2})
+    proc = run_cli("launch", recipe, "run_dir=my runs/x", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    env, argv = parse_dry_run(proc.stdout)
+    assert env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+    assert Path(argv[0]).name.startswith("python")
+    assert argv[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        *RANK_ENTRY,
+        recipe,
+        "run_dir=my runs/x",
+    ]  # quoted, so one argument
+
+
+def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
+    proc = run_cli(
+        "launch",
+        write_recipe(tmp_path),
+        "--dry-run",
+        env={**slurm_env(), "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    _, argv = parse_dry_run(proc.stdout)
+    rdzv = argv[3 : argv.index("-m", 3)]
+    assert rdzv == [
+        "--nnodes",
+        "4",
+        "--node-rank",
+        "2",
+        "--nproc-per-node",
+        "8",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "gpu007:29611",
+        "--rdzv-id",
+        "4242",
+    ]
+
+
+def test_launcher_and_dry_run_never_import_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import megatron_ext.launch.launcher, megatron_ext.launch.rank_env\n"
+        "from megatron_ext.launch.cli import main\n"
+        f"assert main(['launch', {write_recipe(tmp_path)!r}, '--dry-run']) == 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_run_passes_signals_on_and_returns_the_exit_code() -> None:
+    child = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+        "print('ready', os.getpgrp() == os.getpid(), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    parent = (
+        "import os, sys\n"
+        "from megatron_ext.launch.launcher import run_forwarding_signals\n"
+        f"sys.exit(run_forwarding_signals([sys.executable, '-c', {child!r}], os.environ))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        # the child leads its own process group, so a terminal's Ctrl-C reaches it only once
+        assert proc.stdout is not None and proc.stdout.readline().split() == ["ready", "True"]
+        proc.send_signal(signal.SIGTERM)  # to the launcher only: it must pass it on
+        assert proc.wait(timeout=20) == 7
+    finally:
+        proc.kill()
+
+    killed = (
+        "import sys\nfrom megatron_ext.launch.launcher import run_forwarding_signals\n"
+        "sys.exit(run_forwarding_signals([sys.executable, '-c', "
+        "'import os; os.kill(os.getpid(), 9)'], {}))\n"
+    )
+    assert subprocess.run([sys.executable, "-c", killed], timeout=20).returncode == 128 + 9
