@@ -146,11 +146,12 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     def _norm_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Grads counted once: (dense, expert), without TP duplicates and shared copies."""
+        distributed = parallel_state.model_parallel_is_initialized()
         dense, expert = [], []
         for p in self.master_params:
             if p.grad is None or not param_is_not_shared(p):
                 continue
-            if not tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
+            if distributed and not tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
                 continue
             (expert if is_expert_param(p) else dense).append(p.grad)
         return dense, expert
@@ -169,7 +170,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
         dense, expert = self._norm_groups()
         dev = self._scale.device
         dense_sq, expert_sq = self._sum_sq(dense, dev), self._sum_sq(expert, dev)
-        if dist.is_initialized():
+        if parallel_state.model_parallel_is_initialized():
             dist.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
             dist.all_reduce(
                 expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
@@ -195,7 +196,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             torch.tensor(float(sum(int((g == 0).sum()) for g in gs)), device=dev)
             for gs in (dense, expert)
         ]
-        if dist.is_initialized():
+        if parallel_state.model_parallel_is_initialized():
             dist.all_reduce(counts[0], group=parallel_state.get_model_parallel_group())
             dist.all_reduce(
                 counts[1], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()

@@ -129,10 +129,12 @@ def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefix = recipe.data.path
-    if IndexedDataset.exists(prefix) or not recipe.data.source:
+    if not recipe.data.source:
         return
+    # Only rank 0 looks at the files: other ranks checking too could see the dataset appear
+    # half-way and skip the collective below.
     error: Exception | None = None
-    if env.rank == 0:
+    if env.rank == 0 and not IndexedDataset.exists(prefix):
         try:
             Path(prefix).parent.mkdir(parents=True, exist_ok=True)
             stats = build_indexed_dataset(recipe.data.source, prefix, tokenizer)
@@ -143,7 +145,7 @@ def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
             )
         except Exception as exc:  # re-raised below, after telling the other ranks
             error = exc
-    ok = torch.tensor([0.0 if error else 1.0])
+    ok = torch.tensor([0.0 if error else 1.0], device=env.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if error is not None:
         raise error

@@ -1,0 +1,1 @@
+"""The layer-wise distributed optimizer: whole matrices owned by data-parallel ranks."""
