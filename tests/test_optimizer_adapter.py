@@ -25,8 +25,9 @@ CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
-                                torch.nn.Linear(16, 4, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4, bias=False)
+    )
     return model.to(dtype)
 
 
@@ -51,16 +52,21 @@ def test_bf16_params_keep_fp32_masters_and_match_adamw():
     ref_params = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     names = [n for n, _ in model.named_parameters()]
     ref_groups = default_param_groups(zip(names, ref_params, strict=True), CFG.weight_decay)
-    ref = torch.optim.AdamW(ref_groups, lr=CFG.lr, betas=(CFG.adam_beta1, CFG.adam_beta2),
-                            eps=CFG.adam_eps, weight_decay=CFG.weight_decay, foreach=True)
+    ref = torch.optim.AdamW(
+        ref_groups,
+        lr=CFG.lr,
+        betas=(CFG.adam_beta1, CFG.adam_beta2),
+        eps=CFG.adam_eps,
+        weight_decay=CFG.weight_decay,
+        foreach=True,
+    )
     opt = _adapter(model, bf16=True)
     assert all(m.dtype == torch.float32 for m in opt.master_params)
     for step in range(5):
         grads = _set_main_grads(model, step, scale=0.05)  # small: below the clip threshold
         ok, norm, _ = opt.step()
         assert ok
-        assert norm == pytest.approx(math.sqrt(sum(float(g.pow(2).sum()) for g in grads)),
-                                     rel=1e-6)
+        assert norm == pytest.approx(math.sqrt(sum(float(g.pow(2).sum()) for g in grads)), rel=1e-6)
         for p, g in zip(ref_params, grads, strict=True):
             p.grad = g
         ref.step()

@@ -21,15 +21,20 @@ def reference_workload(optimizer: str = "muon") -> list[ParamSpec]:
     specs = []
     for layer in range(4):
         pre = f"decoder.layers.{layer}"
-        for name, shape in (("self_attention.linear_qkv.weight", (1536, 512)),
-                            ("self_attention.linear_proj.weight", (512, 512)),
-                            ("mlp.linear_fc1.weight", (2048, 512)),
-                            ("mlp.linear_fc2.weight", (512, 2048))):
+        for name, shape in (
+            ("self_attention.linear_qkv.weight", (1536, 512)),
+            ("self_attention.linear_proj.weight", (512, 512)),
+            ("mlp.linear_fc1.weight", (2048, 512)),
+            ("mlp.linear_fc2.weight", (512, 2048)),
+        ):
             specs.append(ParamSpec(f"{pre}.{name}", shape, optimizer))
         for e in range(16):
             for name, shape in (("linear_fc1", (256, 512)), ("linear_fc2", (512, 256))):
-                specs.append(ParamSpec(f"{pre}.mlp.experts.{name}.weight{e}", shape, optimizer,
-                                       is_expert=True))
+                specs.append(
+                    ParamSpec(
+                        f"{pre}.mlp.experts.{name}.weight{e}", shape, optimizer, is_expert=True
+                    )
+                )
         specs.append(ParamSpec(f"{pre}.input_layernorm.weight", (512,), "adamw"))
     return specs
 
@@ -66,12 +71,14 @@ def test_plan_is_independent_of_input_order():
 def test_lpt_is_within_four_thirds_of_the_optimum():
     rng = random.Random(0)
     for _ in range(20):
-        specs = [ParamSpec(f"w{i}", (rng.randint(8, 64), rng.randint(8, 64)), "muon")
-                 for i in range(7)]
+        specs = [
+            ParamSpec(f"w{i}", (rng.randint(8, 64), rng.randint(8, 64)), "muon") for i in range(7)
+        ]
         costs = [compute_cost(s) for s in specs]
-        best = min(max(sum(c for c, r in zip(costs, assign, strict=True) if r == k)
-                       for k in range(3))
-                   for assign in itertools.product(range(3), repeat=len(specs)))
+        best = min(
+            max(sum(c for c, r in zip(costs, assign, strict=True) if r == k) for k in range(3))
+            for assign in itertools.product(range(3), repeat=len(specs))
+        )
         plan = plan_ownership(specs, 3, memory_slack=float("inf"))
         assert max(plan.compute) <= 4 / 3 * best + 1e-6
 

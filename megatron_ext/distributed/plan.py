@@ -67,8 +67,10 @@ def compute_cost(spec: ParamSpec, ns_steps: int = 5) -> float:
     count, rows, cols = spec.matrices
     m, n = min(rows, cols), max(rows, cols)
     if spec.optimizer == "muon":
-        ns = min(newton_schulz_flops(m, n, ns_steps, "plain"),
-                 newton_schulz_flops(m, n, ns_steps, "gram"))
+        ns = min(
+            newton_schulz_flops(m, n, ns_steps, "plain"),
+            newton_schulz_flops(m, n, ns_steps, "gram"),
+        )
         return count * (ns + 4 * m * n)
     if spec.optimizer == "kl_soap":
         # rows x cols gradient G with factors L (rows²) and R (cols²)
@@ -128,14 +130,22 @@ class OwnershipPlan:
     def describe(self) -> str:
         gflops = ", ".join(f"{c / 1e9:.2f}" for c in self.compute)
         mib = ", ".join(f"{m / 2**20:.1f}" for m in self.memory)
-        return (f"ownership plan over {self.world} ranks: compute imbalance "
-                f"{self.compute_imbalance:.3f} (GFLOP/step per rank: {gflops}), memory "
-                f"imbalance {self.memory_imbalance:.3f} (MiB per rank: {mib}); "
-                f"{len(self.replicated)} small parameters replicated on every rank")
+        return (
+            f"ownership plan over {self.world} ranks: compute imbalance "
+            f"{self.compute_imbalance:.3f} (GFLOP/step per rank: {gflops}), memory "
+            f"imbalance {self.memory_imbalance:.3f} (MiB per rank: {mib}); "
+            f"{len(self.replicated)} small parameters replicated on every rank"
+        )
 
 
-def plan_ownership(specs: list[ParamSpec], world: int, *, memory_slack: float = 1.25,
-                   replicate_below: int = 65536, ns_steps: int = 5) -> OwnershipPlan:
+def plan_ownership(
+    specs: list[ParamSpec],
+    world: int,
+    *,
+    memory_slack: float = 1.25,
+    replicate_below: int = 65536,
+    ns_steps: int = 5,
+) -> OwnershipPlan:
     """Assign each parameter in ``specs`` to one of ``world`` ranks (see module docstring).
 
     1-D parameters with fewer than ``replicate_below`` elements are replicated.
@@ -170,5 +180,6 @@ def plan_ownership(specs: list[ParamSpec], world: int, *, memory_slack: float = 
         owner[spec.name] = choice
         compute[choice] += costs[spec.name]
         memory[choice] += mems[spec.name]
-    return OwnershipPlan(world=world, owner=owner, compute=compute, memory=memory,
-                         replicated=replicated)
+    return OwnershipPlan(
+        world=world, owner=owner, compute=compute, memory=memory, replicated=replicated
+    )
