@@ -32,8 +32,9 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _adapter(model: torch.nn.Module, bf16: bool, cfg: OptimizerConfig = CFG):
-    groups = default_param_groups(model.named_parameters(), cfg.weight_decay)
-    return MegatronExtOptimizer(groups, adamw_factory(cfg), megatron_optimizer_config(cfg, bf16))
+    return MegatronExtOptimizer(
+        list(model.named_parameters()), adamw_factory(cfg), megatron_optimizer_config(cfg, bf16)
+    )
 
 
 def _set_main_grads(model: torch.nn.Module, step: int, scale: float = 1.0) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ def spec(
 
 TRAINERS = ("gpt", "soma", "dipaco")
 PRECISIONS = ("fp32", "bf16")
-OPTIMIZERS = ("adamw",)  # grows as optimizers are registered with the adapter
+OPTIMIZERS = ("adamw", "lion", "muon", "mop", "kl_soap")
 
 
 @dataclass
@@ -89,6 +89,14 @@ class OptimizerConfig:
     adam_beta2: float = spec(0.95, ge=0.0, le=1.0)
     adam_eps: float = spec(1e-8, gt=0.0)
     clip_grad: float = spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")
+    # Matrix optimizers (muon, mop, kl_soap) take the hidden 2-D/3-D weights; AdamW takes the
+    # rest (embeddings, output layer, norms, biases). One LR schedule drives all of them, so the
+    # orthogonalised updates are scaled to AdamW's update RMS (extra_scale_factor 0.2).
+    momentum: float = spec(0.95, ge=0.0, le=1.0, help="muon/mop momentum")
+    ns_coefficients: str = spec("polar_express", choices=("polar_express", "quintic", "cubic"))
+    ns_steps: int = spec(5, ge=1, help="muon Newton-Schulz iterations")
+    extra_scale_factor: float = spec(0.2, gt=0.0, help="muon/mop: x sqrt(max(m,n)) scale")
+    kl_soap_refresh_mode: str = spec("qr", choices=("qr", "eigh", "cholesky_qr2"))
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
@@ -37,7 +38,9 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.config.schema import OptimizerConfig
 
-InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+# Builds the wrapped optimizer over the (named) fp32 master parameters.
+InnerFactory = Callable[[NamedParams], Any]
 
 
 def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerConfig:
@@ -78,56 +81,82 @@ def default_param_groups(
     return [g for g in groups if g["params"]]
 
 
+def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
+    """The recipe's optimizer section as keyword hyperparameters, per registry name."""
+    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    adam = {**common, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
+    ortho = {**common, "momentum": cfg.momentum, "extra_scale_factor": cfg.extra_scale_factor}
+    return {
+        "adamw": {**adam, "foreach": True},
+        "lion": common,
+        "muon": {**ortho, "coefficients": cfg.ns_coefficients, "num_steps": cfg.ns_steps},
+        "mop": ortho,
+        "kl_soap": {**adam, "refresh_mode": cfg.kl_soap_refresh_mode},
+    }
+
+
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
-    def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            groups,
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            foreach=True,
-        )
+    """Plain AdamW over every parameter (each data-parallel rank steps all of them)."""
+
+    def build(named: NamedParams) -> torch.optim.Optimizer:
+        groups = default_param_groups(named, cfg.weight_decay)
+        return torch.optim.AdamW(groups, **hyperparameters(cfg)["adamw"])
 
     return build
+
+
+def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
+    """The layer-wise distributed optimizer over the data-parallel group: ``cfg.name`` for the
+    hidden matrices, AdamW for the rest, each matrix updated by the rank that owns it."""
+
+    def build(named: NamedParams) -> Any:
+        from megatron_ext.distributed.allgather_v import make_allgather_v
+        from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                "the layer-wise optimizer does not plan over expert-data-parallel groups yet: "
+                "use parallel.expert_model_parallel_size=1 or optimizer.name=adamw"
+            )
+        gather = make_allgather_v(parallel_state.get_data_parallel_group())
+        return LayerwiseOptimizer(named, cfg.name, gather, hyperparameters(cfg))
+
+    return build
+
+
+def inner_factory(cfg: OptimizerConfig) -> InnerFactory:
+    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg)
 
 
 class MegatronExtOptimizer(MegatronOptimizer):
     """``MegatronOptimizer`` over fp32 master parameters; see the module docstring.
 
     Args:
-        model_groups: parameter groups over the *model* parameters (dicts with ``params`` and
-            per-group options such as ``weight_decay``).
-        inner_factory: builds the wrapped optimizer from the same groups over master parameters.
+        named_params: the model's ``(name, parameter)`` pairs, forward order.
+        inner_factory: builds the wrapped optimizer over the named master parameters.
         config: megatron-core ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``...).
     """
 
     def __init__(
-        self,
-        model_groups: list[dict[str, Any]],
-        inner_factory: InnerFactory,
-        config: McOptimizerConfig,
+        self, named_params: NamedParams, inner_factory: InnerFactory, config: McOptimizerConfig
     ) -> None:
         self.model_params: list[torch.nn.Parameter] = []
         self.master_params: list[torch.nn.Parameter] = []
-        master_groups = []
-        for group in model_groups:
-            masters = []
-            for p in group["params"]:
-                master = (
-                    p
-                    if p.dtype == torch.float32
-                    else torch.nn.Parameter(p.detach().clone().float())
-                )
-                # Tensor-parallel attributes travel with the master (for norm filtering).
-                for attr in ("tensor_model_parallel", "partition_dim", "shared", "allreduce"):
-                    if hasattr(p, attr) and master is not p:
-                        setattr(master, attr, getattr(p, attr))
-                self.model_params.append(p)
-                self.master_params.append(master)
-                masters.append(master)
-            master_groups.append({**group, "params": masters})
-        super().__init__(inner_factory(master_groups), config)
+        named_masters = []
+        for name, p in named_params:
+            if not p.requires_grad:
+                continue
+            master = (
+                p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().clone().float())
+            )
+            # Tensor-parallel attributes travel with the master (for norm filtering).
+            for attr in ("tensor_model_parallel", "partition_dim", "shared", "allreduce"):
+                if hasattr(p, attr) and master is not p:
+                    setattr(master, attr, getattr(p, attr))
+            self.model_params.append(p)
+            self.master_params.append(master)
+            named_masters.append((name, master))
+        super().__init__(inner_factory(named_masters), config)
         self.is_stub_optimizer = False  # read by the base class's param_groups property
         device = self.master_params[0].device if self.master_params else torch.device("cpu")
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
@@ -206,7 +235,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
     # -- step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        self.optimizer.step()
+        self._step_inner()
         for p, master in zip(self.model_params, self.master_params, strict=True):
             if master is not p:
                 p.data.copy_(master.data)
@@ -236,6 +265,17 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 if master is not p:
                     master.data.copy_(p.data)
 
+    def _layerwise(self) -> bool:
+        from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+
+        return isinstance(self.optimizer, LayerwiseOptimizer)
+
+    def _step_inner(self) -> None:
+        self.optimizer.step()
+        if self._layerwise():
+            # Every bucket's all-gather is in flight; waiting here keeps the masters complete.
+            self.optimizer.finish()
+
     # -- state ----------------------------------------------------------------------------
     def _fp32_masters(self) -> list[torch.Tensor]:
         return [m for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
@@ -244,8 +284,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = state_dict.get("layerwise", state_dict)  # see sharded_state_dict
         optim = state_dict["optimizer"]
-        if "common_step" in optim["state"]:
+        if not self._layerwise() and "common_step" in optim["state"]:
             self._restore_common_per_param_step(optim, optim["state"].pop("common_step"))
         self.optimizer.load_state_dict(optim)
         with torch.no_grad():
@@ -262,7 +303,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             g["lr"], g["weight_decay"] = 0.0, 0.0
         for p in self.master_params:
             p.grad = torch.zeros_like(p)
-        self.optimizer.step()
+        self._step_inner()
         for g, (lr, wd) in zip(self.optimizer.param_groups, saved, strict=True):
             g["lr"], g["weight_decay"] = lr, wd
         self.zero_grad()
@@ -275,6 +316,15 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if is_loading:
             self._init_state()
         state = self.state_dict()
+        if self._layerwise():
+            # Per-rank state of the matrices each rank owns: resumable at the same
+            # data-parallel size (DP-elastic, name-keyed state is the layer-wise issue's next step).
+            rank, world = dist.get_rank(), dist.get_world_size()
+            return {
+                "layerwise": ShardedObject(
+                    "optimizer.layerwise", state, (world,), (rank,), replica_id=0
+                )
+            }
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
         fp32_ids = [
             i

@@ -26,8 +26,7 @@ from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_t
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.optimizer import (
     MegatronExtOptimizer,
-    adamw_factory,
-    default_param_groups,
+    inner_factory,
     megatron_optimizer_config,
 )
 from megatron_ext.megatron.parallel import DistEnv, init_distributed
@@ -98,8 +97,8 @@ def setup(recipe: Recipe) -> GPTRun:
 
     bf16 = t.precision == "bf16"
     optimizer = MegatronExtOptimizer(
-        default_param_groups(model.module.named_parameters(), recipe.optimizer.weight_decay),
-        adamw_factory(recipe.optimizer),
+        list(model.module.named_parameters()),
+        inner_factory(recipe.optimizer),
         megatron_optimizer_config(recipe.optimizer, bf16),
     )
 
@@ -191,7 +190,8 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
-        return loss, {"lm loss": loss.detach()}
+        # clone: the schedule divides the returned loss by the micro-batch count in place
+        return loss, {"lm loss": loss.detach().clone()}
 
     return losses, loss_func
 

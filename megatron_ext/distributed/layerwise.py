@@ -1,0 +1,209 @@
+"""The layer-wise distributed optimizer: each data-parallel rank updates the whole matrices it
+owns, then the updated parameters are all-gathered (variable size, no padding).
+
+What is computed (the optimizers, per parameter) is separate from where (the ownership plan) and
+how results travel (:mod:`.allgather_v`).  With identical gradients on every rank, a step gives
+every rank the parameters a single process would compute: each parameter is updated by exactly
+one rank with exactly the single-process arithmetic, and the all-gather copies bits.
+
+Parameters are grouped into buckets in the order given (pass them in forward execution order);
+each bucket is one flat buffer laid out rank by rank, so rank r's updated matrices are one
+contiguous segment.  :meth:`LayerwiseOptimizer.step` launches a bucket's all-gather as soon as
+this rank's updates in it are done, so communication overlaps the updates of later buckets;
+:meth:`LayerwiseOptimizer.wait_bucket` (called by a forward pre-hook, or by ``finish``) waits
+for one bucket and copies it back into the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_ext.distributed.allgather_v import AllGatherV, Pending
+from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
+from megatron_ext.optimizers import build_optimizer, route_parameter
+
+NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+@dataclass
+class Bucket:
+    """Parameters synchronised by one all-gather; ``order`` is rank-major (owner, then name)."""
+
+    index: int
+    order: list[tuple[str, torch.nn.Parameter]]
+    counts: list[int]  # elements per owner rank
+    optimizers: dict[str, torch.optim.Optimizer]  # over this rank's parameters in the bucket
+    buffer: torch.Tensor | None = None
+    pending: Pending | None = None
+    first_module: Any = None  # set by the hook installer
+
+
+@dataclass
+class LayerwiseOptimizer:
+    """Step only the parameters this rank owns; all-gather the rest.
+
+    Args:
+        named_params: model parameters in forward order (replicated on every data-parallel rank).
+        matrix_optimizer: optimizer for hidden matrices (``muon``, ``mop``, ``kl_soap``) or
+            ``adamw``/``lion`` for everything.
+        hyperparameters: per optimizer name, its keyword hyperparameters.
+        gather: the all-gather-v backend over this data-parallel group.
+        bucket_numel: parameters per bucket, in elements (a bucket closes when it would exceed).
+    """
+
+    named_params: NamedParams
+    matrix_optimizer: str
+    gather: AllGatherV
+    hyperparameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    overrides: Sequence[tuple[str, str]] = ()
+    bucket_numel: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        self.rank, self.world = self.gather.rank, self.gather.world
+        self.routes = {
+            n: route_parameter(
+                n, tuple(p.shape), matrix_optimizer=self.matrix_optimizer, overrides=self.overrides
+            )
+            for n, p in self.named_params
+        }
+        specs = [ParamSpec(n, tuple(p.shape), self.routes[n]) for n, p in self.named_params]
+        self.plan: OwnershipPlan = plan_ownership(specs, self.world)
+        self.replicated_optimizers = self._optimizers_for(
+            (n, p) for n, p in self.named_params if self.plan.owner[n] == OwnershipPlan.REPLICATED
+        )
+        self.buckets = self._build_buckets()
+
+    # -- construction ---------------------------------------------------------------------
+    def _optimizers_for(
+        self, members: Iterable[tuple[str, torch.nn.Parameter]]
+    ) -> dict[str, torch.optim.Optimizer]:
+        """One optimizer per routed name over ``members``; biases and 1-D tensors get no weight
+        decay (megatron-core's convention)."""
+        by_route: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in members:
+            by_route.setdefault(self.routes[name], []).append((name, p))
+        optimizers = {}
+        for route, named in by_route.items():
+            no_decay = [p for n, p in named if p.ndim < 2 or n.endswith("bias")]
+            decay = [p for n, p in named if not (p.ndim < 2 or n.endswith("bias"))]
+            groups: list[dict[str, Any]] = [{"params": decay}] if decay else []
+            if no_decay:
+                groups.append({"params": no_decay, "weight_decay": 0.0})
+            optimizers[route] = build_optimizer(route, groups, self.hyperparameters.get(route))
+        return optimizers
+
+    def _build_buckets(self) -> list[Bucket]:
+        """Consecutive (forward-order) non-replicated parameters of one dtype, at most
+        ``bucket_numel`` elements per bucket; each with optimizers over this rank's share."""
+        groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+        size = 0
+        for name, p in self.named_params:
+            if self.plan.owner[name] == OwnershipPlan.REPLICATED:
+                continue
+            current = groups[-1]
+            if current and (
+                size + p.numel() > self.bucket_numel or current[-1][1].dtype != p.dtype
+            ):
+                groups.append([])
+                size = 0
+            groups[-1].append((name, p))
+            size += p.numel()
+        buckets = []
+        for i, members in enumerate(g for g in groups if g):
+            order = sorted(members, key=lambda m: self.plan.owner[m[0]])  # stable: keeps fwd order
+            counts = [
+                sum(p.numel() for n, p in members if self.plan.owner[n] == r)
+                for r in range(self.world)
+            ]
+            mine = [(n, p) for n, p in members if self.plan.owner[n] == self.rank]
+            buckets.append(
+                Bucket(index=i, order=order, counts=counts, optimizers=self._optimizers_for(mine))
+            )
+        return buckets
+
+    # -- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update replicated parameters, then bucket by bucket this rank's parameters, launching
+        each bucket's all-gather as soon as its updates are done (it then overlaps the updates
+        of the following buckets and, until waited on, the next forward pass)."""
+        for opt in self.replicated_optimizers.values():
+            opt.step()
+        for bucket in self.buckets:
+            for opt in bucket.optimizers.values():
+                opt.step()
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        params = [p for _, p in bucket.order]
+        dtype = params[0].dtype
+        buffer = torch.empty(sum(bucket.counts), dtype=dtype, device=params[0].device)
+        offset = 0
+        for name, p in bucket.order:
+            if self.plan.owner[name] == self.rank:
+                buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
+            offset += p.numel()
+        bucket.buffer = buffer
+        bucket.pending = self.gather.start(buffer, bucket.counts)
+
+    @torch.no_grad()
+    def wait_bucket(self, bucket: Bucket) -> None:
+        """Wait for ``bucket``'s all-gather and write the other ranks' parameters back."""
+        if bucket.pending is None:
+            return
+        buffer = bucket.pending.wait()
+        offset = 0
+        for name, p in bucket.order:
+            if self.plan.owner[name] != self.rank:
+                p.copy_(buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        bucket.pending = None
+        bucket.buffer = None
+
+    def finish(self) -> None:
+        """Wait for every bucket still in flight."""
+        for bucket in self.buckets:
+            self.wait_bucket(bucket)
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def owned_numel(self) -> int:
+        return sum(p.numel() for n, p in self.named_params if self.plan.owner[n] == self.rank)
+
+    def all_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            *self.replicated_optimizers.values(),
+            *(o for b in self.buckets for o in b.optimizers.values()),
+        ]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for opt in self.all_optimizers() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {k: v for opt in self.all_optimizers() for k, v in opt.state.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer states (owned and replicated parameters), by bucket and route."""
+        return {
+            "world": self.world,
+            "replicated": {r: o.state_dict() for r, o in self.replicated_optimizers.items()},
+            "buckets": [{r: o.state_dict() for r, o in b.optimizers.items()} for b in self.buckets],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world"] != self.world or len(state["buckets"]) != len(self.buckets):
+            raise ValueError(
+                f"layer-wise optimizer state was saved over {state['world']} data-parallel ranks "
+                f"and {len(state['buckets'])} buckets; this run has {self.world} and "
+                f"{len(self.buckets)}: resume with the same data-parallel size"
+            )
+        for route, opt in self.replicated_optimizers.items():
+            opt.load_state_dict(state["replicated"][route])
+        for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
+            for route, opt in bucket.optimizers.items():
+                opt.load_state_dict(saved[route])
