@@ -7,27 +7,32 @@ and all-gathered bit for bit, so the parameters must be identical, not merely cl
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from megatron_ext.optimizers import build_optimizer, route_parameter
 from tests.conftest import DIST, run_torchrun
-
-sys.path.insert(0, str(DIST))
-from layerwise_step import STEPS, make_params, set_grads  # noqa: E402
+from tests.dist.layerwise_step import STEPS, make_params, set_grads
 
 
 def single_process(optimizer: str) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     params = make_params(with_experts=optimizer != "kl_soap")
-    by_route: dict[str, list[torch.nn.Parameter]] = {}
+    by_route: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in params:
-        by_route.setdefault(
-            route_parameter(name, tuple(p.shape), matrix_optimizer=optimizer), []
-        ).append(p)
-    opts = [build_optimizer(route, ps) for route, ps in by_route.items()]
+        route = route_parameter(name, tuple(p.shape), matrix_optimizer=optimizer)
+        by_route.setdefault(route, []).append((name, p))
+    # megatron-core's convention, which the layer-wise optimizer follows: no decay on 1-D tensors
+    opts = [
+        build_optimizer(
+            route,
+            [
+                {"params": [p for _, p in named if p.ndim >= 2]},
+                {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+            ],
+        )
+        for route, named in by_route.items()
+    ]
     for step in range(STEPS):
         set_grads(params, step)
         for opt in opts:
