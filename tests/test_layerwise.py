@@ -7,6 +7,8 @@ and all-gathered bit for bit, so the parameters must be identical, not merely cl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -54,3 +56,23 @@ def test_layerwise_equals_single_process(tmp_path, optimizer, world):
     for name, want in ref.items():
         assert not torch.equal(want, initial[name].detach()), f"{name} did not move"
         assert torch.equal(saved["params"][name], want), name
+
+
+def test_allgathers_overlap_the_step_and_the_next_forward(tmp_path):
+    """Each bucket's all-gather is launched right after its own updates (before the next
+    bucket's updates), stays in flight through the rest of the step, and the next forward waits
+    for each bucket only just before the layer that uses it."""
+    out = tmp_path / "events.json"
+    run_torchrun(DIST / "layerwise_overlap.py", 2, str(out))
+    rec = json.loads(out.read_text())
+    events = [tuple(e) for e in rec["events"]]
+    layers = len(rec["owners"])
+    assert set(rec["owners"]) == {0, 1}
+    forward_1 = [("forward", i) for i in range(layers)]
+    assert events[: rec["after_backward"]] == forward_1
+    step = events[rec["after_backward"] : rec["after_step"]]
+    assert step == [e for i in range(layers) for e in (("update", i), ("launch", i))]
+    assert rec["in_flight_after_step"] == [True] * layers
+    forward_2 = events[rec["after_step"] :]
+    assert forward_2 == [e for i in range(layers) for e in (("wait", i), ("forward", i))]
+    assert rec["ranks_agree"]

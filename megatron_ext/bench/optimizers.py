@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every mode first and time their steps round-robin (step 1 of each mode, "
+        "then step 2, ...), so that load from other processes hits all modes alike; needs the "
+        "state of all modes in memory at once",
+    )
+    parser.add_argument(
         "--modes",
         nargs="+",
         choices=MODES,
@@ -122,25 +129,53 @@ def run(args: argparse.Namespace) -> int:
         "muon_polar_express": ("polar_express", "auto"),
     }
 
-    results: dict[str, dict[str, Any]] = {}
+    def set_grads(params: list[Any]) -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+    def timed_step(opt: Any, params: list[Any]) -> float:
+        set_grads(params)
+        start = time.perf_counter()
+        opt.step()
+        return time.perf_counter() - start
+
+    modes = []
     for mode in args.modes:
-        if mode not in factories:
+        if mode in factories:
+            modes.append(mode)
+        else:
             print(f"{mode}: skipped (emerging-optimizers is not importable)")
-            continue
-        params = [torch.nn.Parameter(w.clone()) for w in weights]
-        opt = factories[mode](params)
-        times = []
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    states: dict[str, int] = {}
+    if args.interleave:
+        running = {}
+        for mode in modes:
+            params = [torch.nn.Parameter(w.clone()) for w in weights]
+            running[mode] = (factories[mode](params), params)
         for i in range(args.warmup + args.steps):
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            start = time.perf_counter()
-            opt.step()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
+            for mode, (opt, params) in running.items():
+                elapsed = timed_step(opt, params)
+                if i >= args.warmup:
+                    times[mode].append(elapsed)
+        states = {mode: _state_bytes(torch, opt) for mode, (opt, _) in running.items()}
+        del running
+    else:
+        for mode in modes:
+            params = [torch.nn.Parameter(w.clone()) for w in weights]
+            opt = factories[mode](params)
+            for i in range(args.warmup + args.steps):
+                elapsed = timed_step(opt, params)
+                if i >= args.warmup:
+                    times[mode].append(elapsed)
+            states[mode] = _state_bytes(torch, opt)
+            del opt, params
+
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
         entry: dict[str, Any] = {
-            "s_per_step": statistics.median(times),
-            "s_per_step_min": min(times),
-            "state_bytes": _state_bytes(torch, opt),
+            "s_per_step": statistics.median(times[mode]),
+            "s_per_step_min": min(times[mode]),
+            "state_bytes": states[mode],
             "ortho_error": None,
         }
         if mode in ns_settings:
@@ -171,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
             entry["ns_gflops"] = flops / 1e9 / entry["s_per_step"]
             entry["ns_fraction_of_matmul_rate"] = entry["ns_gflops"] / matmul_gflops
         results[mode] = entry
-        del opt, params
 
     ratios = _ratios(results)
     report = {
@@ -179,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": {"threads": args.threads, "matmul_gflops_fp32": matmul_gflops},
         "steps": args.steps,
         "warmup": args.warmup,
+        "interleave": args.interleave,
         "results": results,
         "ratios": ratios,
     }

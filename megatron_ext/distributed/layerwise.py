@@ -37,9 +37,9 @@ class Bucket:
     order: list[tuple[str, torch.nn.Parameter]]
     counts: list[int]  # elements per owner rank
     optimizers: dict[str, torch.optim.Optimizer]  # over this rank's parameters in the bucket
+    first: str = ""  # the bucket's first parameter in forward order
     buffer: torch.Tensor | None = None
     pending: Pending | None = None
-    first_module: Any = None  # set by the hook installer
 
 
 @dataclass
@@ -61,6 +61,7 @@ class LayerwiseOptimizer:
     hyperparameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     overrides: Sequence[tuple[str, str]] = ()
     bucket_numel: int = 4_000_000
+    events: list[tuple[str, int]] | None = None  # when a list: ("update"|"launch"|"wait", bucket)
 
     def __post_init__(self) -> None:
         self.rank, self.world = self.gather.rank, self.gather.world
@@ -121,7 +122,13 @@ class LayerwiseOptimizer:
             ]
             mine = [(n, p) for n, p in members if self.plan.owner[n] == self.rank]
             buckets.append(
-                Bucket(index=i, order=order, counts=counts, optimizers=self._optimizers_for(mine))
+                Bucket(
+                    index=i,
+                    order=order,
+                    counts=counts,
+                    optimizers=self._optimizers_for(mine),
+                    first=members[0][0],
+                )
             )
         return buckets
 
@@ -131,12 +138,19 @@ class LayerwiseOptimizer:
         """Update replicated parameters, then bucket by bucket this rank's parameters, launching
         each bucket's all-gather as soon as its updates are done (it then overlaps the updates
         of the following buckets and, until waited on, the next forward pass)."""
+        self.finish()  # a bucket nobody waited for (no forward since the last step)
         for opt in self.replicated_optimizers.values():
             opt.step()
         for bucket in self.buckets:
+            self._record("update", bucket.index)
             for opt in bucket.optimizers.values():
                 opt.step()
             self._launch(bucket)
+            self._record("launch", bucket.index)
+
+    def _record(self, what: str, index: int) -> None:
+        if self.events is not None:
+            self.events.append((what, index))
 
     def _launch(self, bucket: Bucket) -> None:
         params = [p for _, p in bucket.order]
@@ -163,11 +177,31 @@ class LayerwiseOptimizer:
             offset += p.numel()
         bucket.pending = None
         bucket.buffer = None
+        self._record("wait", bucket.index)
 
     def finish(self) -> None:
         """Wait for every bucket still in flight."""
         for bucket in self.buckets:
             self.wait_bucket(bucket)
+
+    def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
+        """Wait for each bucket in a forward pre-hook of the module holding its first parameter
+        (in forward order), so the all-gathers overlap the next forward pass up to the first
+        use of each bucket. ``model``'s parameter names must be the ones this optimizer has."""
+        holder = {}
+        for module_name, module in model.named_modules():
+            for param_name, _ in module.named_parameters(recurse=False):
+                holder[f"{module_name}.{param_name}" if module_name else param_name] = module
+        handles = []
+        for bucket in self.buckets:
+            if bucket.first not in holder:
+                raise ValueError(f"{bucket.first} is not a parameter of the given model")
+
+            def wait(_module: torch.nn.Module, _args: Any, bucket: Bucket = bucket) -> None:
+                self.wait_bucket(bucket)
+
+            handles.append(holder[bucket.first].register_forward_pre_hook(wait))
+        return handles
 
     # -- bookkeeping --------------------------------------------------------------------------
     def owned_numel(self) -> int:

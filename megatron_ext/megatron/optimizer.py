@@ -158,6 +158,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             named_masters.append((name, master))
         super().__init__(inner_factory(named_masters), config)
         self.is_stub_optimizer = False  # read by the base class's param_groups property
+        self._param_sync_in_forward = False
         device = self.master_params[0].device if self.master_params else torch.device("cpu")
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
 
@@ -272,8 +273,28 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     def _step_inner(self) -> None:
         self.optimizer.step()
+        if self._layerwise() and not self._param_sync_in_forward:
+            # Every bucket's all-gather is in flight; the bf16 model copies need the masters
+            # complete before step() returns.
+            self.optimizer.finish()
+
+    def overlap_param_sync_with_forward(self, model: torch.nn.Module) -> bool:
+        """Let the next forward pass wait for each all-gather bucket just before its first
+        use (forward pre-hooks) instead of waiting at the end of ``step``.
+
+        Only for the layer-wise optimizer on fp32 parameters, where the gathered masters *are*
+        the model parameters; with bf16 parameters each gathered master must be copied into its
+        bf16 model parameter at the end of ``step``. Returns whether overlap is on.
+        """
+        if not self._layerwise() or self._fp32_masters():
+            return False
+        self.optimizer.attach_forward_hooks(model)
+        self._param_sync_in_forward = True
+        return True
+
+    def finish_param_sync(self) -> None:
+        """Wait for any parameter all-gather still in flight (before reading parameters)."""
         if self._layerwise():
-            # Every bucket's all-gather is in flight; waiting here keeps the masters complete.
             self.optimizer.finish()
 
     # -- state ----------------------------------------------------------------------------
@@ -304,6 +325,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
         for p in self.master_params:
             p.grad = torch.zeros_like(p)
         self._step_inner()
+        self.finish_param_sync()
         for g, (lr, wd) in zip(self.optimizer.param_groups, saved, strict=True):
             g["lr"], g["weight_decay"] = lr, wd
         self.zero_grad()
@@ -313,6 +335,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
     ) -> dict[str, Any]:
         """Optimizer state as ShardedTensors laid out like the model parameters they belong to
         (so dist_checkpointing can save and reshard it)."""
+        self.finish_param_sync()
         if is_loading:
             self._init_state()
         state = self.state_dict()
@@ -325,15 +348,18 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     "optimizer.layerwise", state, (world,), (rank,), replica_id=0
                 )
             }
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
-        fp32_ids = [
-            i
-            for i, (p, m) in enumerate(zip(self.model_params, self.master_params, strict=True))
-            if m is not p
-        ]
+        # The wrapped optimizer numbers parameters in its own group order; map those ids to the
+        # model parameters' sharded tensors.
+        model_of = {id(m): p for p, m in zip(self.model_params, self.master_params, strict=True)}
+        inner_order = [model_of[id(m)] for g in self.optimizer.param_groups for m in g["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, inner_order)
+        inner_id = {id(p): i for i, p in enumerate(inner_order)}
         state["fp32_masters"] = [
-            make_sharded_optimizer_tensor(id_map[i], master, prefix="optimizer.state.fp32_param")
-            for i, master in zip(fp32_ids, state["fp32_masters"], strict=True)
+            make_sharded_optimizer_tensor(
+                id_map[inner_id[id(p)]], master, prefix="optimizer.state.fp32_param"
+            )
+            for p, master in zip(self.model_params, self.master_params, strict=True)
+            if master is not p
         ]
         step = self._extract_common_per_param_step(state["optimizer"])
         optim_state_to_sharding_state(state["optimizer"], id_map, exclude_keys="step")

@@ -102,6 +102,7 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write checkpoint ``step`` atomically on every rank; returns its final path."""
+    optimizer.finish_param_sync()  # parameters still arriving from other ranks
     final = ckpt_dir / _name(step)
     tmp = ckpt_dir / f".{_name(step)}.tmp"
     if dist.get_rank() == 0:

@@ -101,6 +101,7 @@ def setup(recipe: Recipe) -> GPTRun:
         inner_factory(recipe.optimizer),
         megatron_optimizer_config(recipe.optimizer, bf16),
     )
+    optimizer.overlap_param_sync_with_forward(model.module)
 
     dp = env.world_size // recipe.model_parallel_size()
     flops = gpt_train_flops_per_token(
