@@ -173,3 +173,31 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
     first = _losses(resumed)
     _train(recipe_file, resumed, *muon)
     assert first + _losses(resumed) == dp2
+
+
+def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):
+    """megatron-core's TP=2 on gloo gives the single-rank losses on the same global batches, to
+    fp32 tolerance. (PP=2 also trains, but its stages initialise from offset seeds, as in
+    Megatron-LM, so its weights and losses differ from a single rank's by construction.)"""
+    runs = {}
+    for name, nproc, layout in (
+        ("single", 1, ()),
+        ("tp2", 2, ("parallel.tensor_model_parallel_size=2",)),
+    ):
+        run_dir = tmp_path / name
+        run_torchrun(
+            "megatron_ext.launch.cli",
+            nproc,
+            "train",
+            str(recipe_file),
+            f"run_dir={run_dir}",
+            "checkpoint.save_interval=0",
+            "training.steps=4",
+            "model.make_vocab_size_divisible_by=256",
+            *layout,
+            module=True,
+        )
+        runs[name] = _losses(run_dir)
+    assert runs["single"][-1] < runs["single"][0] - 0.1
+    for a, b in zip(runs["single"], runs["tp2"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), runs

@@ -118,6 +118,13 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
                 "the layer-wise optimizer does not plan over expert-data-parallel groups yet: "
                 "use parallel.expert_model_parallel_size=1 or optimizer.name=adamw"
             )
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                f"optimizer.name={cfg.name} under tensor parallelism needs the TP modes "
+                "(duplicated/distributed) that are not built yet; orthogonalising each shard "
+                "alone would silently change the algorithm. Use "
+                "parallel.tensor_model_parallel_size=1 or optimizer.name=adamw"
+            )
         gather = make_allgather_v(parallel_state.get_data_parallel_group())
         return LayerwiseOptimizer(named, cfg.name, gather, hyperparameters(cfg))
 
