@@ -322,3 +322,38 @@ def test_bad_hyperparameters_are_rejected(kwargs: dict, message: str) -> None:
 def test_vectors_go_to_adamw() -> None:
     with pytest.raises(ValueError, match="AdamW"):
         KLSoap([torch.nn.Parameter(torch.zeros(8))])
+
+
+@pytest.mark.parametrize(("k", "block"), [(7, 128), (130, 32), (96, 40)])
+def test_householder_q_equals_lapack_orgqr(k: int, block: int) -> None:
+    g = torch.Generator().manual_seed(31)
+    z = torch.randn(2, k, k, generator=g)
+    z[1, :, 3] = 0  # a zero column gives τ = 0 (H = I) in the middle of the sequence
+    a, tau = torch.geqrf(z)
+    assert bool((tau == 0).any())
+    q = eigenbasis_module.householder_q(a, tau, block=block)
+    torch.testing.assert_close(q, torch.linalg.householder_product(a, tau), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(24, 6), (6, 24), (12, 12)])
+def test_refresh_products_equal_factor_times_basis(shape: tuple[int, int]) -> None:
+    """The low-rank form of L_new·Q_L (and R_new·Q_R) used for the refresh equals the product."""
+    from megatron_ext.optimizers.kl_soap import _accumulate
+
+    m, n = shape
+    g = torch.Generator().manual_seed(32)
+    state = KLSoapMatrices.zeros(2, m, n)
+    state.factor_l.copy_(
+        torch.stack([spd(m, 10.0, seed=33 + i, dtype=torch.float32) for i in range(2)])
+    )
+    state.factor_r.copy_(
+        torch.stack([spd(n, 10.0, seed=35 + i, dtype=torch.float32) for i in range(2)])
+    )
+    state.basis_l.copy_(torch.linalg.qr(torch.randn(2, m, m, generator=g)).Q)
+    state.basis_r.copy_(torch.linalg.qr(torch.randn(2, n, n, generator=g)).Q)
+    grad = torch.randn(2, m, n, generator=g)
+    cfg = KLSoapConfig(kron_beta=0.3, factor_eps=1e-2)
+    products = _accumulate(grad, state, cfg, with_products=True)
+    assert products is not None
+    torch.testing.assert_close(products[0], state.factor_l @ state.basis_l, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(products[1], state.factor_r @ state.basis_r, atol=1e-5, rtol=1e-5)

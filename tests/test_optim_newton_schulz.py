@@ -12,6 +12,7 @@ from megatron_ext.optimizers import (
     newton_schulz_flops,
     resolve_coefficients,
 )
+from megatron_ext.optimizers.symmetric import symmetric_bmm
 
 from .optim_reference import ns_reference, orthogonality_error
 
@@ -182,3 +183,23 @@ def test_leading_dims_and_orientation_are_preserved() -> None:
     out = newton_schulz(x)
     assert out.shape == x.shape
     torch.testing.assert_close(out[1, 2], newton_schulz(x[1, 2]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [16, 200])
+def test_symmetric_bmm_equals_full_product(m: int) -> None:
+    """m = 200 with inner dimension 700 takes the split path, 16 the plain one."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, m, 700, generator=g)
+    a = torch.randn(3, m, m, generator=g)
+    a = a + a.mT
+    out = torch.empty(3, m, m)
+    full = x @ x.mT
+    torch.testing.assert_close(symmetric_bmm(x, x.mT, out), full, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out, out.mT)
+    expected = 0.5 * a + 2.0 * (a @ a)
+    symmetric_bmm(a, a, out, add=a, beta=0.5, alpha=2.0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-3)
+    inplace = a.clone()
+    symmetric_bmm(x, x.mT, inplace, add=inplace, beta=0.9, alpha=0.1)
+    torch.testing.assert_close(inplace, 0.9 * a + 0.1 * full, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(symmetric_bmm(x, x.mT, out, alpha=0.3), 0.3 * full)
