@@ -11,6 +11,7 @@ import importlib
 
 BENCHMARKS: dict[str, str] = {
     "optimizers": "megatron_ext.bench.optimizers",
+    "layerwise": "megatron_ext.bench.layerwise",
 }
 
 

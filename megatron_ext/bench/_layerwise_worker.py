@@ -1,0 +1,166 @@
+"""One rank of ``megatron-ext bench layerwise``; started by torchrun (gloo), never imported.
+
+Every rank builds the same reference workload (seeded), gives it the same gradients, runs
+``--warmup`` untimed and ``--steps`` timed steps of :class:`LayerwiseOptimizer` and writes its
+measurements to ``OUT/rank<r>.json``:
+
+* ``compute_cpu_s``: this thread's CPU time (``time.thread_time``) inside the optimizers'
+  ``step()`` calls only, per step -- the update arithmetic, with one compute thread per rank;
+  gloo's transfers run on its own threads and are not counted.  ``compute_process_cpu_s`` is the
+  process CPU time over the same intervals (gloo threads included), ``compute_wall_s`` the wall
+  time over them, ``step_wall_s`` the wall time of the whole ``step()`` (updates, buffer copies,
+  all-gather launches), ``exposed_comm_s`` the wall time of ``finish()`` after it.
+* the all-gather's payload bytes over the timed steps, and what they should be: the bytes of
+  the parameters other ranks own.
+* an exact fingerprint of the final parameters (int64 sum of their bits, per parameter), the
+  same on every rank when the all-gather delivered every update.
+
+Usage: python -m torch.distributed.run --standalone --nproc-per-node N
+    -m megatron_ext.bench._layerwise_worker --optimizer muon --steps 2 --warmup 1 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.bench.optimizers import DENSE_SHAPES, EXPERT_SHAPES, EXPERTS, LAYERS
+from megatron_ext.distributed.allgather_v import WireStats, make_allgather_v
+from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+from megatron_ext.distributed.plan import OwnershipPlan
+
+DENSE_NAMES = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+EXPERT_NAMES = ("linear_fc1", "linear_fc2")
+
+
+def workload_names() -> list[tuple[str, tuple[int, int]]]:
+    """The reference workload's 144 matrices with megatron-core-style names, forward order."""
+    named: list[tuple[str, tuple[int, int]]] = []
+    for layer in range(LAYERS):
+        pre = f"decoder.layers.{layer}"
+        for name, shape in zip(DENSE_NAMES, DENSE_SHAPES, strict=True):
+            named.append((f"{pre}.{name}.weight", shape))
+        for name, shape in zip(EXPERT_NAMES, EXPERT_SHAPES, strict=True):
+            for e in range(EXPERTS):
+                named.append((f"{pre}.mlp.experts.local_experts.{e}.{name}.weight", shape))
+    return named
+
+
+class _Timer:
+    """Accumulates thread CPU, process CPU and wall seconds of wrapped calls."""
+
+    def __init__(self) -> None:
+        self.thread = self.process = self.wall = 0.0
+
+    def reset(self) -> None:
+        self.thread = self.process = self.wall = 0.0
+
+    def wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.thread += time.thread_time() - t0
+                self.process += time.process_time() - p0
+                self.wall += time.perf_counter() - w0
+
+        return timed
+
+
+def fingerprint(params: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
+    """Exact per-parameter fingerprint: the int64 sum of the fp32 bit patterns."""
+    return [int(p.detach().view(torch.int32).to(torch.int64).sum()) for _, p in params]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--optimizer", default="muon")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--bucket-numel", type=int, default=4_000_000)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    gen = torch.Generator().manual_seed(0)
+    named = workload_names()
+    params = [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02)) for n, s in named]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for _, s in named]
+
+    gather = make_allgather_v()
+    opt = LayerwiseOptimizer(params, args.optimizer, gather, bucket_numel=args.bucket_numel)
+    timer = _Timer()
+    for o in opt.all_optimizers():
+        o.step = timer.wrap(o.step)  # type: ignore[method-assign]
+
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("compute_cpu_s", "compute_process_cpu_s", "compute_wall_s")
+    }
+    rows |= {"step_wall_s": [], "exposed_comm_s": []}
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            gather.stats = WireStats()
+        for (_, p), g in zip(params, grads, strict=True):
+            p.grad = g  # identical on every rank, as after DDP's gradient all-reduce
+        dist.barrier()
+        timer.reset()
+        w0 = time.perf_counter()
+        opt.step()
+        w1 = time.perf_counter()
+        opt.finish()
+        w2 = time.perf_counter()
+        if i >= args.warmup:
+            rows["compute_cpu_s"].append(timer.thread)
+            rows["compute_process_cpu_s"].append(timer.process)
+            rows["compute_wall_s"].append(timer.wall)
+            rows["step_wall_s"].append(w1 - w0)
+            rows["exposed_comm_s"].append(w2 - w1)
+
+    plan = opt.plan
+    rank, world = opt.rank, opt.world
+    nbytes = {n: p.numel() * p.element_size() for n, p in params}
+    owned = sum(b for n, b in nbytes.items() if plan.owner[n] == rank)
+    replicated = sum(b for n, b in nbytes.items() if plan.owner[n] == OwnershipPlan.REPLICATED)
+    per_rank_owned = [sum(b for n, b in nbytes.items() if plan.owner[n] == r) for r in range(world)]
+    mine = fingerprint(params)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    result = {
+        "rank": rank,
+        "world": world,
+        "backend": gather.name,
+        "buckets": len(opt.buckets),
+        "total_bytes": sum(nbytes.values()),
+        "owned_bytes": owned,
+        "per_rank_owned_bytes": per_rank_owned,
+        "replicated_bytes": replicated,
+        "not_owned_bytes": sum(nbytes.values()) - owned - replicated,
+        "param_sync_bytes_sent": gather.stats.sent / args.steps,
+        "param_sync_bytes_recv": gather.stats.received / args.steps,
+        "plan_compute_flops": plan.compute,
+        "plan_memory_bytes": plan.memory,
+        "compute_imbalance": plan.compute_imbalance,
+        "memory_imbalance": plan.memory_imbalance,
+        "ranks_agree": all(f == mine for f in everyone),
+        "fingerprint": mine,
+        **rows,
+    }
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
