@@ -201,3 +201,11 @@ def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):
     assert runs["single"][-1] < runs["single"][0] - 0.1
     for a, b in zip(runs["single"], runs["tp2"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), runs
+
+
+def test_replica_check_catches_a_one_bit_divergence(tmp_path):
+    out = tmp_path / "replicas.json"
+    run_torchrun(DIST / "replica_check.py", 2, str(out))
+    message = json.loads(out.read_text())["message"]
+    assert message is not None, "a one-bit difference between replicas went unnoticed"
+    assert "1 parameter(s)" in message and "1.weight" in message, message

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 LATEST = "latest"
@@ -133,12 +133,57 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def parameter_checksums(model: torch.nn.Module, expert: bool) -> torch.Tensor:
+    """Per parameter, the int64 sum of its raw bits: equal values give equal sums on every rank.
+    ``expert`` selects MoE expert parameters (``allreduce=False``) or the dense rest."""
+    sums = [
+        p.detach().contiguous().view(_BITS[p.element_size()]).to(torch.int64).sum()
+        for p in _unwrap(model).parameters()
+        if (not getattr(p, "allreduce", True)) == expert
+    ]
+    device = next(_unwrap(model).parameters()).device
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def verify_replicas(model: torch.nn.Module) -> None:
+    """Data-parallel replicas must hold bit-identical parameters (dense over the data-parallel
+    group, experts over the expert-data-parallel group); a mismatch stops the run."""
+    groups = (
+        (False, parallel_state.get_data_parallel_group()),
+        (True, parallel_state.get_expert_data_parallel_group()),
+    )
+    for expert, group in groups:
+        local = parameter_checksums(model, expert)
+        if local.numel() == 0:
+            continue
+        low, high = local.clone(), local.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(low, high):
+            names = [
+                n
+                for n, p in _unwrap(model).named_parameters()
+                if (not getattr(p, "allreduce", True)) == expert
+            ]
+            bad = [names[i] for i in torch.nonzero(low != high).flatten().tolist()]
+            raise RuntimeError(
+                f"data-parallel replicas disagree on {len(bad)} parameter(s) after loading "
+                f"(first: {bad[0]}): the checkpoint or the ranks' state is inconsistent; "
+                "refusing to continue with diverged replicas"
+            )
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """Load model, optimizer and RNG state in place; returns the saved loop state."""
+    """Load model, optimizer and RNG state in place, check that data-parallel replicas agree;
+    returns the saved loop state."""
     state = dist_checkpointing.load(
         _sharded_state(model, optimizer, {}, is_loading=True), str(path)
     )
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
+    verify_replicas(model)
     return state["loop"]
