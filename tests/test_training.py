@@ -74,6 +74,11 @@ def _train(
     return run_torchrun(script, 2, *args, env=env, check=check)
 
 
+def _metric(run_dir: Path, key: str) -> list[float]:
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(row)[key] for row in rows]
+
+
 def _losses(run_dir: Path) -> list[float]:
     return json.loads((run_dir / "summary.json").read_text())["losses"]
 
@@ -169,6 +174,11 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
     assert dp2[-1] < dp2[0] - 0.5, dp2
     for a, b in zip(dp1, dp2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (dp1, dp2)
+    # At DP=2 each rank sums the squares of the gradients it owns and the sums are all-reduced:
+    # the global norm must equal DP=1's, where one rank sees every gradient.
+    norms1, norms2 = (_metric(d, "grad_norm") for d in (one, two))
+    for a, b in zip(norms1, norms2, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (norms1, norms2)
     _train(recipe_file, resumed, *muon, "training.steps=4")
     first = _losses(resumed)
     _train(recipe_file, resumed, *muon)

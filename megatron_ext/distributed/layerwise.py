@@ -204,6 +204,12 @@ class LayerwiseOptimizer:
         return handles
 
     # -- bookkeeping --------------------------------------------------------------------------
+    def counts_toward_norm(self, name: str) -> bool:
+        """Whether this rank counts ``name`` in global gradient statistics: the owner does, and
+        rank 0 for replicated parameters, so each gradient is counted exactly once."""
+        owner = self.plan.owner[name]
+        return owner == self.rank or (owner == OwnershipPlan.REPLICATED and self.rank == 0)
+
     def owned_numel(self) -> int:
         return sum(p.numel() for n, p in self.named_params if self.plan.owner[n] == self.rank)
 

@@ -149,6 +149,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
     ) -> None:
         self.model_params: list[torch.nn.Parameter] = []
         self.master_params: list[torch.nn.Parameter] = []
+        self.master_names: list[str] = []
         named_masters = []
         for name, p in named_params:
             if not p.requires_grad:
@@ -162,6 +163,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     setattr(master, attr, getattr(p, attr))
             self.model_params.append(p)
             self.master_params.append(master)
+            self.master_names.append(name)
             named_masters.append((name, master))
         super().__init__(inner_factory(named_masters), config)
         self.is_stub_optimizer = False  # read by the base class's param_groups property
@@ -182,12 +184,16 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return False
 
     def _norm_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Grads counted once: (dense, expert), without TP duplicates and shared copies."""
+        """Grads counted once: (dense, expert), without TP duplicates and shared copies, and
+        with the layer-wise optimizer only the ones this rank owns (replicated: on rank 0)."""
         distributed = parallel_state.model_parallel_is_initialized()
+        layerwise = self._layerwise()
         dense, expert = [], []
-        for p in self.master_params:
+        for name, p in zip(self.master_names, self.master_params, strict=True):
             if p.grad is None or not param_is_not_shared(p):
                 continue
+            if layerwise and not self.optimizer.counts_toward_norm(name):
+                continue  # counted by the rank that owns it
             if distributed and not tensor_parallel.param_is_not_tensor_parallel_duplicate(p):
                 continue
             (expert if is_expert_param(p) else dense).append(p.grad)
@@ -207,12 +213,21 @@ class MegatronExtOptimizer(MegatronOptimizer):
         dense, expert = self._norm_groups()
         dev = self._scale.device
         dense_sq, expert_sq = self._sum_sq(dense, dev), self._sum_sq(expert, dev)
-        if parallel_state.model_parallel_is_initialized():
-            dist.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
-            dist.all_reduce(
-                expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
-            )
+        self._reduce_over_ranks(dense_sq, expert_sq)
         return math.sqrt(float(dense_sq + expert_sq))
+
+    def _reduce_over_ranks(self, dense: torch.Tensor, expert: torch.Tensor) -> None:
+        """Sum per-rank statistics over the ranks holding other parts of the gradients: the
+        model-parallel groups, and with the layer-wise optimizer the data-parallel ones too."""
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        dist.all_reduce(
+            expert, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        )
+        if self._layerwise():
+            dist.all_reduce(dense, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(expert, group=parallel_state.get_expert_data_parallel_group())
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -233,11 +248,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             torch.tensor(float(sum(int((g == 0).sum()) for g in gs)), device=dev)
             for gs in (dense, expert)
         ]
-        if parallel_state.model_parallel_is_initialized():
-            dist.all_reduce(counts[0], group=parallel_state.get_model_parallel_group())
-            dist.all_reduce(
-                counts[1], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group()
-            )
+        self._reduce_over_ranks(counts[0], counts[1])
         return float(counts[0] + counts[1])
 
     # -- step -----------------------------------------------------------------------------
