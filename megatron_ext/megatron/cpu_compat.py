@@ -28,6 +28,11 @@ anything.  Every replaced call, and why:
     "cuda" literally; the module's ``torch`` name is bound to a proxy that forwards everything to
     torch and rewrites only that device argument of ``zeros``.
 
+``maybe_move_tensor_to_cpu`` inside ``megatron.core.transformer.moe.token_dispatcher``
+    -> the same, plus ``as_numpy`` honoured for tensors already on the CPU.  The alltoall
+    dispatcher turns its split sizes into NumPy arrays only when moving them off a GPU; on a CPU
+    host they stayed tensors, which gloo's ``all_to_all_single`` rejects (expert parallelism).
+
 Nothing else is patched.  Call it once per process before building the model.
 """
 
@@ -61,6 +66,13 @@ class _SchedulesTorch:
         return torch.zeros(*size, device=device, **kwargs)
 
 
+def _to_cpu(tensor: object, as_numpy: bool = False, record_stream: bool = False) -> object:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for tensors that are already on the CPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
@@ -68,6 +80,7 @@ def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool =
 def _replacements() -> list[tuple[object, str, object]]:
     import megatron.core.pipeline_parallel.schedules as mc_schedules
     import megatron.core.tensor_parallel.random as mc_random
+    import megatron.core.transformer.moe.token_dispatcher as mc_dispatcher
 
     cpu = torch.cpu
     return [
@@ -83,6 +96,7 @@ def _replacements() -> list[tuple[object, str, object]]:
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed) and None),
         (mc_random, "_set_cuda_rng_state", _set_rng_state),
         (mc_schedules, "torch", _SchedulesTorch()),
+        (mc_dispatcher, "maybe_move_tensor_to_cpu", _to_cpu),
     ]
 
 
