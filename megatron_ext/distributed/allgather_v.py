@@ -28,6 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+_RAW_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements reinterpreted as integers of the same width (any dtype, bf16 too)."""
+    return tensor.view(_RAW_INT[tensor.element_size()])
+
 
 def segment_offsets(counts: Sequence[int]) -> list[int]:
     """Start of each rank's segment in the flat buffer (exclusive prefix sum of ``counts``)."""
@@ -164,14 +171,11 @@ class MpiAllGatherV(AllGatherV):
             raise ValueError("the MPI all-gather-v backend works on CPU buffers only")
         # Move raw elements: an integer view of the same width carries any dtype (bf16 too,
         # which numpy lacks) bit for bit.
-        array = buffer.view(_RAW[buffer.element_size()]).numpy()
+        array = raw_bits(buffer).numpy()
         own = array[offsets[self.rank] : offsets[self.rank] + counts[self.rank]].copy()
         mpi_type = MPI._typedict[array.dtype.char]
         request = self.comm.Iallgatherv(own, [array, counts, offsets, mpi_type])
         return Pending(buffer, [_MpiRequest(request)], keepalive=own)
-
-
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass

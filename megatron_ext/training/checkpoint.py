@@ -29,6 +29,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_ext.distributed.allgather_v import raw_bits
+
 LATEST = "latest"
 
 
@@ -133,14 +135,11 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old)
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def parameter_checksums(model: torch.nn.Module, expert: bool) -> torch.Tensor:
     """Per parameter, the int64 sum of its raw bits: equal values give equal sums on every rank.
     ``expert`` selects MoE expert parameters (``allreduce=False``) or the dense rest."""
     sums = [
-        p.detach().contiguous().view(_BITS[p.element_size()]).to(torch.int64).sum()
+        raw_bits(p.detach().contiguous()).to(torch.int64).sum()
         for p in _unwrap(model).parameters()
         if (not getattr(p, "allreduce", True)) == expert
     ]
