@@ -228,6 +228,7 @@ def run_launch(*args: str) -> subprocess.CompletedProcess:
         ("not_key_value", "override 'optimizer.lr' is not key=value"),
         ("layout", "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4"),
         ("missing_file", "recipe file 'no/such/recipe.yaml' not found"),
+        ("wsd_window", "lr_decay_style=WSD needs 1 <= lr_wsd_decay_steps <= lr_decay_steps"),
     ],
 )
 def test_cli_prints_one_line_and_exits_2(tmp_path: Path, case: str, message: str) -> None:
@@ -239,6 +240,13 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path, case: str, message: str
         args = ["optimizer.lr"]
     elif case == "layout":
         args = ["parallel.tensor_model_parallel_size=4"]  # 2 CPU ranks by default
+    elif case == "wsd_window":  # the decay window does not fit after the warmup
+        args = [
+            "training.steps=20",
+            "training.lr_warmup_steps=10",
+            "training.lr_decay_style=WSD",
+            "training.lr_wsd_decay_steps=15",
+        ]
     path = "no/such/recipe.yaml" if case == "missing_file" else str(write(tmp_path, raw))
     proc = run_launch(path, *args)
     assert proc.returncode == 2

@@ -251,6 +251,12 @@ class Recipe:
                 "data.tokenizer=sentencepiece needs data.tokenizer_model "
                 "(train one with `megatron-ext data tokenizer`)"
             )
+        if self.trainer == "gpt":
+            # The schedule checks its own consistency (e.g. the WSD window must fit after the
+            # warmup): build it once here so a bad schedule fails before any process starts.
+            from megatron_ext.schedules.lr import LRSchedule
+
+            LRSchedule.from_recipe(self.optimizer, self.training)
         if world_size is not None:
             self.check_layout(world_size)
 
