@@ -33,7 +33,7 @@ from .newton_schulz import (
 from .orthogonalized import OrthogonalizedOptimizer, ScaleMode, matrix_slots, update_scale
 from .qkv import QKVLayout, qkv_views
 from .registry import OPTIMIZERS, OptimizerName, build_optimizer, hyperparameter_names
-from .routing import MATRIX_OPTIMIZERS, route_parameter, split_parameters
+from .routing import MATRIX_OPTIMIZERS, route_parameter, split_parameters, weight_decay_groups
 
 __all__ = [
     "COEFFICIENT_SETS",
@@ -76,4 +76,5 @@ __all__ = [
     "route_parameter",
     "split_parameters",
     "update_scale",
+    "weight_decay_groups",
 ]

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["MATRIX_OPTIMIZERS", "route_parameter", "split_parameters"]
+__all__ = ["MATRIX_OPTIMIZERS", "route_parameter", "split_parameters", "weight_decay_groups"]
 
 MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")
 
@@ -68,3 +69,24 @@ def split_parameters(
         )
         routed.setdefault(opt, []).append((name, param))
     return routed
+
+
+def weight_decay_groups(
+    named_params: Iterable[tuple[str, torch.Tensor]], weight_decay: float | None = None
+) -> list[dict[str, Any]]:
+    """Parameter groups with megatron-core's convention: weight decay on matrices, none on
+    biases and 1-D tensors (norm weights). ``weight_decay=None`` leaves the decayed group at
+    the optimizer's own default. Empty groups are left out."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        (no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
+    groups: list[dict[str, Any]] = []
+    if decay:
+        groups.append(
+            {"params": decay}
+            if weight_decay is None
+            else {"params": decay, "weight_decay": weight_decay}
+        )
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups

@@ -16,7 +16,6 @@ from megatron_ext.config.schema import OptimizerConfig
 from megatron_ext.megatron.optimizer import (
     MegatronExtOptimizer,
     adamw_factory,
-    default_param_groups,
     megatron_optimizer_config,
 )
 
@@ -52,7 +51,12 @@ def test_bf16_params_keep_fp32_masters_and_match_adamw():
     model = _model(torch.bfloat16)
     ref_params = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     names = [n for n, _ in model.named_parameters()]
-    ref_groups = default_param_groups(zip(names, ref_params, strict=True), CFG.weight_decay)
+    # megatron-core's convention, written out: decay on matrices, none on biases and norms.
+    named = list(zip(names, ref_params, strict=True))
+    ref_groups = [
+        {"params": [p for n, p in named if p.ndim >= 2 and not n.endswith("bias")]},
+        {"params": [p for n, p in named if p.ndim < 2 or n.endswith("bias")], "weight_decay": 0.0},
+    ]
     ref = torch.optim.AdamW(
         ref_groups,
         lr=CFG.lr,

@@ -24,7 +24,7 @@ import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
-from megatron_ext.optimizers import build_optimizer, route_parameter
+from megatron_ext.optimizers import build_optimizer, route_parameter, weight_decay_groups
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 
@@ -89,11 +89,7 @@ class LayerwiseOptimizer:
             by_route.setdefault(self.routes[name], []).append((name, p))
         optimizers = {}
         for route, named in by_route.items():
-            no_decay = [p for n, p in named if p.ndim < 2 or n.endswith("bias")]
-            decay = [p for n, p in named if not (p.ndim < 2 or n.endswith("bias"))]
-            groups: list[dict[str, Any]] = [{"params": decay}] if decay else []
-            if no_decay:
-                groups.append({"params": no_decay, "weight_decay": 0.0})
+            groups = weight_decay_groups(named)
             optimizers[route] = build_optimizer(route, groups, self.hyperparameters.get(route))
         return optimizers
 

@@ -20,7 +20,7 @@ the layer-wise distributed optimizer slot in without touching the training loop.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.config.schema import OptimizerConfig
+from megatron_ext.optimizers import weight_decay_groups
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 # Builds the wrapped optimizer over the (named) fp32 master parameters.
@@ -65,22 +66,6 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def default_param_groups(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
-) -> list[dict[str, Any]]:
-    """megatron-core's convention: weight decay on matrices, none on biases and norm weights."""
-    decay, no_decay = [], []
-    for name, p in named_params:
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
-    return [g for g in groups if g["params"]]
-
-
 def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
     """The recipe's optimizer section as keyword hyperparameters, per registry name."""
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
@@ -99,8 +84,8 @@ def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
     """Plain AdamW over every parameter (each data-parallel rank steps all of them)."""
 
     def build(named: NamedParams) -> torch.optim.Optimizer:
-        groups = default_param_groups(named, cfg.weight_decay)
-        return torch.optim.AdamW(groups, **hyperparameters(cfg)["adamw"])
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        return torch.optim.AdamW(weight_decay_groups(trainable), **hyperparameters(cfg)["adamw"])
 
     return build
 
@@ -333,8 +318,8 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 mine.copy_(saved)
 
     def _init_state(self) -> None:
-        """Create the wrapped optimizer's state (zero grads, a step with lr 0 would change
-        weight-decayed params, so use the optimizer's own lazy init via a zero-lr step)."""
+        """Create the wrapped optimizer's state before loading into it: one step with zero
+        gradients, lr 0 and weight decay 0, which changes no parameter."""
         if self.optimizer.state:
             return
         saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups]
