@@ -112,7 +112,6 @@ class DataConfig:
     tokenizer: str = spec("byte", choices=("byte", "sentencepiece"))
     tokenizer_model: str = spec("", help="SentencePiece .model file")
     split: str = spec("98,2,0", help="train,valid,test weights")
-    num_workers: int = spec(0, ge=0)
 
 
 @dataclass
