@@ -181,8 +181,24 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
         assert abs(a - b) <= 1e-4 * abs(a), (norms1, norms2)
     _train(recipe_file, resumed, *muon, "training.steps=4")
     first = _losses(resumed)
+    (step4,) = (resumed / "checkpoints").glob("step_*")
     _train(recipe_file, resumed, *muon)
     assert first + _losses(resumed) == dp2
+    # The layer-wise state is keyed by parameter: the DP=2 checkpoint resumes at DP=1 (each
+    # rank's owned momenta merge into one rank's), continuing DP=2's run to fp32 tolerance.
+    elastic = tmp_path / "elastic_dp1"
+    run_torchrun(
+        "megatron_ext.launch.cli",
+        1,
+        "train",
+        str(recipe_file),
+        f"run_dir={elastic}",
+        f"checkpoint.load={step4}",
+        *muon,
+        module=True,
+    )
+    for a, b in zip(_losses(elastic), dp2[4:], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (_losses(elastic), dp2)
 
 
 def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):

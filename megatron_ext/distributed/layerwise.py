@@ -16,8 +16,10 @@ for one bucket and copies it back into the parameters.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -223,23 +225,88 @@ class LayerwiseOptimizer:
     def state(self) -> dict[Any, Any]:
         return {k: v for opt in self.all_optimizers() for k, v in opt.state.items()}
 
+    # -- name-keyed state (independent of the data-parallel size and the plan) -----------------
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.named_params}
+
+    def saves(self, name: str) -> bool:
+        """Whether this rank writes ``name``'s state: its owner, or rank 0 if replicated."""
+        return self.counts_toward_norm(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank keeps state for ``name``: owned or replicated parameters."""
+        return self.plan.owner[name] in (self.rank, OwnershipPlan.REPLICATED)
+
+    def named_state(self) -> dict[str, dict[str, Any]]:
+        """``{parameter name: {state key: value}}`` for every parameter this rank holds.
+
+        Tensors are copies: the optimizers keep some state as views of stacked tensors (KL-SOAP
+        packs same-shape matrices), and a view would drag its whole stack into a file."""
+        names = self._param_names()
+        out: dict[str, dict[str, Any]] = {}
+        for opt in self.all_optimizers():
+            for p, st in opt.state.items():
+                out[names[id(p)]] = {
+                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()
+                }
+        return out
+
+    def load_named_state(self, named: Mapping[str, Mapping[str, Any]]) -> None:
+        """Install name-keyed state (from :meth:`named_state` of any data-parallel size) for every
+        parameter this rank holds; a held parameter missing from ``named`` is an error."""
+        params = dict(self.named_params)
+        missing = [n for n in params if self.holds(n) and n not in named]
+        if missing:
+            raise ValueError(
+                f"optimizer state is missing for {len(missing)} parameters (e.g. {missing[0]}): "
+                f"the checkpoint was written for a different model or optimizer"
+            )
+        for opt in self.all_optimizers():
+            by_id = {id(p): p for g in opt.param_groups for p in g["params"]}
+            names = self._param_names()
+            opt.state.clear()
+            for pid, p in by_id.items():
+                opt.state[p] = {
+                    k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v
+                    for k, v in named[names[pid]].items()
+                }
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer states (owned and replicated parameters), by bucket and route."""
-        return {
-            "world": self.world,
-            "replicated": {r: o.state_dict() for r, o in self.replicated_optimizers.items()},
-            "buckets": [{r: o.state_dict() for r, o in b.optimizers.items()} for b in self.buckets],
-        }
+        """Name-keyed state of the parameters this rank holds (see :meth:`named_state`)."""
+        return {"state": self.named_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["world"] != self.world or len(state["buckets"]) != len(self.buckets):
-            raise ValueError(
-                f"layer-wise optimizer state was saved over {state['world']} data-parallel ranks "
-                f"and {len(state['buckets'])} buckets; this run has {self.world} and "
-                f"{len(self.buckets)}: resume with the same data-parallel size"
-            )
-        for route, opt in self.replicated_optimizers.items():
-            opt.load_state_dict(state["replicated"][route])
-        for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
-            for route, opt in bucket.optimizers.items():
-                opt.load_state_dict(saved[route])
+        """Load :meth:`state_dict` output; ``state["state"]`` may be the union of every saving
+        rank's dicts, written at any data-parallel size."""
+        self.load_named_state(state["state"])
+
+
+def save_named_state(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:
+    """Plain torch format: each rank writes the state of the parameters it saves (its own, plus
+    the replicated ones on rank 0) to ``folder/optimizer.<rank>.pt``, atomically. Keys are
+    parameter names, so any data-parallel size can load the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine = {n: st for n, st in optimizer.named_state().items() if optimizer.saves(n)}
+    path = folder / f"optimizer.{optimizer.rank}.pt"
+    tmp = folder / f".optimizer.{optimizer.rank}.pt.tmp"
+    torch.save({"world": optimizer.world, "state": mine}, tmp)
+    os.replace(tmp, path)
+
+
+def load_named_state_files(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:
+    """Load a :func:`save_named_state` folder written at any data-parallel size."""
+    folder = Path(folder)
+    files = sorted(folder.glob("optimizer.*.pt"))
+    if not files:
+        raise FileNotFoundError(f"no optimizer.<rank>.pt files in {folder}")
+    first = torch.load(files[0], map_location="cpu", weights_only=False)
+    if len(files) != first["world"]:
+        raise ValueError(
+            f"{folder} holds {len(files)} of the {first['world']} optimizer files its writer "
+            f"saved: the checkpoint is incomplete"
+        )
+    merged: dict[str, Any] = {}
+    for f in files:
+        merged.update(torch.load(f, map_location="cpu", weights_only=False)["state"])
+    optimizer.load_named_state(merged)

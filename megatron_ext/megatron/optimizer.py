@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
@@ -308,9 +308,11 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = state_dict.get("layerwise", state_dict)  # see sharded_state_dict
+        if "layerwise" in state_dict:  # see _layerwise_sharded_state
+            self._load_layerwise(state_dict["layerwise"], state_dict["fp32_masters"])
+            return
         optim = state_dict["optimizer"]
-        if not self._layerwise() and "common_step" in optim["state"]:
+        if "common_step" in optim["state"]:
             self._restore_common_per_param_step(optim, optim["state"].pop("common_step"))
         self.optimizer.load_state_dict(optim)
         with torch.no_grad():
@@ -341,16 +343,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self.finish_param_sync()
         if is_loading:
             self._init_state()
-        state = self.state_dict()
         if self._layerwise():
-            # Per-rank state of the matrices each rank owns: resumable at the same
-            # data-parallel size (DP-elastic, name-keyed state is the layer-wise issue's next step).
-            rank, world = dist.get_rank(), dist.get_world_size()
-            return {
-                "layerwise": ShardedObject(
-                    "optimizer.layerwise", state, (world,), (rank,), replica_id=0
-                )
-            }
+            return self._layerwise_sharded_state(model_sharded_state_dict)
+        state = self.state_dict()
         # The wrapped optimizer numbers parameters in its own group order; map those ids to the
         # model parameters' sharded tensors.
         model_of = {id(m): p for p, m in zip(self.model_params, self.master_params, strict=True)}
@@ -369,3 +364,58 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if step is not None:
             state["optimizer"]["state"]["common_step"] = step
         return state
+
+    # -- layer-wise state: keyed by parameter, independent of the data-parallel size -----------
+    def _model_shard_keys(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        """Each parameter's ShardedTensor in the model checkpoint (key + global offset name it
+        independently of data-parallel size, ownership and pipeline stage)."""
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
+        return {n: id_map[i] for i, n in enumerate(self.master_names)}
+
+    @staticmethod
+    def _shard_tag(sh: Any) -> str:
+        """``key@offsets`` of a model shard; for a ShardedTensorFactory (e.g. SwiGLU's fc1, saved
+        as its gate and up halves) the first tensor it builds, which carries the layer offset."""
+        while not hasattr(sh, "global_offset"):
+            sh = sh.build() if hasattr(sh, "build") else next(iter(sh.values()))
+            if isinstance(sh, (list, tuple)):
+                sh = sh[0]
+        return f"{sh.key}@{'_'.join(str(o) for o in sh.global_offset)}"
+
+    def _layerwise_sharded_state(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        """The state of every parameter this rank holds, one entry per (parameter, state key):
+        tensors as whole ShardedTensors, scalars as ShardedObjects, keyed by the parameter's
+        model shard so a checkpoint loads at any data-parallel size. The owner writes (replica
+        0); replicated parameters are written by data-parallel rank 0. fp32 masters are laid
+        out like their model parameters (megatron-core's own fp32_param convention)."""
+        opt = self.optimizer
+        shards = self._model_shard_keys(model_sharded_state_dict)
+        state: dict[str, dict[str, Any]] = {}
+        for name, st in opt.named_state().items():
+            replica = 0 if opt.saves(name) else 1 + opt.rank
+            tag = self._shard_tag(shards[name])
+            entry = {}
+            for k, v in st.items():
+                key = f"optimizer.layerwise.{k}.{tag}"
+                if torch.is_tensor(v) and v.dim() > 0:
+                    entry[k] = ShardedTensor.from_rank_offsets(key, v, replica_id=replica)
+                else:
+                    entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
+            state[name] = entry
+        masters = {
+            name: make_sharded_optimizer_tensor(
+                shards[name], master, prefix="optimizer.state.fp32_param"
+            )
+            for name, p, master in zip(
+                self.master_names, self.model_params, self.master_params, strict=True
+            )
+            if master is not p
+        }
+        return {"layerwise": state, "fp32_masters": masters}
+
+    def _load_layerwise(self, state: dict[str, Any], masters: dict[str, torch.Tensor]) -> None:
+        self.optimizer.load_named_state(state)
+        by_name = dict(zip(self.master_names, self.master_params, strict=True))
+        with torch.no_grad():
+            for name, saved in masters.items():
+                by_name[name].copy_(saved)

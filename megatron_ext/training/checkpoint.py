@@ -70,15 +70,24 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _sharded_state(
-    model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any], is_loading: bool
+    model: torch.nn.Module,
+    optimizer: Any,
+    loop_state: dict[str, Any],
+    is_loading: bool,
+    with_rng: bool = True,
 ) -> dict[str, Any]:
+    """The checkpoint's layout. ``loop`` (step, consumed samples) and ``world`` are the same on
+    every rank: plain values, saved once. The RNG streams are per rank."""
     model_sd = _unwrap(model).sharded_state_dict()
-    return {
+    state = {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-        "rng": _per_rank("rng", rng_state()),
-        "loop": _per_rank("loop", loop_state),
+        "loop": loop_state,
+        "world": dist.get_world_size(),
     }
+    if with_rng:
+        state["rng"] = _per_rank("rng", rng_state())
+    return state
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -177,12 +186,26 @@ def verify_replicas(model: torch.nn.Module) -> None:
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Load model, optimizer and RNG state in place, check that data-parallel replicas agree;
-    returns the saved loop state."""
+    returns the saved loop state.
+
+    Model and optimizer state are keyed by parameter, so a checkpoint written at another world
+    size loads too (e.g. DP=2 -> DP=1 with the layer-wise optimizer); the per-rank RNG streams
+    then cannot be matched to ranks and keep their fresh seeding (said on rank 0)."""
+    saved_world = dist_checkpointing.load_common_state_dict(str(path)).get("world")
+    same_world = saved_world == dist.get_world_size()
     state = dist_checkpointing.load(
-        _sharded_state(model, optimizer, {}, is_loading=True), str(path)
+        _sharded_state(model, optimizer, {}, is_loading=True, with_rng=same_world), str(path)
     )
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+    if same_world:
+        set_rng_state(state["rng"])
+    elif dist.get_rank() == 0:
+        print(
+            f"megatron-ext: {path.name} was saved by {saved_world} ranks, this run has "
+            f"{dist.get_world_size()}: model and optimizer state resharded; RNG streams keep "
+            f"this run's seeding",
+            flush=True,
+        )
     verify_replicas(model)
     return state["loop"]

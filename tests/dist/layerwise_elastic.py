@@ -1,0 +1,44 @@
+"""Run under torchrun (gloo): continue a layer-wise optimizer run from a name-keyed checkpoint
+written at any data-parallel size, then save one (plain torch format).
+
+Usage: layerwise_elastic.py OPTIMIZER IN_DIR|- OUT_DIR FIRST_STEP STEPS
+Gradients of step s are the same on every rank (seeded by s), as in layerwise_step.py.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from layerwise_step import make_params, set_grads  # same folder (run as a script)
+
+from megatron_ext.distributed.allgather_v import make_allgather_v
+from megatron_ext.distributed.layerwise import (
+    LayerwiseOptimizer,
+    load_named_state_files,
+    save_named_state,
+)
+
+
+def main(optimizer: str, in_dir: str, out_dir: str, first: int, steps: int) -> None:
+    torch.distributed.init_process_group("gloo")
+    torch.set_num_threads(1)
+    params = make_params(with_experts=optimizer != "kl_soap")
+    opt = LayerwiseOptimizer(params, optimizer, make_allgather_v(), bucket_numel=3000)
+    if in_dir != "-":
+        saved = torch.load(Path(in_dir) / "params.pt")
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(saved[n])
+        load_named_state_files(opt, in_dir)
+    for step in range(first, first + steps):
+        set_grads(params, step)
+        opt.step()
+        opt.finish()
+    save_named_state(opt, out_dir)
+    if opt.rank == 0:
+        torch.save({n: p.detach().clone() for n, p in params}, Path(out_dir) / "params.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
