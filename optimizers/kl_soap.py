@@ -40,16 +40,32 @@ Implementation notes.
   refreshed every 10 steps (unless ``refresh_every`` says otherwise) from factors that do not yet
   include the current gradient (except at step 1, where the factors are still empty).
 * 1-D parameters are not preconditioned: route them to AdamW.
+* Tensor parallelism (``tp_shards``, group option ``tp_mode``): ``duplicated`` all-gathers the
+  gradient shards of a stacked batch (one collective), keeps full-size state — factors
+  ``m² + n²``, bases ``m² + n²``, moments ``2mn`` per matrix — replicated on every TP rank (the
+  TP=1 memory, t times a rank's share of it), computes the full update and applies this rank's
+  slice: the TP=1 update. ``blockwise`` treats each shard as its own matrix (not the TP=1
+  algorithm). There is no ``distributed`` mode: the eigenbases of the factors couple all rows
+  and columns, so sharding them would need a distributed eigensolver/QR.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from megatron_ext.distributed.tensor_parallel import (
+    ShardSplit,
+    TPMode,
+    TPShardInfo,
+    check_tp_mode,
+    gather_shards,
+    own_shard,
+)
 
 from .eigenbasis import RefreshMode, eigh_descending, refresh_eigenbasis
 from .matrix_roots import inverse_root_newton_schulz
@@ -311,9 +327,16 @@ class KLSoap(torch.optim.Optimizer):
         inverse_root: ``eigenbasis`` or ``newton_schulz`` (see the module docstring).
         root_iters: coupled Newton–Schulz iterations for ``inverse_root="newton_schulz"``.
         stale_refresh: ablation: reference SOAP's stale refresh (see the module docstring).
+        tp_mode: for parameters in ``tp_shards``: ``duplicated`` (default; TP=1 update, full
+            state on every TP rank) or ``blockwise`` (each shard its own matrix).
+        tp_shards: tensor-parallel shards among ``params`` and their
+            :class:`~megatron_ext.distributed.tensor_parallel.TPShardInfo`.
         max_batch_numel: largest stacked batch, in gradient elements; default
             :func:`~.orthogonalized.default_max_batch_numel`.
     """
+
+    #: ``tp_mode`` values KL-SOAP implements.
+    supported_tp_modes = ("blockwise", "duplicated")
 
     def __init__(
         self,
@@ -331,11 +354,14 @@ class KLSoap(torch.optim.Optimizer):
         inverse_root: InverseRoot = "eigenbasis",
         root_iters: int = 25,
         stale_refresh: bool = False,
+        tp_mode: TPMode = "duplicated",
+        tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
         max_batch_numel: int | None = None,
     ) -> None:
         if max_batch_numel is not None:
             check_range("max_batch_numel", max_batch_numel, low=1)
         self.max_batch_numel = max_batch_numel
+        self.tp_shards = {p: i for p, i in (tp_shards or {}).items() if i.world_size > 1}
         self._packer = StatePacker()
         if refresh_every is None:
             refresh_every = STALE_REFRESH_EVERY if stale_refresh else 1
@@ -352,6 +378,7 @@ class KLSoap(torch.optim.Optimizer):
             inverse_root=inverse_root,
             root_iters=root_iters,
             stale_refresh=stale_refresh,
+            tp_mode=tp_mode,
         )
         super().__init__(params, defaults)
 
@@ -361,12 +388,15 @@ class KLSoap(torch.optim.Optimizer):
         self._config(group)  # validates
         check_range("lr", group["lr"], low=0.0)
         check_range("weight_decay", group["weight_decay"], low=0.0)
+        check_tp_mode(group["tp_mode"], self.supported_tp_modes, "KLSoap")
         for p in group["params"]:
             if p.ndim not in (2, 3):
                 raise ValueError(
                     f"KLSoap takes 2-D matrices or 3-D expert stacks, got a parameter of shape "
                     f"{tuple(p.shape)}; 1-D parameters are not preconditioned: route them to AdamW"
                 )
+            if p in self.tp_shards:
+                self.tp_shards[p].matrix_axis(p.shape)  # validates partition_dim
 
     @staticmethod
     def _config(group: dict[str, Any]) -> KLSoapConfig:
@@ -383,8 +413,15 @@ class KLSoap(torch.optim.Optimizer):
             stale_refresh=group["stale_refresh"],
         )
 
-    def _init_state(self, p: torch.Tensor) -> None:
-        m, n = p.shape[-2], p.shape[-1]
+    def _split(self, p: torch.Tensor, group: dict[str, Any]) -> ShardSplit | None:
+        """How ``p``'s matrices split over TP; None for whole matrices and ``blockwise``."""
+        info = self.tp_shards.get(p)
+        if info is None or group["tp_mode"] == "blockwise":
+            return None
+        return ShardSplit.of(info, info.matrix_axis(p.shape))
+
+    def _init_state(self, p: torch.Tensor, m: int, n: int) -> None:
+        """Fresh state for ``p``'s ``m×n`` matrices (the full ones for a duplicated shard)."""
         lead = p.shape[:-2]
         fresh = KLSoapMatrices.zeros(1, m, n, device=p.device)
         state = self.state[p]
@@ -402,37 +439,54 @@ class KLSoap(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             cfg = self._config(group)
-            buckets: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+            # Batches: same (full) shape, same step count, split the same way over TP.
+            buckets: dict[tuple[int, int, int, ShardSplit | None], list[torch.Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                split = self._split(p, group)
+                m, n = p.shape[-2], p.shape[-1]
+                if split is not None:
+                    m, n = split.full_shape(m, n)
                 if not self.state[p]:
-                    self._init_state(p)
-                key = (p.shape[-2], p.shape[-1], self.state[p]["step"])
+                    self._init_state(p, m, n)
+                key = (m, n, self.state[p]["step"], split)
                 buckets.setdefault(key, []).append(p)
-            for (_, _, done), params in buckets.items():
-                for chunk in self._chunks(params):
-                    self._step_chunk(chunk, group, cfg, done + 1)
+            for (m, n, done, split), params in buckets.items():
+                gathered = 1 if split is None else split.world_size
+                for chunk in self._chunks(params, gathered):
+                    self._step_chunk(chunk, group, cfg, done + 1, (m, n), split)
         return loss
 
-    def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-        """Consecutive runs of params whose stacked gradients stay within max_batch_numel."""
+    def _chunks(
+        self, params: list[torch.Tensor], gathered: int = 1
+    ) -> Iterator[list[torch.Tensor]]:
+        """Consecutive runs of params whose stacked gradients (``gathered`` shards each, for
+        duplicated TP shards) stay within max_batch_numel."""
         limit = self.max_batch_numel or default_max_batch_numel(params[0].device)
         chunk: list[torch.Tensor] = []
         size = 0
         for p in params:
-            if chunk and size + p.numel() > limit:
+            if chunk and size + p.numel() * gathered > limit:
                 yield chunk
                 chunk, size = [], 0
             chunk.append(p)
-            size += p.numel()
+            size += p.numel() * gathered
         if chunk:
             yield chunk
 
     def _step_chunk(
-        self, params: list[torch.Tensor], group: dict[str, Any], cfg: KLSoapConfig, step: int
+        self,
+        params: list[torch.Tensor],
+        group: dict[str, Any],
+        cfg: KLSoapConfig,
+        step: int,
+        shape: tuple[int, int],
+        split: ShardSplit | None,
     ) -> None:
-        m, n = params[0].shape[-2], params[0].shape[-1]
+        """One step of same-shape parameters; ``shape`` is their (full) matrix shape, ``split``
+        how the local shards make up full matrices (None: the parameters are whole)."""
+        m, n = shape
         shapes = {
             "exp_avg": (m, n),
             "exp_avg_sq": (m, n),
@@ -444,12 +498,17 @@ class KLSoap(torch.optim.Optimizer):
         packed = {
             key: self._packer.pack(self.state, params, key, shapes[key]) for key in STATE_KEYS
         }
-        grads = torch.cat([p.grad.reshape(-1, m, n) for p in params]).to(torch.float32)
+        local = params[0].shape[-2:]
+        grads = torch.cat([p.grad.reshape(-1, *local) for p in params]).to(torch.float32)
+        if split is not None:
+            grads = gather_shards(grads, split)
         delta = kl_soap_direction(grads, KLSoapMatrices(**packed), cfg, step)
+        if split is not None:
+            delta = own_shard(delta, split)
         lr, wd = group["lr"], group["weight_decay"]
         offset = 0
         for p in params:
-            count = p.numel() // (m * n)
+            count = p.numel() // local.numel()
             if wd != 0.0:
                 p.mul_(1.0 - lr * wd)
             p.add_(delta[offset : offset + count].view_as(p), alpha=-lr)

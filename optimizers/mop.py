@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
+
+from megatron_ext.distributed.tensor_parallel import TPMode, TPShardInfo
 
 from .newton_schulz import newton_schulz
 from .orthogonalized import OrthogonalizedOptimizer, ScaleMode
@@ -98,6 +100,10 @@ class MOP(OrthogonalizedOptimizer):
 
     Same update as :class:`~.muon.Muon` (momentum, scale modes, decoupled weight decay, fused
     QKV split, batching) with ``X = U Vᵀ`` computed by :func:`polar_factor` in ``precision``.
+
+    Tensor parallelism (``tp_shards``): ``tp_mode`` ``duplicated`` (default; the SVD of the
+    gathered full matrix, TP=1 update) or ``blockwise`` (each shard alone). There is no
+    ``distributed`` mode: an exact SVD does not decompose into per-shard products.
     """
 
     def __init__(
@@ -112,6 +118,8 @@ class MOP(OrthogonalizedOptimizer):
         scale_mode: ScaleMode = "spectral",
         extra_scale_factor: float = 1.0,
         qkv_layout: QKVLayout | None = None,
+        tp_mode: TPMode = "duplicated",
+        tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
         max_batch_numel: int | None = None,
     ) -> None:
         defaults = dict(
@@ -123,8 +131,9 @@ class MOP(OrthogonalizedOptimizer):
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             qkv_layout=qkv_layout,
+            tp_mode=tp_mode,
         )
-        super().__init__(params, defaults, max_batch_numel=max_batch_numel)
+        super().__init__(params, defaults, max_batch_numel=max_batch_numel, tp_shards=tp_shards)
         self.last_path: PolarPath | None = None
 
     def _validate_group(self, group: dict[str, Any]) -> None:

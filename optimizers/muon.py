@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from megatron_ext.distributed.tensor_parallel import (
+    DistributedIteration,
+    TPMode,
+    TPShardInfo,
+)
+
 from .newton_schulz import (
     CoefficientSet,
+    GramReduce,
     NSMethod,
     NSPrecision,
+    default_gram_restart,
+    gram_is_cheaper,
     newton_schulz,
+    newton_schulz_iterate,
     resolve_coefficients,
 )
 from .orthogonalized import OrthogonalizedOptimizer, ScaleMode
@@ -50,10 +60,19 @@ class Muon(OrthogonalizedOptimizer):
         scale_mode: ``spectral``, ``shape`` or ``unit_rms``.
         extra_scale_factor: multiplies the scale; 0.2 with ``spectral`` matches AdamW's RMS.
         qkv_layout: orthogonalise Q, K and V of a fused megatron-core ``linear_qkv.weight``
-            separately (put fused weights in their own parameter group with this option).
+            separately (put fused weights in their own parameter group with this option). Under
+            tensor parallelism: the layout of the shard (``num_query_groups`` per rank).
+        tp_mode: for parameters in ``tp_shards``: ``duplicated`` (default; gather, TP=1 update),
+            ``distributed`` (NS on shards with all-reduced Gram products; TP=1 update up to
+            rounding) or ``blockwise`` (each shard alone; not the TP=1 algorithm). See
+            :mod:`megatron_ext.distributed.tensor_parallel`.
+        tp_shards: tensor-parallel shards among ``params`` and their
+            :class:`~megatron_ext.distributed.tensor_parallel.TPShardInfo`.
         max_batch_numel: largest stacked batch, in elements; default
             :func:`~.orthogonalized.default_max_batch_numel`.
     """
+
+    supported_tp_modes = ("blockwise", "duplicated", "distributed")
 
     def __init__(
         self,
@@ -71,6 +90,8 @@ class Muon(OrthogonalizedOptimizer):
         scale_mode: ScaleMode = "spectral",
         extra_scale_factor: float = 1.0,
         qkv_layout: QKVLayout | None = None,
+        tp_mode: TPMode = "duplicated",
+        tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
         max_batch_numel: int | None = None,
     ) -> None:
         defaults = dict(
@@ -86,8 +107,9 @@ class Muon(OrthogonalizedOptimizer):
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             qkv_layout=qkv_layout,
+            tp_mode=tp_mode,
         )
-        super().__init__(params, defaults, max_batch_numel=max_batch_numel)
+        super().__init__(params, defaults, max_batch_numel=max_batch_numel, tp_shards=tp_shards)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         super()._validate_group(group)
@@ -107,3 +129,31 @@ class Muon(OrthogonalizedOptimizer):
             gram_restart=group["gram_restart"],
             inplace=True,
         )
+
+    def distributed_iteration(self, group: dict[str, Any]) -> DistributedIteration:
+        """NS steps on column blocks of full ``(m, N)`` matrices, Gram products reduced.
+
+        Plain or Gram NS is chosen from the *full* shape, as a TP=1 run would choose it; when
+        the blocks split the short side (m > N, the N×N Gram is reduced) plain NS is used
+        (Gram NS would then work on N×N matrices throughout).
+        """
+        steps = resolve_coefficients(group["coefficients"], group["num_steps"])
+        restart = group["gram_restart"]
+        if restart is None:
+            restart = default_gram_restart(group["num_steps"])
+        dtype = torch.bfloat16 if group["precision"] == "bf16" else torch.float32
+        method = group["ns_method"]
+
+        def iterate(
+            work: torch.Tensor, gram_reduce: GramReduce, full_shape: tuple[int, int]
+        ) -> torch.Tensor:
+            m, n = full_shape
+            use_gram = m <= n and (
+                method == "gram"
+                or (method == "auto" and gram_is_cheaper(m, n, len(steps), restart))
+            )
+            return newton_schulz_iterate(
+                work.to(dtype), steps, gram=use_gram, gram_restart=restart, gram_reduce=gram_reduce
+            )
+
+        return iterate

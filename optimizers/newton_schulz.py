@@ -29,7 +29,7 @@ at 3/4 of the flops where that pays. The flop counts here are those of full prod
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -40,11 +40,13 @@ from .validation import check_choice, check_range
 __all__ = [
     "COEFFICIENT_SETS",
     "CoefficientSet",
+    "GramReduce",
     "NSMethod",
     "NSPrecision",
     "gram_is_cheaper",
     "newton_schulz",
     "newton_schulz_flops",
+    "newton_schulz_iterate",
     "normalize_frobenius",
     "resolve_coefficients",
 ]
@@ -54,6 +56,10 @@ NSMethod = Literal["auto", "plain", "gram"]
 NSPrecision = Literal["fp32", "bf16"]
 
 Coefficients = tuple[float, float, float]
+
+#: In-place sum over ranks of a freshly formed ``(B, m, m)`` Gram matrix ``X Xᵀ`` (tensor-parallel
+#: Muon: each rank holds a column block of X, so ``X Xᵀ`` is the sum of the blocks' products).
+GramReduce = Callable[[torch.Tensor], None]
 
 
 def _polar_express_table() -> tuple[Coefficients, ...]:
@@ -230,27 +236,64 @@ def newton_schulz(
     use_gram = method == "gram" or (
         method == "auto" and gram_is_cheaper(m, n, num_steps, gram_restart)
     )
-    out = _gram_ns(work, steps, set(gram_restart)) if use_gram else _plain_ns(work, steps)
+    out = newton_schulz_iterate(work, steps, gram=use_gram, gram_restart=gram_restart)
     if transpose:
         out = out.mT
     return out.reshape(shape)
 
 
-def _plain_ns(x: torch.Tensor, steps: list[Coefficients]) -> torch.Tensor:
-    """Plain NS on a contiguous ``(B, m, n)`` batch, m ≤ n; ``x`` is used as workspace."""
+def newton_schulz_iterate(
+    work: torch.Tensor,
+    steps: list[Coefficients],
+    *,
+    gram: bool,
+    gram_restart: Sequence[int],
+    gram_reduce: GramReduce | None = None,
+) -> torch.Tensor:
+    """The NS steps on an already normalised, contiguous ``(B, m, n)`` batch, as given.
+
+    No orientation logic: the iteration runs on ``work`` as laid out (normally m ≤ n; m > n is
+    valid too, just costlier, since every m×m product grows). ``steps`` come from
+    :func:`resolve_coefficients`. ``gram`` selects Gram NS (``work`` is read, not overwritten)
+    over plain NS (``work`` is used as workspace). ``gram_reduce``, if given, is applied to
+    every ``X Xᵀ`` right after it is formed — plain NS: once per step; Gram NS: for ``R`` and
+    after each restart — and all other products are left-multiplications by m×m matrices
+    computed from reduced Grams. So if ``work`` holds column blocks of larger matrices and
+    ``gram_reduce`` sums over the blocks, every block follows the iteration of the full
+    matrices (tensor-parallel Muon, :mod:`megatron_ext.distributed.tensor_parallel`).
+
+    Returns:
+        ``(B, m, n)`` tensor in the dtype of ``work``.
+    """
+    if gram:
+        return _gram_ns(work, steps, set(gram_restart), gram_reduce)
+    return _plain_ns(work, steps, gram_reduce)
+
+
+def _plain_ns(
+    x: torch.Tensor, steps: list[Coefficients], gram_reduce: GramReduce | None = None
+) -> torch.Tensor:
+    """Plain NS on a contiguous ``(B, m, n)`` batch; ``x`` is used as workspace."""
     other = torch.empty_like(x)
     gram = torch.empty(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
     poly = torch.empty_like(gram)
     for a, b, c in steps:
         symmetric_bmm(x, x.mT, gram)  # A = XXᵀ
+        if gram_reduce is not None:
+            gram_reduce(gram)
         symmetric_bmm(gram, gram, poly, add=gram, beta=b, alpha=c)  # B = bA + cA²
         torch.baddbmm(x, poly, x, beta=a, alpha=1.0, out=other)  # X ← aX + BX
         x, other = other, x
     return x
 
 
-def _gram_ns(x: torch.Tensor, steps: list[Coefficients], restart: set[int]) -> torch.Tensor:
-    """Gram NS on a contiguous ``(B, m, n)`` batch, m ≤ n; ``x`` is read, not overwritten.
+def _gram_ns(
+    x: torch.Tensor,
+    steps: list[Coefficients],
+    restart: set[int],
+    gram_reduce: GramReduce | None = None,
+) -> torch.Tensor:
+    """Gram NS on a contiguous ``(B, m, n)`` batch; ``x`` is read, not overwritten.
 
     Every m×m product here is of two commuting symmetric matrices (all are polynomials in R),
     so each is formed by :func:`symmetric_bmm`.
@@ -258,6 +301,8 @@ def _gram_ns(x: torch.Tensor, steps: list[Coefficients], restart: set[int]) -> t
     batch, m = x.shape[0], x.shape[1]
     a_mat = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     symmetric_bmm(x, x.mT, a_mat)  # A_0 = R = X_0 X_0ᵀ
+    if gram_reduce is not None:
+        gram_reduce(a_mat)
     q_mat = torch.empty_like(a_mat)
     tmp = torch.empty_like(a_mat)
     p_mat: torch.Tensor | None = None  # P = I, kept implicit until the first step
@@ -281,6 +326,8 @@ def _gram_ns(x: torch.Tensor, steps: list[Coefficients], restart: set[int]) -> t
             # would hold here, so the rounding that crept into A and P is discarded.
             x = torch.bmm(p_mat, x)
             symmetric_bmm(x, x.mT, a_mat)
+            if gram_reduce is not None:
+                gram_reduce(a_mat)
             p_mat = None
             continue
         # A ← Q A Q. Q and A commute in exact arithmetic; the symmetric form keeps A symmetric.

@@ -10,17 +10,33 @@
 3. matrices of the same shape (after turning each to rows ≤ columns) are stacked and
    orthogonalised in one batched call — one copy of each momentum, nothing else full-size;
 4. ``W ← W − η·s·O`` with the per-matrix scale ``s`` of :func:`update_scale`.
+
+Tensor parallelism: parameters listed in ``tp_shards`` (a :class:`TPShardInfo` per shard) are
+orthogonalised according to their group's ``tp_mode`` (see
+:mod:`megatron_ext.distributed.tensor_parallel`): ``blockwise`` treats each shard as its own
+matrix; ``duplicated`` (and ``distributed``, where a subclass supports it) gives the TP=1 update,
+with the scale from the full matrix's shape. Shards that split the same way are still stacked,
+one collective per stacked batch.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+
+from megatron_ext.distributed.tensor_parallel import (
+    DistributedIteration,
+    ShardSplit,
+    TPShardInfo,
+    check_tp_mode,
+    orthogonalize_distributed,
+    orthogonalize_duplicated,
+)
 
 from .qkv import QKVLayout, qkv_views
 from .validation import check_choice, check_range
@@ -131,6 +147,16 @@ def matrix_slots(
     return slots
 
 
+def full_matrix_shape(slot: MatrixSlot, split: ShardSplit | None) -> tuple[int, int]:
+    """``(rows, cols)`` of the matrix whose shard ``slot`` is (itself if ``split`` is None)."""
+    if split is None:
+        return slot.rows, slot.cols
+    batch_axis = 0 if split.axis == -2 else 1
+    if batch_axis ^ int(slot.transposed) == 0:
+        return slot.rows * split.world_size, slot.cols
+    return slot.rows, slot.cols * split.world_size
+
+
 def batched(slots: list[MatrixSlot], max_numel: int) -> Iterator[list[MatrixSlot]]:
     """Cut a list of same-shape slots into batches of at most ``max_numel`` elements."""
     m, n = slots[0].batch_shape
@@ -145,8 +171,15 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     Parameter-group options (all keyword-only in the subclasses): ``lr``, ``momentum`` (β of the
     EMA), ``nesterov``, ``weight_decay`` (λ of ``W ← (1 − ηλ)W``), ``scale_mode``,
     ``extra_scale_factor``, ``qkv_layout`` (a :class:`~.qkv.QKVLayout` for groups holding fused
-    QKV weights, else None).
+    QKV weights, else None; under TP the layout of the shard), ``tp_mode``.
+
+    ``tp_shards`` maps tensor-parallel shards among the parameters to their
+    :class:`TPShardInfo`; parameters not in it (or with a TP world size of 1) are whole matrices.
     """
+
+    #: ``tp_mode`` values this optimizer implements (``distributed`` needs
+    #: :meth:`distributed_iteration`).
+    supported_tp_modes: ClassVar[tuple[str, ...]] = ("blockwise", "duplicated")
 
     def __init__(
         self,
@@ -154,10 +187,12 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         max_batch_numel: int | None = None,
+        tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
     ) -> None:
         if max_batch_numel is not None:
             check_range("max_batch_numel", max_batch_numel, low=1)
         self.max_batch_numel = max_batch_numel
+        self.tp_shards = {p: i for p, i in (tp_shards or {}).items() if i.world_size > 1}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -174,6 +209,14 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             layout = group["qkv_layout"]
             if layout is not None and (p.ndim != 2 or p.shape[0] != layout.rows):
                 raise ValueError(f"parameter of shape {tuple(p.shape)} does not match {layout}")
+            info = self.tp_shards.get(p)
+            axis = None if info is None else info.matrix_axis(p.shape)  # validates
+            if layout is not None and info is not None and (axis, info.partition_stride) != (0, 1):
+                raise ValueError(
+                    "a fused QKV weight under tensor parallelism is split along its rows into "
+                    "whole query groups (partition_dim=0, partition_stride=1), got "
+                    f"partition_dim={info.partition_dim}, partition_stride={info.partition_stride}"
+                )
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check a group's hyperparameters; subclasses extend it for their own keys."""
@@ -187,6 +230,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         layout = group["qkv_layout"]
         if layout is not None and not isinstance(layout, QKVLayout):
             raise ValueError(f"qkv_layout must be a QKVLayout or None, got {layout!r}")
+        check_tp_mode(group["tp_mode"], self.supported_tp_modes, type(self).__name__)
 
     def orthogonalize(self, x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Polar factor (approximate) of each matrix of the ``(B, m, n)`` fp32 batch, m ≤ n.
@@ -194,6 +238,29 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         ``x`` is a private copy of the momenta, which the hook may overwrite.
         """
         raise NotImplementedError
+
+    def distributed_iteration(self, group: dict[str, Any]) -> DistributedIteration:
+        """The iteration for ``tp_mode="distributed"`` (see
+        :func:`~megatron_ext.distributed.tensor_parallel.orthogonalize_distributed`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no distributed TP mode")
+
+    def _split(self, slot: MatrixSlot, p: torch.Tensor, group: dict[str, Any]) -> ShardSplit | None:
+        """How ``slot``'s batch splits over TP; None for whole matrices and ``blockwise``."""
+        info = self.tp_shards.get(p)
+        if info is None or group["tp_mode"] == "blockwise":
+            return None
+        # Split along the slot's rows or columns, and in the batch the slot may be transposed.
+        return ShardSplit.of(info, info.matrix_axis(p.shape) ^ int(slot.transposed))
+
+    def _orthogonalize_shards(
+        self, x: torch.Tensor, group: dict[str, Any], split: ShardSplit
+    ) -> torch.Tensor:
+        """This rank's block of the orthogonalised full matrices of a ``(B, m, n)`` shard batch."""
+        if group["tp_mode"] == "duplicated":
+            return orthogonalize_duplicated(x, split, lambda full: self.orthogonalize(full, group))
+        return orthogonalize_distributed(
+            x, split.axis, split.world_size, split.all_reduce_, self.distributed_iteration(group)
+        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -227,23 +294,31 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         else:
             sources = buffers
 
-        by_shape: dict[tuple[int, int], list[MatrixSlot]] = defaultdict(list)
+        # Batches: same shape, and (TP shards) split the same way over the same group.
+        by_batch: dict[tuple[tuple[int, int], ShardSplit | None], list[MatrixSlot]]
+        by_batch = defaultdict(list)
         for p, source in zip(params, sources, strict=True):
             for slot in matrix_slots(source, p, group["qkv_layout"]):
-                by_shape[slot.batch_shape].append(slot)
+                by_batch[(slot.batch_shape, self._split(slot, p, group))].append(slot)
 
-        for (m, n), slots in by_shape.items():
+        for ((m, n), split), slots in by_batch.items():
             device = slots[0].source.device
             limit = self.max_batch_numel or default_max_batch_numel(device)
+            if split is not None and group["tp_mode"] == "duplicated":
+                limit //= split.world_size  # the batch is gathered: count full matrices
             for chunk in batched(slots, limit):
                 x = torch.empty(
                     len(chunk), m, n, dtype=torch.float32, device=chunk[0].source.device
                 )
                 for i, slot in enumerate(chunk):
                     slot.load_into(x[i])
-                ortho = self.orthogonalize(x, group)
+                if split is None:
+                    ortho = self.orthogonalize(x, group)
+                else:
+                    ortho = self._orthogonalize_shards(x, group, split)
                 for i, slot in enumerate(chunk):
+                    rows, cols = full_matrix_shape(slot, split)
                     scale = update_scale(
-                        slot.rows, slot.cols, group["scale_mode"], group["extra_scale_factor"]
+                        rows, cols, group["scale_mode"], group["extra_scale_factor"]
                     )
                     slot.add_to_target(ortho[i], alpha=-lr * scale)

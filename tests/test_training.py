@@ -201,10 +201,20 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
         assert abs(a - b) <= 1e-4 * abs(a), (_losses(elastic), dp2)
 
 
-def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        ("optimizer.name=adamw",),
+        ("optimizer.name=muon", "optimizer.tp_mode=duplicated"),
+        ("optimizer.name=muon", "optimizer.tp_mode=distributed"),
+    ],
+    ids=["adamw", "muon-duplicated", "muon-distributed"],
+)
+def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path, optimizer):
     """megatron-core's TP=2 on gloo gives the single-rank losses on the same global batches, to
-    fp32 tolerance. (PP=2 also trains, but its stages initialise from offset seeds, as in
-    Megatron-LM, so its weights and losses differ from a single rank's by construction.)"""
+    fp32 tolerance; for Muon through the layer-wise optimizer this holds in the duplicated and
+    distributed TP modes (full-matrix statistics). (PP=2 also trains, but its stages initialise
+    from offset seeds, as in Megatron-LM, so its losses differ from a single rank's.)"""
     runs = {}
     for name, nproc, layout in (
         ("single", 1, ()),
@@ -220,6 +230,7 @@ def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):
             "checkpoint.save_interval=0",
             "training.steps=4",
             "model.make_vocab_size_divisible_by=256",
+            *optimizer,
             *layout,
             module=True,
         )
@@ -227,6 +238,32 @@ def test_tensor_parallel_matches_one_rank(recipe_file, tmp_path):
     assert runs["single"][-1] < runs["single"][0] - 0.1
     for a, b in zip(runs["single"], runs["tp2"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), runs
+
+
+def test_blockwise_tensor_parallel_muon_is_not_tp1(recipe_file, tmp_path):
+    """The blockwise mode orthogonalises each shard alone: documented as not equivalent, and it
+    is not (the losses leave TP=1's by far more than fp32 rounding)."""
+    runs = {}
+    for name, nproc, extra in (
+        ("single", 1, ()),
+        ("blockwise", 2, ("parallel.tensor_model_parallel_size=2", "optimizer.tp_mode=blockwise")),
+    ):
+        run_torchrun(
+            "megatron_ext.launch.cli",
+            nproc,
+            "train",
+            str(recipe_file),
+            f"run_dir={tmp_path / name}",
+            "checkpoint.save_interval=0",
+            "training.steps=8",
+            "model.make_vocab_size_divisible_by=256",
+            "optimizer.name=muon",
+            *extra,
+            module=True,
+        )
+        runs[name] = _losses(tmp_path / name)
+    assert runs["single"][0] == pytest.approx(runs["blockwise"][0], rel=1e-5)  # same start
+    assert abs(runs["single"][-1] - runs["blockwise"][-1]) > 1e-3 * runs["single"][-1], runs  # vs 1e-4 when equivalent
 
 
 def test_replica_check_catches_a_one_bit_divergence(tmp_path):

@@ -97,6 +97,13 @@ class OptimizerConfig:
     ns_steps: int = spec(5, ge=1, help="muon Newton-Schulz iterations")
     extra_scale_factor: float = spec(0.2, gt=0.0, help="muon/mop: x sqrt(max(m,n)) scale")
     kl_soap_refresh_mode: str = spec("qr", choices=("qr", "eigh", "cholesky_qr2"))
+    tp_mode: str = spec(
+        "duplicated",
+        choices=("blockwise", "duplicated", "distributed"),
+        help="matrix optimizers under tensor parallelism: duplicated = gather the shards, TP=1 "
+        "update; distributed = Muon's NS with all-reduced Gram products; blockwise = each shard "
+        "alone (not TP=1-equivalent)",
+    )
 
 
 @dataclass
@@ -174,6 +181,60 @@ class LaunchConfig:
 
 
 @dataclass
+class SomaConfig:
+    """SOMA: N byte-level LSTM experts trained by zero-order SPSA on tf-idf clusters.
+
+    The corpus comes from ``data.source`` (nothing is downloaded), cut into windows of
+    ``window_bytes``; ``test_fraction`` of them is held out for the routed evaluation, the rest is
+    clustered into ``num_experts`` shards (each split ``1 - val_fraction`` / ``val_fraction``).
+    """
+
+    num_experts: int = spec(4, ge=1, help="N experts = N tf-idf clusters")
+    d_embed: int = spec(32, ge=1, help="width of the shared tied byte embedding E (256 x d_embed)")
+    d_model: int = spec(32, ge=1, help="expert body width d_t; != d_embed adds projections + head")
+    num_blocks: int = spec(2, ge=1, help="pre-norm LSTM+MLP blocks per expert")
+    n_pert: int = spec(8, ge=1, help="SPSA probe directions per batch (2 losses each)")
+    batch_size: int = spec(16, ge=1, help="sequences per batch (shared by all probes)")
+    seq_length: int = spec(256, ge=1, help="bytes per training sequence (+1 target)")
+    accumulation: int = spec(1, ge=1, help="A: independent batches+probes averaged per update")
+    lr: float = spec(1e-3, gt=0.0, help="initial Adam lr (halved with eps on plateaus)")
+    eps: float = spec(1e-3, gt=0.0, help="initial SPSA perturbation size")
+    lr_floor: float = spec(1e-5, gt=0.0, help="lr and eps are never halved below this")
+    weight_decay: float = spec(0.0, ge=0.0, help="coupled: lambda*theta added to the estimate")
+    plateau_patience: int = spec(1000, ge=1, help="updates without improvement before halving")
+    plateau_min_delta: float = spec(1e-8, ge=0.0, help="validation-loss improvement that counts")
+    seed_updates: int = spec(200, ge=0, help="updates of the seed run (N = 1, E learned)")
+    head_lr: float = spec(3e-3, gt=0.0, help="seed run: Adam lr of the tied head E (delta rule)")
+    expert_updates: int = spec(400, ge=0, help="updates per expert after the seed run")
+    eval_interval: int = spec(50, ge=1, help="validation loss (plateau check) every k updates")
+    val_windows: int = spec(8, ge=1, help="validation windows scored per check (at most)")
+    distribution: str = spec(
+        "fso",
+        choices=("fso", "ddpp"),
+        help="fso: each rank trains its own experts, no communication; "
+        "ddpp: every expert's probe directions are split over all ranks",
+    )
+    loss_mode: str = spec(
+        "independent",
+        choices=("independent", "summed"),
+        help="summed: one finite difference of the sum of a rank's experts' losses (ablation)",
+    )
+    window_bytes: int = spec(1025, ge=2, help="corpus window: 1,024 inputs + 1 target")
+    route_bytes: int = spec(256, ge=1, help="evaluation routes on this prefix of a window")
+    score_bytes: int = spec(768, ge=1, help="evaluation scores this many targets after it")
+    eval_topk: int | None = spec(None, ge=1, help="experts averaged per window; None = min(4, N)")
+    test_fraction: float = spec(0.01, gt=0.0, le=0.5, help="windows held out for evaluation")
+    val_fraction: float = spec(0.01, gt=0.0, le=0.5, help="per-expert validation share")
+    router: str = spec("", help="router artifact path; '' = <run_dir>/router.pkl (fit if missing)")
+    router_svd_dim: int = spec(128, ge=2)
+    router_max_features: int | None = spec(None, ge=1, help="None = scaled to the corpus")
+    router_min_df: int | None = spec(None, ge=1, help="None = scaled to the corpus")
+
+    def topk(self) -> int:
+        return self.eval_topk if self.eval_topk is not None else min(4, self.num_experts)
+
+
+@dataclass
 class Recipe:
     """A whole run: the object every trainer receives."""
 
@@ -187,6 +248,7 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    soma: SomaConfig = field(default_factory=SomaConfig)
 
     def check(self, world_size: int | None = None) -> None:
         """Cross-field rules; raises ``ConfigError``. ``world_size`` adds the layout checks."""
@@ -250,6 +312,13 @@ class Recipe:
                 "data.tokenizer=sentencepiece needs data.tokenizer_model "
                 "(train one with `megatron-ext data tokenizer`)"
             )
+        if self.optimizer.tp_mode == "distributed" and self.optimizer.name in ("mop", "kl_soap"):
+            raise ConfigError(
+                f"optimizer.tp_mode=distributed is Muon's Newton-Schulz iteration; "
+                f"optimizer.name={self.optimizer.name} supports tp_mode=duplicated or blockwise"
+            )
+        if self.trainer == "soma":
+            self._check_soma()
         if self.trainer == "gpt":
             # The schedule checks its own consistency (e.g. the WSD window must fit after the
             # warmup): build it once here so a bad schedule fails before any process starts.
@@ -258,6 +327,40 @@ class Recipe:
             LRSchedule.from_recipe(self.optimizer, self.training)
         if world_size is not None:
             self.check_layout(world_size)
+
+    def _check_soma(self) -> None:
+        from megatron_ext.config.errors import ConfigError
+
+        s = self.soma
+        if s.eval_topk is not None and s.eval_topk > s.num_experts:
+            raise ConfigError(
+                f"soma.eval_topk={s.eval_topk} exceeds soma.num_experts={s.num_experts}: "
+                f"an evaluation window can be routed to at most N experts"
+            )
+        if s.route_bytes + s.score_bytes > s.window_bytes - 1:
+            raise ConfigError(
+                f"soma.route_bytes + soma.score_bytes = {s.route_bytes + s.score_bytes} exceeds "
+                f"the {s.window_bytes - 1} targets of a soma.window_bytes={s.window_bytes} window"
+            )
+        if s.seq_length > s.window_bytes - 1:
+            raise ConfigError(
+                f"soma.seq_length={s.seq_length} exceeds the {s.window_bytes - 1} targets of a "
+                f"soma.window_bytes={s.window_bytes} window"
+            )
+        for name in ("lr", "eps"):
+            if getattr(s, name) < s.lr_floor:
+                raise ConfigError(
+                    f"soma.{name}={getattr(s, name)} is below soma.lr_floor={s.lr_floor}"
+                )
+        if s.loss_mode == "summed" and s.distribution == "ddpp":
+            raise ConfigError(
+                "soma.loss_mode=summed needs soma.distribution=fso (the summed finite difference "
+                "runs over the experts a rank holds)"
+            )
+        if not self.data.source:
+            raise ConfigError(
+                "trainer=soma needs data.source (text files, folders or 'python-stdlib')"
+            )
 
     def model_parallel_size(self) -> int:
         p = self.parallel
@@ -272,6 +375,15 @@ class Recipe:
         """World size against the parallel layout and the batch sizes."""
         from megatron_ext.config.errors import ConfigError
 
+        if self.trainer == "soma":
+            s = self.soma
+            if s.distribution == "fso" and s.num_experts < world_size:
+                raise ConfigError(
+                    f"soma.distribution=fso gives each rank its own experts, but "
+                    f"soma.num_experts={s.num_experts} < {world_size} ranks: use at most "
+                    f"{s.num_experts} ranks, more experts, or soma.distribution=ddpp"
+                )
+            return
         p, t = self.parallel, self.training
         mp = self.model_parallel_size()
         if world_size % mp:

@@ -29,6 +29,7 @@ from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownersh
 from megatron_ext.optimizers import build_optimizer, route_parameter, weight_decay_groups
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")  # the ones whose update couples a matrix's entries
 
 
 @dataclass
@@ -55,6 +56,8 @@ class LayerwiseOptimizer:
         hyperparameters: per optimizer name, its keyword hyperparameters.
         gather: the all-gather-v backend over this data-parallel group.
         bucket_numel: parameters per bucket, in elements (a bucket closes when it would exceed).
+        tp_shards: tensor-parallel shards and their layout; the matrix optimizers update them in
+            their ``tp_mode`` (:mod:`megatron_ext.distributed.tensor_parallel`).
     """
 
     named_params: NamedParams
@@ -63,6 +66,7 @@ class LayerwiseOptimizer:
     hyperparameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     overrides: Sequence[tuple[str, str]] = ()
     bucket_numel: int = 4_000_000
+    tp_shards: Mapping[torch.Tensor, Any] | None = None  # TPShardInfo of tensor-parallel shards
     events: list[tuple[str, int]] | None = None  # when a list: ("update"|"launch"|"wait", bucket)
 
     def __post_init__(self) -> None:
@@ -79,6 +83,7 @@ class LayerwiseOptimizer:
             (n, p) for n, p in self.named_params if self.plan.owner[n] == OwnershipPlan.REPLICATED
         )
         self.buckets = self._build_buckets()
+        self.grad_bytes = {"sent": 0, "received": 0}  # reduce_grads payload, cumulative
 
     # -- construction ---------------------------------------------------------------------
     def _optimizers_for(
@@ -92,7 +97,11 @@ class LayerwiseOptimizer:
         optimizers = {}
         for route, named in by_route.items():
             groups = weight_decay_groups(named)
-            optimizers[route] = build_optimizer(route, groups, self.hyperparameters.get(route))
+            hp = dict(self.hyperparameters.get(route) or {})
+            shards = {p: self.tp_shards[p] for _, p in named if p in (self.tp_shards or {})}
+            if shards and route in MATRIX_OPTIMIZERS:  # AdamW/Lion are elementwise: shards are fine
+                hp["tp_shards"] = shards
+            optimizers[route] = build_optimizer(route, groups, hp)
         return optimizers
 
     def _build_buckets(self) -> list[Bucket]:
@@ -200,6 +209,48 @@ class LayerwiseOptimizer:
 
             handles.append(holder[bucket.first].register_forward_pre_hook(wait))
         return handles
+
+    # -- gradient sync: reduce-scatter-v to the owners ----------------------------------------
+    @torch.no_grad()
+    def reduce_grads(self, grads: Mapping[str, torch.Tensor], group: Any = None) -> None:
+        """Sum each gradient over the data-parallel ranks into its owner's copy, in place.
+
+        ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). Per bucket one
+        variable-size reduce-scatter: an ``all_to_all_single`` of the rank-major bucket (rank r
+        receives every rank's segment r, nothing padded), then the owner adds the ``world``
+        contributions in rank order (deterministic). Replicated parameters are all-reduced.
+        Afterwards only the owner's (and replicated) gradients hold sums; the others keep local
+        partial values, which nothing reads (norms and updates use owned gradients only).
+
+        Per rank and bucket it sends the bytes of the gradients it does not own and receives
+        ``world − 1`` copies of the ones it owns; a ring all-reduce sends and receives
+        ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_bytes`."""
+        for name, _ in self.named_params:
+            if self.plan.owner[name] == OwnershipPlan.REPLICATED:
+                torch.distributed.all_reduce(grads[name], group=group)
+        for bucket in self.buckets:
+            mine = bucket.counts[self.rank]
+            send = torch.cat([grads[n].reshape(-1) for n, _ in bucket.order])
+            recv = send.new_empty(self.world * mine)
+            if self.world > 1:
+                torch.distributed.all_to_all_single(
+                    recv, send, [mine] * self.world, bucket.counts, group=group
+                )
+            else:
+                recv.copy_(send)
+            parts = recv.view(self.world, mine)
+            total = parts[0].clone()
+            for r in range(1, self.world):
+                total += parts[r]
+            offset = 0
+            for name, _ in bucket.order:
+                if self.plan.owner[name] == self.rank:
+                    g = grads[name]
+                    g.copy_(total[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            size = send.element_size()
+            self.grad_bytes["sent"] += (send.numel() - mine) * size
+            self.grad_bytes["received"] += (self.world - 1) * mine * size
 
     # -- bookkeeping --------------------------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:

@@ -74,9 +74,14 @@ def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
     return {
         "adamw": {**adam, "foreach": True},
         "lion": common,
-        "muon": {**ortho, "coefficients": cfg.ns_coefficients, "num_steps": cfg.ns_steps},
-        "mop": ortho,
-        "kl_soap": {**adam, "refresh_mode": cfg.kl_soap_refresh_mode},
+        "muon": {
+            **ortho,
+            "coefficients": cfg.ns_coefficients,
+            "num_steps": cfg.ns_steps,
+            "tp_mode": cfg.tp_mode,
+        },
+        "mop": {**ortho, "tp_mode": cfg.tp_mode},
+        "kl_soap": {**adam, "refresh_mode": cfg.kl_soap_refresh_mode, "tp_mode": cfg.tp_mode},
     }
 
 
@@ -103,15 +108,18 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
                 "the layer-wise optimizer does not plan over expert-data-parallel groups yet: "
                 "use parallel.expert_model_parallel_size=1 or optimizer.name=adamw"
             )
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError(
-                f"optimizer.name={cfg.name} under tensor parallelism needs the TP modes "
-                "(duplicated/distributed) that are not built yet; orthogonalising each shard "
-                "alone would silently change the algorithm. Use "
-                "parallel.tensor_model_parallel_size=1 or optimizer.name=adamw"
-            )
+        from megatron_ext.distributed.tensor_parallel import shard_infos_from_attributes
+
+        # TP shards of the hidden matrices: the matrix optimizers update them in optimizer.tp_mode
+        # (the ownership plan depends only on names and shard shapes, so every rank of a TP group
+        # owns the same shards and joins the same TP collectives).
+        tp_shards = shard_infos_from_attributes(
+            [p for _, p in named], parallel_state.get_tensor_model_parallel_group()
+        )
         gather = make_allgather_v(parallel_state.get_data_parallel_group())
-        return LayerwiseOptimizer(named, cfg.name, gather, hyperparameters(cfg))
+        return LayerwiseOptimizer(
+            named, cfg.name, gather, hyperparameters(cfg), tp_shards=tp_shards
+        )
 
     return build
 
@@ -143,7 +151,13 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().clone().float())
             )
             # Tensor-parallel attributes travel with the master (for norm filtering).
-            for attr in ("tensor_model_parallel", "partition_dim", "shared", "allreduce"):
+            for attr in (
+                "tensor_model_parallel",
+                "partition_dim",
+                "partition_stride",
+                "shared",
+                "allreduce",
+            ):
                 if hasattr(p, attr) and master is not p:
                     setattr(master, attr, getattr(p, attr))
             self.model_params.append(p)
@@ -295,6 +309,29 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self._param_sync_in_forward = True
         return True
 
+    def take_over_grad_sync(self, model: Any) -> bool:
+        """With the layer-wise optimizer, replace DDP's gradient all-reduce by a reduce-scatter-v
+        to the owners (:meth:`LayerwiseOptimizer.reduce_grads`): each rank receives only the
+        gradients it updates, about half an all-reduce's bytes. ``model`` is megatron-core's
+        DDP wrapper; its ``finish_grad_sync`` (called by ``finalize_model_grads``) is replaced,
+        keeping DDP's scaling of each bucket (1/dp) before the sum. Returns whether it did."""
+        if not self._layerwise():
+            return False
+        names = self.master_names
+        group = parallel_state.get_data_parallel_group()
+
+        @torch.no_grad()
+        def finish_grad_sync(force_all_reduce: bool = False) -> None:
+            for bucket_group in model.bucket_groups + model.expert_parallel_bucket_groups:
+                for bucket in bucket_group.buckets:
+                    if bucket.gradient_scaling_factor != 1.0:
+                        bucket.grad_data *= bucket.gradient_scaling_factor
+            grads = {n: p.main_grad for n, p in zip(names, self.model_params, strict=True)}
+            self.optimizer.reduce_grads(grads, group=group)
+
+        model.finish_grad_sync = finish_grad_sync
+        return True
+
     def finish_param_sync(self) -> None:
         """Wait for any parameter all-gather still in flight (before reading parameters)."""
         if self._layerwise():
@@ -386,13 +423,20 @@ class MegatronExtOptimizer(MegatronOptimizer):
         """The state of every parameter this rank holds, one entry per (parameter, state key):
         tensors as whole ShardedTensors, scalars as ShardedObjects, keyed by the parameter's
         model shard so a checkpoint loads at any data-parallel size. The owner writes (replica
-        0); replicated parameters are written by data-parallel rank 0. fp32 masters are laid
+        0); replicated parameters are written by data-parallel rank 0, tensor-parallel
+        duplicates by TP rank 0. fp32 masters are laid
         out like their model parameters (megatron-core's own fp32_param convention)."""
         opt = self.optimizer
         shards = self._model_shard_keys(model_sharded_state_dict)
+        params = dict(zip(self.master_names, self.master_params, strict=True))
+        tp_main = {  # a tensor-parallel duplicate (e.g. a norm) is written by TP rank 0 only
+            n: not parallel_state.model_parallel_is_initialized()
+            or tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+            for n, p in params.items()
+        }
         state: dict[str, dict[str, Any]] = {}
         for name, st in opt.named_state().items():
-            replica = 0 if opt.saves(name) else 1 + opt.rank
+            replica = 0 if opt.saves(name) and tp_main[name] else 1 + dist.get_rank()
             tag = self._shard_tag(shards[name])
             entry = {}
             for k, v in st.items():

@@ -102,6 +102,7 @@ def setup(recipe: Recipe) -> GPTRun:
         megatron_optimizer_config(recipe.optimizer, bf16),
     )
     optimizer.overlap_param_sync_with_forward(model.module)
+    optimizer.take_over_grad_sync(model)  # layer-wise: reduce-scatter-v instead of all-reduce
 
     dp = env.world_size // recipe.model_parallel_size()
     flops = gpt_train_flops_per_token(
