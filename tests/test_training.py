@@ -263,7 +263,8 @@ def test_blockwise_tensor_parallel_muon_is_not_tp1(recipe_file, tmp_path):
         )
         runs[name] = _losses(tmp_path / name)
     assert runs["single"][0] == pytest.approx(runs["blockwise"][0], rel=1e-5)  # same start
-    assert abs(runs["single"][-1] - runs["blockwise"][-1]) > 1e-3 * runs["single"][-1], runs  # vs 1e-4 when equivalent
+    # 10x the 1e-4 tolerance the equivalent modes meet
+    assert abs(runs["single"][-1] - runs["blockwise"][-1]) > 1e-3 * runs["single"][-1], runs
 
 
 def test_replica_check_catches_a_one_bit_divergence(tmp_path):

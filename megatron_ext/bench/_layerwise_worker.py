@@ -98,8 +98,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     named = workload_names()
     params = [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02)) for n, s in named]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for _, s in named]
+    # bf16-representable values: the dp shares g/dp (dp <= 4) then sum back to g exactly.
+    grads = [(torch.randn(s, generator=gen) * 1e-3).bfloat16().float() for _, s in named]
 
+    world = dist.get_world_size()
     gather = make_allgather_v()
     opt = LayerwiseOptimizer(params, args.optimizer, gather, bucket_numel=args.bucket_numel)
     timer = _Timer()
@@ -109,13 +111,17 @@ def main() -> None:
     rows: dict[str, list[float]] = {
         k: [] for k in ("compute_cpu_s", "compute_process_cpu_s", "compute_wall_s")
     }
-    rows |= {"step_wall_s": [], "exposed_comm_s": []}
+    rows |= {"step_wall_s": [], "exposed_comm_s": [], "grad_sync_s": []}
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             gather.stats = WireStats()
+            opt.grad_bytes = {"sent": 0, "received": 0}
         for (_, p), g in zip(params, grads, strict=True):
-            p.grad = g  # identical on every rank, as after DDP's gradient all-reduce
+            p.grad = g / world  # each rank's share, scaled as DDP scales before its sum
         dist.barrier()
+        g0 = time.perf_counter()
+        opt.reduce_grads({n: p.grad for n, p in params})  # reduce-scatter-v to the owners
+        grad_sync_s = time.perf_counter() - g0
         timer.reset()
         w0 = time.perf_counter()
         opt.step()
@@ -128,6 +134,7 @@ def main() -> None:
             rows["compute_wall_s"].append(timer.wall)
             rows["step_wall_s"].append(w1 - w0)
             rows["exposed_comm_s"].append(w2 - w1)
+            rows["grad_sync_s"].append(grad_sync_s)
 
     plan = opt.plan
     rank, world = opt.rank, opt.world
@@ -150,6 +157,8 @@ def main() -> None:
         "not_owned_bytes": sum(nbytes.values()) - owned - replicated,
         "param_sync_bytes_sent": gather.stats.sent / args.steps,
         "param_sync_bytes_recv": gather.stats.received / args.steps,
+        "grad_sync_bytes_sent": opt.grad_bytes["sent"] / args.steps,
+        "grad_sync_bytes_recv": opt.grad_bytes["received"] / args.steps,
         "plan_compute_flops": plan.compute,
         "plan_memory_bytes": plan.memory,
         "compute_imbalance": plan.compute_imbalance,

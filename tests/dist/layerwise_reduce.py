@@ -1,0 +1,60 @@
+"""Run under torchrun (gloo): the layer-wise optimizer's gradient reduce-scatter-v.
+
+Every rank has different gradients; after ``reduce_grads`` each owned (and replicated) gradient
+must equal the sum over ranks added in rank order, bit for bit, computed here from every rank's
+regenerated gradients. Writes ``OUT.<rank>.json`` with the check and the byte counters.
+
+Usage: layerwise_reduce.py OUT
+"""
+
+import json
+import sys
+
+import torch
+from layerwise_step import make_params  # same folder (run as a script)
+
+from megatron_ext.distributed.allgather_v import make_allgather_v
+from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+from megatron_ext.distributed.plan import OwnershipPlan
+
+
+def grads_of(rank: int, params) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(77 + rank)
+    return {n: torch.randn(p.shape, generator=gen) for n, p in params}
+
+
+def main(out: str) -> None:
+    torch.distributed.init_process_group("gloo")
+    params = make_params(with_experts=True)
+    opt = LayerwiseOptimizer(params, "muon", make_allgather_v(), bucket_numel=3000)
+    mine = grads_of(opt.rank, params)
+    opt.reduce_grads(mine)
+    every = [grads_of(r, params) for r in range(opt.world)]
+    wrong = []
+    for name, _ in params:
+        if opt.plan.owner[name] not in (opt.rank, OwnershipPlan.REPLICATED):
+            continue
+        want = every[0][name].clone()
+        for r in range(1, opt.world):
+            want += every[r][name]
+        exact = opt.plan.owner[name] != OwnershipPlan.REPLICATED  # all-reduce: backend's order
+        ok = torch.equal(mine[name], want) if exact else torch.allclose(mine[name], want)
+        if not ok:
+            wrong.append(name)
+    nbytes = {n: p.numel() * 4 for n, p in params if opt.plan.owner[n] != OwnershipPlan.REPLICATED}
+    owned = sum(b for n, b in nbytes.items() if opt.plan.owner[n] == opt.rank)
+    result = {
+        "wrong": wrong,
+        "sent": opt.grad_bytes["sent"],
+        "received": opt.grad_bytes["received"],
+        "expected_sent": sum(nbytes.values()) - owned,
+        "expected_received": (opt.world - 1) * owned,
+        "owned": owned,
+    }
+    with open(f"{out}.{opt.rank}.json", "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
