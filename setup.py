@@ -58,6 +58,7 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
         "psutil>=5.9",  # dist_checkpointing's async file writer
+        "scikit-learn>=1.4",  # SOMA's tf-idf clustering router
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "emerging-optimizers==0.3.0"],

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
 
+    from megatron_ext.soma.cli import add_soma_parser
+
+    add_soma_parser(sub)
+
     p = sub.add_parser("bench", help="benchmarks (print figures and JSON)")
     from megatron_ext.bench import BENCHMARKS, add_bench_parsers
 
@@ -122,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from megatron_ext.data.cli import data_main
 
             return data_main(args)
+        if args.command == "soma":
+            from megatron_ext.soma.cli import soma_main
+
+            return soma_main(args)
         if args.command == "bench":
             from megatron_ext.bench import run_bench
 

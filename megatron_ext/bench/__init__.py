@@ -12,6 +12,7 @@ import importlib
 BENCHMARKS: dict[str, str] = {
     "optimizers": "megatron_ext.bench.optimizers",
     "layerwise": "megatron_ext.bench.layerwise",
+    "soma": "megatron_ext.bench.soma",
 }
 
 

@@ -17,6 +17,8 @@ import statistics
 import time
 from typing import Any
 
+from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
+
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
 
 MODES = (
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             qr_fp32_matmul_prec="highest",
         )
 
-    matmul_gflops = _matmul_rate(torch)
+    matmul_gflops = measured_matmul_gflops()
     sample = _one_of_each_shape(grads)
     polar = [_polar64(torch, g) for g in sample]
     ns_settings = {
@@ -232,17 +234,6 @@ def _import_emerging() -> tuple[Any, Any] | None:
     except ImportError:
         return None
     return eo_muon, eo_soap
-
-
-def _matmul_rate(torch: Any) -> float:
-    """Best-of-10 fp32 GFLOP/s of a 1024³ matmul."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    best = float("inf")
-    for _ in range(12):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 1024**3 / best / 1e9
 
 
 def _one_of_each_shape(grads: list[Any]) -> list[Any]:

@@ -204,7 +204,7 @@ class SomaConfig:
     plateau_patience: int = spec(1000, ge=1, help="updates without improvement before halving")
     plateau_min_delta: float = spec(1e-8, ge=0.0, help="validation-loss improvement that counts")
     seed_updates: int = spec(200, ge=0, help="updates of the seed run (N = 1, E learned)")
-    head_lr: float = spec(3e-3, gt=0.0, help="seed run: Adam lr of the tied head E (delta rule)")
+    head_lr: float = spec(1e-2, gt=0.0, help="seed run: Adam lr of the tied head E (delta rule)")
     expert_updates: int = spec(400, ge=0, help="updates per expert after the seed run")
     eval_interval: int = spec(50, ge=1, help="validation loss (plateau check) every k updates")
     val_windows: int = spec(8, ge=1, help="validation windows scored per check (at most)")

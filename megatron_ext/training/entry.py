@@ -12,7 +12,10 @@ import sys
 from megatron_ext.config import load_recipe
 from megatron_ext.launch.rank_env import detect_rank_env
 
-TRAINERS = {"gpt": "megatron_ext.training.gpt:train_gpt"}
+TRAINERS = {
+    "gpt": "megatron_ext.training.gpt:train_gpt",
+    "soma": "megatron_ext.soma.trainer:train_soma",
+}
 
 
 def train_main(recipe_path: str, overrides: list[str]) -> int:

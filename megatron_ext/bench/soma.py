@@ -1,0 +1,228 @@
+"""``megatron-ext bench soma``: the batched SPSA update and routed inference, on this CPU.
+
+SPSA (one expert, d_t = d_E = 32, D = 2 unless overridden): the losses of all ``2·n_pert``
+perturbed bodies on one shared (B, T+1) batch —
+
+* ``batched``: one forward with a perturbation axis (what the trainer runs);
+* ``naive``: the anchor, measured in the same run: a Python loop with one forward per perturbed
+  body (the same arithmetic, P = 1 at a time).
+
+Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the speedup, the
+batched forward's achieved GFLOP/s (analytic FLOP count of the forward) against the machine's
+measured fp32 matmul rate, and the peak resident memory added by the batched update.
+
+Routed inference: ``--windows`` held-out-sized windows of the python-stdlib corpus routed to the
+top-k of N freshly fit clusters (N = 8 and 64), experts randomly initialised (speed does not
+depend on training); tokens/s counts each window's input bytes once, routing included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+DESCRIPTION = (
+    "SOMA: batched SPSA perturbed-tokens/s vs a per-probe loop, GFLOP/s vs matmul rate, peak "
+    "memory; routed inference tokens/s at N = 8 and 64 (figures + JSON)"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--n-pert", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="N for inference")
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=128, help="windows per inference run")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+
+
+def forward_flops_per_token(d_model: int, d_embed: int, blocks: int, vocab: int = 256) -> int:
+    """Multiply-adds ×2 of one token through the body and the head (norms/gates not counted):
+    per block the LSTM's input and recurrent products (2·2·4d²) and the MLP (2·2·4d²)."""
+    flops = blocks * 32 * d_model * d_model + 2 * d_embed * vocab
+    if d_model != d_embed:
+        flops += 2 * 2 * d_model * d_embed
+    return flops
+
+
+class PeakRSS:
+    """Resident memory added during a ``with`` block: the process RSS sampled every millisecond
+    by a thread, peak minus the value at entry (bytes). ``ru_maxrss`` cannot serve: it is the
+    process's lifetime peak, usually set earlier by imports."""
+
+    def __init__(self, interval_s: float = 1e-3) -> None:
+        self.interval_s = interval_s
+        self.added_bytes = 0
+
+    def __enter__(self) -> PeakRSS:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._base = self._peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._proc.memory_info().rss)
+        self.added_bytes = self._peak - self._base
+
+
+def _interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
+    """Median wall seconds of each function, timed round-robin (one call of each per round) so
+    that background load on a shared host hits all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _spsa(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from megatron_ext.bench.common import matmul_gflops
+    from megatron_ext.soma.model import (
+        BodyLayout,
+        ExpertShape,
+        batched_loss,
+        init_body,
+        init_embedding,
+        naive_loss_loop,
+    )
+    from megatron_ext.zo.probes import probe_matrix
+    from megatron_ext.zo.spsa import perturb
+
+    shape = ExpertShape(d_embed=32, d_model=args.d_model, num_blocks=args.blocks)
+    layout = BodyLayout.from_shape(shape)
+    gen = torch.Generator().manual_seed(0)
+    theta, emb = init_body(shape, gen), init_embedding(shape, gen)
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+    z = probe_matrix(0, 1, 0, 0, range(args.n_pert), layout.gain_mask)
+    thetas = perturb(theta, z, 1e-3)
+    pert_tokens = thetas.shape[0] * args.batch * args.seq
+    with torch.inference_mode():
+        # The first call allocates the working set (later calls reuse the allocator's cache).
+        with PeakRSS() as peak:
+            batched_loss(thetas, emb, tokens, layout)
+        naive_loss_loop(thetas, emb, tokens, layout)  # warm-up
+        batched_s, naive_s = _interleaved_medians(
+            [
+                lambda: batched_loss(thetas, emb, tokens, layout),
+                lambda: naive_loss_loop(thetas, emb, tokens, layout),
+            ],
+            args.repeats,
+        )
+        b = batched_loss(thetas, emb, tokens, layout)
+        diff = (b - naive_loss_loop(thetas, emb, tokens, layout)).abs().max()
+    flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
+    rate = matmul_gflops()
+    return {
+        "shape": {
+            "d_model": args.d_model,
+            "blocks": args.blocks,
+            "n_pert": args.n_pert,
+            "batch": args.batch,
+            "seq": args.seq,
+            "body_parameters": layout.numel,
+            "perturbed_tokens_per_update": pert_tokens,
+        },
+        "batched_s": batched_s,
+        "naive_s": naive_s,
+        "batched_tokens_per_s": pert_tokens / batched_s,
+        "naive_tokens_per_s": pert_tokens / naive_s,
+        "speedup": naive_s / batched_s,
+        "gflops": flops / batched_s / 1e9,
+        "matmul_gflops": rate,
+        "fraction_of_matmul_rate": flops / batched_s / 1e9 / rate,
+        "peak_mem_mb": peak.added_bytes / 2**20,
+        "max_loss_difference_batched_vs_naive": float(diff),
+    }
+
+
+def _inference(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from megatron_ext.soma.data import build_windows, window_texts
+    from megatron_ext.soma.evaluate import routed_throughput
+    from megatron_ext.soma.model import BodyLayout, ExpertShape, init_body, init_embedding
+    from megatron_ext.soma.router import RouterConfig, fit_router
+
+    windows = build_windows(["python-stdlib"], window_bytes=1025).windows
+    rng = np.random.default_rng(0)
+    held_out = windows[
+        rng.choice(len(windows), size=min(args.windows, len(windows)), replace=False)
+    ]
+    shape = ExpertShape(d_embed=32, d_model=args.d_model, num_blocks=args.blocks)
+    layout = BodyLayout.from_shape(shape)
+    gen = torch.Generator().manual_seed(0)
+    emb = init_embedding(shape, gen)
+    out: dict[str, Any] = {}
+    for n in args.experts:
+        t0 = time.perf_counter()
+        router, _ = fit_router(window_texts(windows), RouterConfig(n_clusters=n, seed=0))
+        fit_s = time.perf_counter() - t0
+        experts = [init_body(shape, gen) for _ in range(n)]
+        k = min(args.topk, n)
+        routed_throughput(held_out[:8], router, experts, emb, layout, k)  # warm-up
+        r = routed_throughput(held_out, router, experts, emb, layout, k)
+        out[f"n{n}_tokens_per_s"] = r["tokens_per_s"]
+        out[f"n{n}"] = {**r, "k": k, "windows": len(held_out), "router_fit_s": fit_s}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    spsa = _spsa(args)
+    s = spsa["shape"]
+    print(
+        f"SPSA losses of {2 * s['n_pert']} perturbed bodies (d={s['d_model']}, D={s['blocks']}, "
+        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, "
+        f"{args.threads} threads"
+    )
+    print(f"  {'':10s} {'s/update':>10s} {'perturbed tok/s':>16s}")
+    print(f"  {'naive':10s} {spsa['naive_s']:10.3f} {spsa['naive_tokens_per_s']:16,.0f}")
+    print(f"  {'batched':10s} {spsa['batched_s']:10.3f} {spsa['batched_tokens_per_s']:16,.0f}")
+    print(
+        f"  speedup {spsa['speedup']:.1f}x (target >= 10x); batched {spsa['gflops']:.1f} GFLOP/s "
+        f"= {spsa['fraction_of_matmul_rate']:.0%} of matmul {spsa['matmul_gflops']:.1f} GFLOP/s; "
+        f"peak +{spsa['peak_mem_mb']:.0f} MB; max |batched - naive| loss "
+        f"{spsa['max_loss_difference_batched_vs_naive']:.1e}"
+    )
+    inference = _inference(args)
+    for n in args.experts:
+        r = inference[f"n{n}"]
+        print(
+            f"routed inference N={n} k={r['k']}: {r['tokens_per_s']:,.0f} tokens/s over "
+            f"{r['windows']} windows (routing {r['routing_s']:.3f} s of {r['total_s']:.2f} s; "
+            f"router fit {r['router_fit_s']:.1f} s)"
+        )
+    report = {"spsa": spsa, "inference": inference}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,84 @@
+"""``megatron-ext soma eval|generate``: use a trained SOMA run (rank-free, one process)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_soma_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("soma", help="evaluate or sample a trained SOMA run")
+    ssub = p.add_subparsers(dest="soma_command", metavar="ACTION", required=True)
+    e = ssub.add_parser("eval", help="routed top-k test loss (nats/byte) of a trained run")
+    e.add_argument("recipe", help="the run's recipe (path or shipped name)")
+    e.add_argument("overrides", nargs="*", help="key=value overrides, as for launch")
+    e.add_argument("--k", type=int, default=None, help="experts per window (default recipe's)")
+    e.add_argument("--throughput", action="store_true", help="also time routed inference")
+    g = ssub.add_parser("generate", help="sample bytes after a prompt from the routed mixture")
+    g.add_argument("recipe")
+    g.add_argument("overrides", nargs="*")
+    g.add_argument("--prompt", required=True, help="text; routed on its first 256 bytes")
+    g.add_argument("--bytes", type=int, default=200, help="bytes to generate (default 200)")
+    g.add_argument("--k", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def soma_main(args: argparse.Namespace) -> int:
+    from megatron_ext.config import load_recipe
+    from megatron_ext.config.errors import ConfigError
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.trainer != "soma":
+        raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not soma")
+    s = recipe.soma
+    k = args.k if args.k is not None else s.topk()
+    if not 1 <= k <= s.num_experts:
+        raise ConfigError(f"--k={k} must be between 1 and soma.num_experts={s.num_experts}")
+
+    from megatron_ext.soma.corpus import test_windows
+    from megatron_ext.soma.model import BodyLayout
+    from megatron_ext.soma.report import load_experts
+    from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
+    from megatron_ext.soma.trainer import expert_shape
+
+    run_dir = Path(recipe.run_dir)
+    windows, router = test_windows(recipe)  # a missing router artifact stops here
+    layout = BodyLayout.from_shape(expert_shape(recipe))
+    emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]
+    experts = load_experts(run_dir, s.num_experts)
+    if args.soma_command == "eval":
+        import torch
+
+        from megatron_ext.soma.evaluate import routed_eval, routed_throughput
+
+        with torch.inference_mode():
+            r = routed_eval(windows, router, experts, emb, layout, k, s.route_bytes, s.score_bytes)
+        out = {"k": k, "test_windows": r.windows, "test_nats_per_byte": r.nats_per_byte}
+        if args.throughput:
+            out["routed_inference"] = routed_throughput(
+                windows, router, experts, emb, layout, k, s.route_bytes, s.score_bytes
+            )
+        print(json.dumps(out, indent=2))
+        return 0
+    from megatron_ext.soma.generate import generate
+
+    if args.bytes < 1:
+        raise ConfigError(f"--bytes={args.bytes} must be at least 1")
+    text, chosen = generate(
+        args.prompt.encode("utf-8"),
+        args.bytes,
+        router,
+        experts,
+        emb,
+        layout,
+        k,
+        args.temperature,
+        args.seed,
+        s.route_bytes,
+    )
+    print(f"[experts {chosen}]", file=sys.stderr)
+    sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
+    return 0

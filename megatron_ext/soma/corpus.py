@@ -1,0 +1,107 @@
+"""The corpus a SOMA run sees: windows, the held-out test windows, the router and the shards.
+
+Rank 0 fits the router once (tf-idf → SVD → balanced spherical k-means over the training pool)
+and saves it with the cluster assignment; every other rank loads both. Windows, the test hold-out
+and the per-expert 99/1 splits are deterministic functions of the recipe, so every rank rebuilds
+the same ones without communication.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from megatron_ext.config.schema import Recipe
+from megatron_ext.soma.data import (
+    ExpertShard,
+    build_windows,
+    check_expert_count,
+    expert_shards,
+    split_holdout,
+    window_texts,
+)
+from megatron_ext.soma.router import Router, RouterConfig, fit_router
+
+
+@dataclass
+class SomaCorpus:
+    """``windows``: (n, window_bytes) uint8. ``test``: indices of the held-out windows.
+    ``seed_shard``: the whole training pool (N = 1). ``shards[e]``: expert e's train/val."""
+
+    windows: np.ndarray
+    test: np.ndarray
+    seed_shard: ExpertShard
+    shards: list[ExpertShard]
+    router: Router
+
+
+def router_path(recipe: Recipe) -> Path:
+    return Path(recipe.soma.router or Path(recipe.run_dir) / "router.pkl")
+
+
+def _assignment_path(recipe: Recipe) -> Path:
+    return Path(recipe.run_dir) / "soma" / "assignment.npy"
+
+
+def prepare_corpus(
+    recipe: Recipe, rank: int, barrier: Callable[[], None], log: Callable[[str], None]
+) -> SomaCorpus:
+    """Windows, hold-out, router (fit by rank 0 when missing, then loaded everywhere), shards."""
+    s, seed = recipe.soma, recipe.training.seed
+    ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
+    pool, test = split_holdout(len(ws.windows), s.test_fraction, seed)
+    check_expert_count(s.num_experts, len(pool))  # before spending time on a fit
+    path, assign_path = router_path(recipe), _assignment_path(recipe)
+    if rank == 0 and not (path.is_file() and assign_path.is_file()):
+        cfg = RouterConfig(
+            n_clusters=s.num_experts,
+            svd_dim=s.router_svd_dim,
+            max_features=s.router_max_features,
+            min_df=s.router_min_df,
+            seed=seed,
+        )
+        texts = window_texts(ws.windows[pool])
+        # numpy's and scipy's BLAS pools each start one thread per core; on a shared host
+        # they oversubscribe the cores (measured: 5 s instead of 0.04 s per small SVD).
+        with threadpool_limits(1):
+            router, assignment = fit_router(texts, cfg)
+        router.save(path)
+        assign_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = assign_path.with_name(f".{assign_path.name}.tmp{os.getpid()}.npy")
+        np.save(tmp, assignment)
+        os.replace(tmp, assign_path)
+        sizes = np.bincount(assignment, minlength=s.num_experts)
+        log(
+            f"router: {len(pool)} windows -> {s.num_experts} clusters "
+            f"(sizes {sizes.min()}..{sizes.max()}), saved {path}"
+        )
+    barrier()
+    router = Router.load(path)
+    assignment = np.load(assign_path)
+    if len(assignment) != len(pool) or router.n_clusters != s.num_experts:
+        from megatron_ext.config.errors import ConfigError
+
+        raise ConfigError(
+            f"router {path} was fit for {router.n_clusters} clusters over {len(assignment)} "
+            f"windows, but this recipe has soma.num_experts={s.num_experts} and {len(pool)} "
+            f"training windows: delete {path} and {assign_path} to refit"
+        )
+    shards = expert_shards(assignment, pool, s.num_experts, val_fraction=s.val_fraction, seed=seed)
+    seed_shard = expert_shards(
+        np.zeros(len(pool), dtype=np.int64), pool, 1, val_fraction=s.val_fraction, seed=seed
+    )[0]
+    return SomaCorpus(ws.windows, test, seed_shard, shards, router)
+
+
+def test_windows(recipe: Recipe) -> tuple[np.ndarray, Router]:
+    """The held-out windows (n_test, window_bytes) and the saved router, for evaluation: a
+    missing router artifact is an error here (evaluation never fits one)."""
+    s = recipe.soma
+    ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
+    _, test = split_holdout(len(ws.windows), s.test_fraction, recipe.training.seed)
+    return ws.windows[test], Router.load(router_path(recipe))

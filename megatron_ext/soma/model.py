@@ -1,0 +1,445 @@
+"""The SOMA expert: a byte-level pre-norm LSTM body on one flat vector, evaluated for many
+perturbed copies at once.
+
+Architecture (one expert, width ``d = d_model``, ``D = num_blocks``, vocabulary ``V``)::
+
+    x = E[tokens]                        (B, T, d_E)      E: the shared tied embedding (V, d_E)
+    x = x @ in_projᵀ                     (B, T, d)        only when d != d_E
+    D times:
+        x = x + LSTM(norm1(x))           bias-free, zero initial state per window, gates i, f, g, o
+        x = x + fc2 · gelu(fc1 · norm2(x))     d -> 4d -> d, exact (erf) GELU, no biases
+    h = final_norm(x)                    (B, T, d)
+    h = h @ out_projᵀ                    (B, T, d_E)      only when d != d_E
+    logits = h @ Wᵀ                      (B, T, V)        W = E (tied), or the expert's own head
+
+Every norm is a LayerNorm with a gain and no bias (ε = 1e-5). With ``d == d_E`` the body has
+exactly ``D·(2d + 16d²) + d`` parameters (32,928 at d = 32, D = 2).
+
+The body lives in ONE flat vector (see :class:`BodyLayout`); the forward takes ``P`` of them,
+``theta`` (P, numel), and runs all ``P`` bodies through one batched forward (``bmm`` over the
+perturbation axis, one fused 4-gate ``baddbmm`` per time step), streamed over chunks of time
+steps so that intermediates stay small. Without autograd the recurrence writes into
+preallocated buffers; with autograd (``theta`` requiring grad) it builds the same values out of
+place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NORM_EPS = 1e-5
+# Fastest of 4-64 MiB for batched_loss at d=32, P=128, B=16, T=256 on 2 CPU threads: bigger
+# chunks fault in fresh pages on every call. On a GPU, pass a larger max_chunk_bytes.
+DEFAULT_MAX_CHUNK_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """Sizes of one expert: vocabulary ``vocab``, tied embedding width ``d_embed`` (d_E), body
+    width ``d_model`` (d_t) and the number of LSTM+MLP blocks ``num_blocks`` (D)."""
+
+    vocab: int = 256
+    d_embed: int = 32
+    d_model: int = 32
+    num_blocks: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low in (("vocab", 2), ("d_embed", 1), ("d_model", 1), ("num_blocks", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"ExpertShape.{name} must be an integer >= {low}, got {value!r}")
+
+    @property
+    def wide(self) -> bool:
+        """True when the body width differs from the embedding width (projections + own head)."""
+        return self.d_model != self.d_embed
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """One named tensor inside the flat body: ``theta[offset : offset + numel]`` viewed as
+    ``shape``; ``gain`` marks normalisation gains (probed with ±1 always, initialised to 1)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    gain: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BodyLayout:
+    """The order of an expert's tensors in its flat fp32 vector.
+
+    Per block ``b``: ``blocks.b.norm1.gain (d)``, ``blocks.b.lstm.w_ih (4d, d)``,
+    ``blocks.b.lstm.w_hh (4d, d)``, ``blocks.b.norm2.gain (d)``, ``blocks.b.mlp.fc1 (4d, d)``,
+    ``blocks.b.mlp.fc2 (d, 4d)``; then ``final_norm.gain (d)``; when ``d != d_E`` also
+    ``in_proj (d, d_E)``, ``out_proj (d_E, d)`` and ``head (V, d_E)``. LSTM rows are in
+    torch.nn.LSTM's gate order i, f, g, o.
+    """
+
+    shape: ExpertShape
+    entries: tuple[LayoutEntry, ...]
+
+    @classmethod
+    def from_shape(cls, shape: ExpertShape) -> BodyLayout:
+        d, e, v = shape.d_model, shape.d_embed, shape.vocab
+        named: list[tuple[str, tuple[int, ...], bool]] = []
+        for b in range(shape.num_blocks):
+            p = f"blocks.{b}"
+            named += [
+                (f"{p}.norm1.gain", (d,), True),
+                (f"{p}.lstm.w_ih", (4 * d, d), False),
+                (f"{p}.lstm.w_hh", (4 * d, d), False),
+                (f"{p}.norm2.gain", (d,), True),
+                (f"{p}.mlp.fc1", (4 * d, d), False),
+                (f"{p}.mlp.fc2", (d, 4 * d), False),
+            ]
+        named.append(("final_norm.gain", (d,), True))
+        if shape.wide:
+            named += [
+                ("in_proj", (d, e), False),
+                ("out_proj", (e, d), False),
+                ("head", (v, e), False),
+            ]
+        entries, offset = [], 0
+        for name, entry_shape, gain in named:
+            entries.append(LayoutEntry(name, entry_shape, offset, gain))
+            offset += math.prod(entry_shape)
+        return cls(shape, tuple(entries))
+
+    @property
+    def numel(self) -> int:
+        last = self.entries[-1]
+        return last.offset + last.numel
+
+    @property
+    def gain_mask(self) -> torch.Tensor:
+        """(numel,) bool: True on normalisation gains."""
+        mask = torch.zeros(self.numel, dtype=torch.bool)
+        for entry in self.entries:
+            if entry.gain:
+                mask[entry.offset : entry.offset + entry.numel] = True
+        return mask
+
+    def entry(self, name: str) -> LayoutEntry:
+        for entry in self.entries:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no tensor {name!r} in the body layout")
+
+    def views(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(P, numel) -> {name: (P, *shape)} views into ``theta`` (no copies)."""
+        if theta.dim() != 2 or theta.shape[1] != self.numel:
+            raise ValueError(
+                f"expected bodies of shape (P, {self.numel}) for {self.shape}, got "
+                f"{tuple(theta.shape)}"
+            )
+        return {
+            e.name: theta[:, e.offset : e.offset + e.numel].unflatten(1, e.shape)
+            for e in self.entries
+        }
+
+
+def init_body(
+    shape: ExpertShape, generator: torch.Generator, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(numel,) a fresh body: gains 1, every matrix ``U(±1/√fan_in)`` (torch.nn.Linear's and
+    torch.nn.LSTM's scale); the wide head ``N(0, 1/d_E)`` like :func:`init_embedding`."""
+    layout = BodyLayout.from_shape(shape)
+    theta = torch.empty(layout.numel, dtype=torch.float64)
+    for e in layout.entries:
+        part = theta[e.offset : e.offset + e.numel]
+        if e.gain:
+            part.fill_(1.0)
+        elif e.name == "head":
+            part.normal_(0.0, 1.0 / math.sqrt(shape.d_embed), generator=generator)
+        else:
+            bound = 1.0 / math.sqrt(e.shape[1])
+            part.uniform_(-bound, bound, generator=generator)
+    return theta.to(dtype)
+
+
+def init_embedding(
+    shape: ExpertShape, generator: torch.Generator, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(V, d_E) tied embedding ``N(0, 1/d_E)``: unit-norm rows, so a normalised hidden state
+    gives logits of unit scale."""
+    emb = torch.empty(shape.vocab, shape.d_embed, dtype=torch.float64)
+    emb.normal_(0.0, 1.0 / math.sqrt(shape.d_embed), generator=generator)
+    return emb.to(dtype)
+
+
+def _gate_order(d: int, device: torch.device) -> torch.Tensor:
+    """Row permutation i, f, g, o -> i, f, o, g: the three sigmoid gates become contiguous."""
+    return torch.cat(
+        [torch.arange(0, 2 * d), torch.arange(3 * d, 4 * d), torch.arange(2 * d, 3 * d)]
+    ).to(device)
+
+
+def _lstm_scan_inplace(
+    xw: torch.Tensor, whh_t: torch.Tensor, h: torch.Tensor, n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """No-grad recurrence over one time chunk, with sigmoids only.
+
+    xw (P, tc, B, 4d) input projections and whh_t (P, d, 4d), gate order i, f, o, g with the g
+    columns pre-scaled by 2 (``g_scale=2`` in :func:`_block_weights`); carried state h (P, B, d)
+    and ``n = −2c`` (P, B, d) -> (out (P, tc, B, d), h, n). ``n`` is updated in place, ``h`` is
+    a view of ``out``'s last step.
+
+    On CPU tanh costs several sigmoids, so both tanh are rewritten exactly:
+    ``tanh(x) = 2σ(2x) − 1`` makes ``g = 2·σ(gate) − 1`` (one sigmoid over all four gates), and
+    ``tanh(c) = 1 − 2σ(−2c) = 1 − 2σ(n)`` makes ``h = o − 2·o·σ(n)`` one addcmul, with
+    ``n ← f·n − 4·i·σ_g + 2·i`` (that is ``c ← f·c + i·g``). Seven kernels per step, all
+    writing into preallocated buffers."""
+    p, tc, b, four_d = xw.shape
+    d = four_d // 4
+    out = xw.new_empty(p, tc, b, d)
+    gates = xw.new_empty(p, b, four_d)
+    tmp = xw.new_empty(p, b, d)
+    i_g, f_g, o_g, s_g = (gates[..., k * d : (k + 1) * d] for k in range(4))
+    for s in range(tc):
+        torch.baddbmm(xw[:, s], h, whh_t, out=gates)
+        gates.sigmoid_()
+        n.mul_(f_g).addcmul_(i_g, s_g, value=-4.0).add_(i_g, alpha=2.0)
+        torch.sigmoid(n, out=tmp)
+        h = torch.addcmul(o_g, o_g, tmp, value=-2.0, out=out[:, s])
+    return out, h, n
+
+
+def _lstm_scan_autograd(
+    xw: torch.Tensor, whh_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence out of place (differentiable), written plainly: unscaled gates i, f, o, g
+    and the cell state ``c`` itself."""
+    d = xw.shape[-1] // 4
+    hs = []
+    for s in range(xw.shape[1]):
+        gates = torch.baddbmm(xw[:, s], h, whh_t)
+        i_g, f_g, o_g = torch.sigmoid(gates[..., : 3 * d]).chunk(3, dim=-1)
+        c = f_g * c + i_g * torch.tanh(gates[..., 3 * d :])
+        h = o_g * torch.tanh(c)
+        hs.append(h)
+    return torch.stack(hs, dim=1), h, c
+
+
+def _block_weights(
+    w: dict[str, torch.Tensor], pre: str, perm: torch.Tensor, g_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's matrices for the batched forward, transposed for ``x @ W``: (w_ih_t (P, d, 4d),
+    whh_t (P, d, 4d), fc1_t (P, d, 4d), fc2_t (P, 4d, d)). LSTM gates are reordered to
+    i, f, o, g with the g columns times ``g_scale``; norm gains are folded into the matrix that
+    follows them, (n·g)Wᵀ = n·(W·diag g)ᵀ."""
+    d = perm.numel() // 4
+    scale = torch.ones(4 * d, 1, dtype=w[f"{pre}.lstm.w_ih"].dtype, device=perm.device)
+    scale[3 * d :] = g_scale
+    w_ih = w[f"{pre}.lstm.w_ih"][:, perm] * scale * w[f"{pre}.norm1.gain"][:, None, :]
+    w_hh = w[f"{pre}.lstm.w_hh"][:, perm] * scale
+    fc1 = w[f"{pre}.mlp.fc1"] * w[f"{pre}.norm2.gain"][:, None, :]
+    return (
+        w_ih.transpose(1, 2),
+        w_hh.transpose(1, 2),
+        fc1.transpose(1, 2),
+        w[f"{pre}.mlp.fc2"].transpose(1, 2),
+    )
+
+
+def _row_width(layout: BodyLayout) -> int:
+    """Widest per-position intermediate (elements): 4d-wide gates / MLP, or the V logits."""
+    return max(4 * layout.shape.d_model, layout.shape.vocab, layout.shape.d_embed)
+
+
+def _chunk_sizes(
+    layout: BodyLayout, p: int, b: int, t_len: int, dtype: torch.dtype, max_chunk_bytes: int
+) -> tuple[int, int]:
+    """(bodies per chunk, time steps per chunk) so that one (bodies, steps·B, width) intermediate
+    stays within ``max_chunk_bytes`` (at least one body and one step)."""
+    row = _row_width(layout) * torch.empty((), dtype=dtype).element_size()
+    bodies = max(1, min(p, max_chunk_bytes // (b * row)))
+    steps = max(1, min(t_len, max_chunk_bytes // (bodies * b * row)))
+    return bodies, steps
+
+
+def _check_inputs(
+    theta: torch.Tensor, emb: torch.Tensor, inputs: torch.Tensor, layout: BodyLayout
+) -> None:
+    shape = layout.shape
+    if theta.dim() != 2 or theta.shape[1] != layout.numel:
+        raise ValueError(
+            f"expected bodies of shape (P, {layout.numel}) for {shape}, got {tuple(theta.shape)}"
+        )
+    if emb.shape != (shape.vocab, shape.d_embed):
+        raise ValueError(
+            f"embedding must be ({shape.vocab}, {shape.d_embed}), got {tuple(emb.shape)}"
+        )
+    if inputs.dim() not in (2, 3) or min(inputs.shape) < 1:
+        raise ValueError(
+            f"input tokens must be (B, T) or per-body (P, B, T) with B, T >= 1, "
+            f"got {tuple(inputs.shape)}"
+        )
+    if inputs.dim() == 3 and inputs.shape[0] != theta.shape[0]:
+        raise ValueError(
+            f"per-body tokens {tuple(inputs.shape)} need one (B, T) batch per body "
+            f"({theta.shape[0]} bodies)"
+        )
+
+
+def _hidden_chunks(
+    theta: torch.Tensor, emb: torch.Tensor, inputs: torch.Tensor, layout: BodyLayout, steps: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Stream the forward over time: yields ``(t0, h)`` with h (P, tc, B, d_E) the final hidden
+    states of steps ``t0 .. t0+tc-1`` (time-major inside the chunk).
+
+    Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
+    chunk at a time and no intermediate ever spans the whole window."""
+    shape = layout.shape
+    w = layout.views(theta)
+    p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
+    grad = torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad)
+    scan = _lstm_scan_autograd if grad else _lstm_scan_inplace
+    perm = _gate_order(d, theta.device)
+
+    g_scale = 1.0 if grad else 2.0  # see _lstm_scan_inplace
+    blocks = [_block_weights(w, f"blocks.{blk}", perm, g_scale) for blk in range(shape.num_blocks)]
+    state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
+    if shape.wide:
+        out_proj_t = (w["out_proj"] * w["final_norm.gain"][:, None, :]).transpose(1, 2)
+    else:
+        final_gain = w["final_norm.gain"][:, None, :]
+
+    # Time-major (1 or P, T, B, d_E): shared tokens stay one copy, broadcast by the matmuls.
+    per_body = inputs.dim() == 3
+    emb_tm = emb.to(theta.dtype)[inputs.transpose(-1, -2) if per_body else inputs.T[None]]
+    for t0 in range(0, t_len, steps):
+        tc = min(steps, t_len - t0)
+        # (1, tc·B, d) while it is the same for every body (block 0 without in_proj): the
+        # first norm is then computed once and broadcast by the matmul.
+        x = emb_tm[:, t0 : t0 + tc].reshape(emb_tm.shape[0], tc * b, e)
+        if shape.wide:
+            x = torch.matmul(x, w["in_proj"].transpose(1, 2))
+        for blk, (w_ih_t, whh_t, fc1_t, fc2_t) in enumerate(blocks):
+            xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
+            out, h, cell = scan(xw.view(p, tc, b, 4 * d), whh_t, *state[blk])
+            state[blk] = (h, cell)
+            x = x + out.view(p, tc * b, d)
+            u = F.gelu(torch.bmm(F.layer_norm(x, (d,), eps=NORM_EPS), fc1_t))
+            x = torch.baddbmm(x, u, fc2_t)
+        hid = F.layer_norm(x, (d,), eps=NORM_EPS)
+        hid = torch.bmm(hid, out_proj_t) if shape.wide else hid * final_gain
+        yield t0, hid.view(p, tc, b, e)
+
+
+def body_hidden(
+    theta: torch.Tensor,
+    emb: torch.Tensor,
+    tokens: torch.Tensor,
+    layout: BodyLayout,
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> torch.Tensor:
+    """(P, numel) bodies, (V, d_E) embedding, (B, T) byte ids -> (P, B, T, d_E) final hidden
+    states (after the final norm, and after ``out_proj`` for a wide body), in ``theta``'s dtype.
+
+    Each of the ``P`` bodies sees the same tokens, or with (P, B, T) tokens each body its own
+    batch (routed inference: experts side by side); every window starts from a zero LSTM state.
+    Differentiable when ``theta`` or ``emb`` requires grad (and grad mode is on)."""
+    _check_inputs(theta, emb, tokens, layout)
+    tokens = tokens.long()
+    b, t_len = tokens.shape[-2:]
+    _, steps = _chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes)
+    parts = [h.transpose(1, 2) for _, h in _hidden_chunks(theta, emb, tokens, layout, steps)]
+    return torch.cat(parts, dim=2)
+
+
+def decoder_weight(theta: torch.Tensor, emb: torch.Tensor, layout: BodyLayout) -> torch.Tensor:
+    """The matrix the logits are taken against: the tied ``emb`` (V, d_E), or for a wide body
+    the per-body heads (P, V, d_E)."""
+    return layout.views(theta)["head"] if layout.shape.wide else emb.to(theta.dtype)
+
+
+def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(P, ..., d_E) hidden states and (V, d_E) shared or (P, V, d_E) per-body decoder ->
+    (P, ..., V) logits ``h·Wᵀ``."""
+    if weight.dim() == 2:
+        return hidden @ weight.T
+    p, e = hidden.shape[0], hidden.shape[-1]
+    flat = torch.bmm(hidden.reshape(p, -1, e), weight.transpose(1, 2))
+    return flat.view(*hidden.shape[:-1], weight.shape[1])
+
+
+def log_probs(
+    theta: torch.Tensor, emb: torch.Tensor, tokens: torch.Tensor, layout: BodyLayout
+) -> torch.Tensor:
+    """(P, numel), (V, d_E), (B, T) or per-body (P, B, T) inputs -> (P, B, T, V)
+    log-probabilities (nats) of the byte following each position."""
+    hidden = body_hidden(theta, emb, tokens, layout)
+    return F.log_softmax(logits(hidden, decoder_weight(theta, emb, layout)), dim=-1)
+
+
+def batched_loss(
+    theta: torch.Tensor,
+    emb: torch.Tensor,
+    tokens: torch.Tensor,
+    layout: BodyLayout,
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> torch.Tensor:
+    """(P, numel) bodies, (V, d_E) embedding, (B, T+1) byte windows -> (P,) mean next-byte
+    cross-entropy in nats over the B·T targets (inputs ``tokens[:, :-1]``, targets
+    ``tokens[:, 1:]``).
+
+    Streams over bodies and time so that no intermediate exceeds about ``max_chunk_bytes``: the
+    logits of a chunk are reduced to per-body sums before the next chunk is computed. Small
+    chunks are also what keeps this fast on CPU, since the allocator recycles them instead of
+    faulting in fresh pages on every call."""
+    if tokens.dim() != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be (B, T+1) with T >= 1, got {tuple(tokens.shape)}")
+    tokens = tokens.long()  # byte windows may arrive as uint8, which would index as a mask
+    inputs, targets_tm = tokens[:, :-1], tokens[:, 1:].T  # targets (T, B), time-major
+    _check_inputs(theta, emb, inputs, layout)
+    p, (b, t_len) = theta.shape[0], inputs.shape
+    bodies, steps = _chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
+    losses = []
+    for start in range(0, p, bodies):
+        part = theta[start : start + bodies]
+        weight = decoder_weight(part, emb, layout)
+        total = part.new_zeros(part.shape[0])
+        for t0, hid in _hidden_chunks(part, emb, inputs, layout, steps):
+            z = logits(hid, weight)  # (bodies, tc, B, V)
+            y = targets_tm[t0 : t0 + hid.shape[1]].reshape(-1).repeat(part.shape[0])
+            ce = F.cross_entropy(z.view(-1, z.shape[-1]), y, reduction="none")
+            total = total + ce.view(part.shape[0], -1).sum(dim=1)
+        losses.append(total / (b * t_len))
+    return torch.cat(losses)
+
+
+def naive_loss_loop(
+    thetas: torch.Tensor, emb: torch.Tensor, tokens: torch.Tensor, layout: BodyLayout
+) -> torch.Tensor:
+    """(P, numel) -> (P,): :func:`batched_loss` one body at a time (the per-probe Python loop
+    that the batched forward replaces; the benchmark's anchor)."""
+    return torch.cat(
+        [batched_loss(thetas[i : i + 1], emb, tokens, layout) for i in range(len(thetas))]
+    )
+
+
+def head_gradient(hidden: torch.Tensor, emb: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Exact gradient of the mean cross-entropy w.r.t. the tied decoder, hidden states fixed:
+    ``∇_E = (1/BT)·Σ (p − onehot(y))·hᵀ`` with ``p = softmax(h·Eᵀ)``.
+
+    hidden (B, T, d_E), emb (V, d_E), targets (B, T) -> (V, d_E)."""
+    h = hidden.reshape(-1, hidden.shape[-1]).to(emb.dtype)
+    y = targets.reshape(-1).long()
+    if h.shape[0] != y.numel():
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} differ")
+    delta = torch.softmax(h @ emb.T, dim=-1)
+    delta[torch.arange(y.numel(), device=y.device), y] -= 1.0
+    return (delta.T @ h) / y.numel()

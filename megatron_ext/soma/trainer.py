@@ -1,0 +1,256 @@
+"""The SOMA trainer: router → seed run → N experts trained independently with SPSA → routed eval.
+
+Readable top to bottom:
+
+1. :func:`prepare_corpus` — windows, test hold-out, router (fit once), per-expert shards;
+2. seed run (N = 1): the body by SPSA, the tied embedding E by the exact decoder-path delta rule;
+   its probe directions are split over all ranks (DDPP), so every rank ends with the same E;
+3. experts: each copies the seed body, E frozen. ``fso``: expert e lives on rank e mod world and
+   a rank never communicates while training; ``ddpp``: every rank works on every expert, holding
+   a block of its directions, and the ranks exchange only scalar loss differences;
+4. rank 0 evaluates the routed mixture on the held-out windows and writes ``summary.json``,
+   ``soma/curves.csv`` and ``soma/curves.png``.
+
+Checkpoints (per expert, atomic) are written every ``checkpoint.save_interval`` updates and at the
+end of each phase; a restarted run continues from them exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.config.schema import Recipe
+from megatron_ext.soma.corpus import SomaCorpus, prepare_corpus
+from megatron_ext.soma.data import ExpertShard
+from megatron_ext.soma.model import BodyLayout, ExpertShape, init_body, init_embedding
+from megatron_ext.soma.state import (
+    SEED_EXPERT,
+    ExpertState,
+    expert_path,
+    load_file,
+    save_atomic,
+)
+from megatron_ext.soma.update import UpdateContext, head_update, spsa_update, validation_loss
+from megatron_ext.zo.directions import DirectionSplit
+from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
+
+
+def expert_shape(recipe: Recipe) -> ExpertShape:
+    s = recipe.soma
+    return ExpertShape(d_embed=s.d_embed, d_model=s.d_model, num_blocks=s.num_blocks)
+
+
+def new_state(recipe: Recipe, expert: int, theta: torch.Tensor) -> ExpertState:
+    s = recipe.soma
+    plateau = PlateauHalving(
+        lr=s.lr,
+        eps=s.eps,
+        patience=s.plateau_patience,
+        min_delta=s.plateau_min_delta,
+        floor=s.lr_floor,
+    )
+    return ExpertState(expert, theta.clone(), ZOAdam(theta.numel()), plateau)
+
+
+def fso_experts(num_experts: int, rank: int, world: int) -> list[int]:
+    """Experts trained by ``rank`` under FSO: e ≡ rank (mod world)."""
+    return list(range(rank, num_experts, world))
+
+
+def _resume(recipe: Recipe, state: ExpertState) -> dict | None:
+    """Load the expert's checkpoint into ``state`` when resuming; returns the file's dict."""
+    if recipe.checkpoint.load == "none":
+        return None
+    root = Path(recipe.run_dir if recipe.checkpoint.load == "auto" else recipe.checkpoint.load)
+    path = expert_path(root, state.expert)
+    if not path.is_file():
+        return None
+    sd = load_file(path)
+    state.load_state_dict(sd["state"])
+    return sd
+
+
+def train_phase(
+    recipe: Recipe,
+    ctx: UpdateContext,
+    states: Sequence[ExpertState],
+    shards: Sequence[ExpertShard],
+    total_updates: int,
+    save: Callable[[], None],
+    log: Callable[[str], None],
+    on_update: Callable[[int], None] | None = None,
+) -> None:
+    """Run ``states`` (all at the same update counter) up to ``total_updates``.
+
+    ``on_update(u)`` runs after each update (the seed run's head step). Validation (and the
+    plateau check) every ``soma.eval_interval`` updates; ``save()`` every
+    ``checkpoint.save_interval`` updates and at the end."""
+    s, every = recipe.soma, recipe.checkpoint.save_interval
+    if not states:
+        return
+    start = {st.update for st in states}
+    if len(start) != 1:
+        raise RuntimeError(f"experts of one phase resumed at different updates: {sorted(start)}")
+    t0, tokens = time.perf_counter(), 0
+    for u in range(start.pop(), total_updates):
+        losses = spsa_update(ctx, states, shards)
+        tokens += 2 * len(ctx.split.local()) * s.batch_size * s.seq_length * s.accumulation
+        if on_update is not None:
+            on_update(u)
+        if (u + 1) % s.eval_interval == 0 or u + 1 == total_updates:
+            rate = tokens * len(states) / (time.perf_counter() - t0)
+            for st, shard, loss in zip(states, shards, losses, strict=True):
+                val = validation_loss(ctx, st.theta, shard)
+                st.plateau.observe(st.update, val)
+                st.history.append(
+                    {
+                        "update": st.update,
+                        "train_loss": loss,
+                        "val_loss": val,
+                        "lr": st.plateau.lr,
+                        "eps": st.plateau.eps,
+                    }
+                )
+                name = "seed" if st.expert == SEED_EXPERT else f"expert {st.expert}"
+                log(
+                    f"{name} update {st.update}/{total_updates} train {loss:.4f} "
+                    f"val {val:.4f} nats/byte lr {st.plateau.lr:.2e} eps {st.plateau.eps:.2e} "
+                    f"({rate / 1e3:.1f} K perturbed tokens/s)"
+                )
+        if every and (u + 1) % every == 0 and u + 1 < total_updates:
+            save()
+    save()
+
+
+def _seed_run(recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int, log) -> None:
+    """Phase 2. Leaves the trained E in ``ctx.emb`` and the seed body in ``seed.pt``."""
+    gen = torch.Generator().manual_seed(recipe.training.seed)
+    shape = expert_shape(recipe)
+    theta = init_body(shape, gen)
+    ctx.emb.copy_(init_embedding(shape, gen))
+    state = new_state(recipe, SEED_EXPERT, theta)
+    head_adam = ZOAdam(ctx.emb.numel())
+    sd = _resume(recipe, state)
+    if sd is not None:
+        ctx.emb.copy_(sd["emb"])
+        head_adam.load_state_dict(sd["head_adam"])
+    path = expert_path(Path(recipe.run_dir), SEED_EXPERT)
+
+    def save() -> None:
+        if rank == 0:  # every rank holds the same seed state
+            save_atomic(
+                {"state": state.state_dict(), "emb": ctx.emb, "head_adam": head_adam.state_dict()},
+                path,
+            )
+
+    tied = shape.d_model == shape.d_embed
+
+    def head_step(u: int) -> None:
+        if tied:  # a wide body has its own SPSA-trained head; E stays as initialised
+            head_update(ctx, state, corpus.seed_shard, head_adam, u)
+
+    train_phase(
+        recipe,
+        ctx,
+        [state],
+        [corpus.seed_shard],
+        recipe.soma.seed_updates,
+        save,
+        log,
+        head_step,
+    )
+
+
+def _expert_run(
+    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, experts: list[int], log
+) -> None:
+    """Phase 3 for ``experts`` (this rank's, or all of them under DDPP)."""
+    seed = load_file(expert_path(Path(recipe.run_dir), SEED_EXPERT))
+    ctx.emb.copy_(seed["emb"])
+    states = []
+    for e in experts:
+        st = new_state(recipe, e, seed["state"]["theta"])
+        _resume(recipe, st)
+        states.append(st)
+    shards = [corpus.shards[e] for e in experts]
+    writer = ctx.split.rank == 0 or recipe.soma.distribution == "fso"
+
+    def save() -> None:
+        if writer:
+            for st in states:
+                save_atomic(
+                    {"state": st.state_dict()}, expert_path(Path(recipe.run_dir), st.expert)
+                )
+
+    # Experts sit at different counters only if a crash hit between two expert files: each group
+    # at one counter resumes on its own.
+    for u in sorted({st.update for st in states}):
+        group = [i for i, st in enumerate(states) if st.update == u]
+        train_phase(
+            recipe,
+            ctx,
+            [states[i] for i in group],
+            [shards[i] for i in group],
+            recipe.soma.expert_updates,
+            save,
+            log,
+        )
+
+
+def train_soma(recipe: Recipe) -> None:
+    """Per-rank entry point (``trainer: soma``)."""
+    from megatron_ext.launch.rank_env import detect_rank_env, export_torch_env
+
+    env = detect_rank_env(os.environ)
+    if env.world_size > 1 and not dist.is_initialized():
+        export_torch_env(env, os.environ, default_port=recipe.launch.master_port)
+        dist.init_process_group(
+            "gloo", rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30)
+        )
+    rank, world = env.rank, env.world_size
+    barrier = dist.barrier if world > 1 else (lambda: None)
+    tag = f"[soma rank {rank}]" if world > 1 else "[soma]"
+
+    def log(msg: str) -> None:
+        print(f"{tag} {msg}", flush=True)
+
+    torch.manual_seed(recipe.training.seed)
+    corpus = prepare_corpus(recipe, rank, barrier, log)
+    s = recipe.soma
+    shape = expert_shape(recipe)
+    layout = BodyLayout.from_shape(shape)
+    ctx = UpdateContext(
+        cfg=s,
+        layout=layout,
+        emb=torch.zeros(shape.vocab, shape.d_embed),
+        windows=corpus.windows,
+        seed=recipe.training.seed,
+        split=DirectionSplit(s.n_pert, rank, world),
+    )
+    if rank == 0:
+        log(
+            f"{len(corpus.windows)} windows of {s.window_bytes} bytes "
+            f"({len(corpus.test)} held out); body {layout.numel} parameters, "
+            f"n_pert={s.n_pert} B={s.batch_size} T={s.seq_length} A={s.accumulation}"
+        )
+    _seed_run(recipe, corpus, ctx, rank, log)
+    barrier()
+    if s.distribution == "fso":
+        ctx.split = DirectionSplit(s.n_pert)  # no communication while training
+        experts = fso_experts(s.num_experts, rank, world)
+    else:
+        experts = list(range(s.num_experts))
+    _expert_run(recipe, corpus, ctx, experts, log)
+    barrier()
+    if rank == 0:
+        from megatron_ext.soma.report import write_run_report
+
+        write_run_report(recipe, corpus, ctx.emb, log)
+    barrier()

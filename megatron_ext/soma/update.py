@@ -1,0 +1,125 @@
+"""One SPSA update of one or more experts (the inner step of the SOMA trainer).
+
+Per accumulation batch ``a`` and expert ``e`` (all counters are part of the keys, so nothing
+random is stored):
+
+1. ``tokens = sample_batch(shard_e.train, key=(seed, e+1, update, a))``  — (B, T+1) bytes;
+2. ``z_j = probe_matrix(seed, e+1, update, a, j)`` for this rank's directions ``j``;
+3. all ``2·|j|`` perturbed bodies ``θ ± ε z_j`` in ONE batched forward on the shared batch;
+4. ``d_j = L(θ+εz_j) − L(θ−εz_j)``, gathered over ranks in DDPP (scalars only);
+5. ``ĝ_a = (1/n)·Σ_j d_j/(2ε)·z_j`` (``summed`` mode: ``d_j`` is the sum over the rank's experts
+   of their differences along the joint probe ``(z_{e,j})_e``).
+
+Then ``ĝ = mean_a ĝ_a`` goes through Adam with coupled weight decay. Expert id ``e+1`` in the
+keys leaves 0 for the seed run (``e = -1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_ext.config.schema import SomaConfig
+from megatron_ext.soma.data import ExpertShard, sample_batch
+from megatron_ext.soma.model import BodyLayout, batched_loss, body_hidden, head_gradient
+from megatron_ext.soma.state import ExpertState
+from megatron_ext.zo.directions import DirectionSplit
+from megatron_ext.zo.probes import probe_matrix
+from megatron_ext.zo.spsa import ZOAdam, loss_differences, perturb, spsa_estimate
+
+
+@dataclass
+class UpdateContext:
+    """What every update reads and nothing writes (except ``emb`` during the seed run).
+
+    ``windows``: (n, window_bytes) uint8 corpus windows; ``emb``: (256, d_embed) tied E.
+    """
+
+    cfg: SomaConfig
+    layout: BodyLayout
+    emb: torch.Tensor
+    windows: np.ndarray
+    seed: int
+    split: DirectionSplit
+
+
+def key_id(expert: int) -> int:
+    """Expert id used in probe/data keys: the seed run (-1) is 0, expert e is e + 1."""
+    return expert + 1
+
+
+def _batch(ctx: UpdateContext, shard: ExpertShard, expert: int, update: int, a: int):
+    c = ctx.cfg
+    key = (ctx.seed, key_id(expert), update, a)
+    return sample_batch(ctx.windows, shard.train, c.batch_size, c.seq_length, key)
+
+
+def _local_differences(
+    ctx: UpdateContext, state: ExpertState, tokens: torch.Tensor, a: int
+) -> tuple[torch.Tensor, float]:
+    """(len(local),) loss differences along this rank's directions, and their mean loss."""
+    local = ctx.split.local()
+    if len(local) == 0:
+        return torch.zeros(0), float("nan")
+    z = probe_matrix(ctx.seed, key_id(state.expert), state.update, a, local, ctx.layout.gain_mask)
+    losses = batched_loss(perturb(state.theta, z, state.plateau.eps), ctx.emb, tokens, ctx.layout)
+    return loss_differences(losses), float(losses.mean())
+
+
+def spsa_update(
+    ctx: UpdateContext, states: Sequence[ExpertState], shards: Sequence[ExpertShard]
+) -> list[float]:
+    """Advance every expert in ``states`` by one update; return their mean perturbed losses
+    (≈ the training loss at θ, to second order in ε), nats/byte."""
+    c = ctx.cfg
+    all_dirs = range(c.n_pert)
+    grads = [torch.zeros_like(s.theta) for s in states]
+    mean_losses = [0.0 for _ in states]
+    for a in range(c.accumulation):
+        diffs = []
+        for i, (state, shard) in enumerate(zip(states, shards, strict=True)):
+            tokens = _batch(ctx, shard, state.expert, state.update, a)
+            local, loss = _local_differences(ctx, state, tokens, a)
+            diffs.append(ctx.split.gather(local))
+            mean_losses[i] += loss / c.accumulation
+        if c.loss_mode == "summed":
+            total = torch.stack(diffs).sum(0)
+            diffs = [total for _ in states]
+        for i, state in enumerate(states):
+            z = probe_matrix(
+                ctx.seed, key_id(state.expert), state.update, a, all_dirs, ctx.layout.gain_mask
+            )
+            grads[i] += spsa_estimate(diffs[i], z, state.plateau.eps)
+    for state, g in zip(states, grads, strict=True):
+        g /= c.accumulation
+        state.adam.step(state.theta, g, state.plateau.lr, c.weight_decay)
+        state.update += 1
+    return mean_losses
+
+
+def head_update(
+    ctx: UpdateContext, state: ExpertState, shard: ExpertShard, head_adam: ZOAdam, update: int
+) -> None:
+    """Seed run: one Adam step of the tied embedding E with the exact decoder-path gradient
+    ``∇_E = (1/BT)·Σ (p − onehot(y))·hᵀ`` at the unperturbed body (hidden states held fixed:
+    nothing flows back through the LSTM). Uses the same batches as the body's update ``update``.
+    """
+    c = ctx.cfg
+    grad = torch.zeros_like(ctx.emb)
+    for a in range(c.accumulation):
+        tokens = _batch(ctx, shard, state.expert, update, a)
+        hidden = body_hidden(state.theta[None], ctx.emb, tokens[:, :-1], ctx.layout)[0]
+        grad += head_gradient(hidden, ctx.emb, tokens[:, 1:])
+    grad /= c.accumulation
+    head_adam.step(ctx.emb.view(-1), grad.view(-1), c.head_lr, 0.0)
+
+
+def validation_loss(ctx: UpdateContext, theta: torch.Tensor, shard: ExpertShard) -> float:
+    """Mean next-byte loss (nats/byte) of the unperturbed body over the first
+    ``cfg.val_windows`` validation windows of the shard (whole windows, state reset per window)."""
+    idx = shard.val[: ctx.cfg.val_windows]
+    tokens = torch.from_numpy(ctx.windows[idx].astype(np.int64))
+    return float(batched_loss(theta[None], ctx.emb, tokens, ctx.layout)[0])

@@ -1,0 +1,205 @@
+"""The SOMA trainer end to end on a small corpus: exact resume, FSO without communication,
+DDPP bit-identical to one rank, bad input, and the routed evaluation against a direct computation.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from megatron_ext.config import load_recipe
+from megatron_ext.config.errors import ConfigError
+from tests.conftest import ROOT, run_torchrun
+
+SCRIPT = ROOT / "tests" / "dist" / "soma_run.py"
+
+TINY = {
+    "trainer": "soma",
+    "soma": {
+        "num_experts": 2,
+        "d_embed": 8,
+        "d_model": 8,
+        "num_blocks": 1,
+        "n_pert": 4,
+        "batch_size": 4,
+        "seq_length": 32,
+        "accumulation": 2,
+        "seed_updates": 4,
+        "expert_updates": 6,
+        "eval_interval": 2,
+        "val_windows": 2,
+        "head_lr": 1.0e-2,
+        "lr": 1.0e-2,
+        "eps": 1.0e-2,
+        "lr_floor": 1.0e-5,
+        "route_bytes": 64,
+        "score_bytes": 128,
+        "window_bytes": 257,
+        "test_fraction": 0.05,
+        "val_fraction": 0.02,
+        "router_svd_dim": 16,
+    },
+    "training": {"seed": 7},
+    "checkpoint": {"save_interval": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~120 KB of real English-ish text: the first stdlib docstrings, as one .txt file."""
+    from megatron_ext.data.corpus import python_stdlib_documents
+
+    docs, size = [], 0
+    for doc in python_stdlib_documents():
+        docs.append(doc)
+        size += len(doc.encode())
+        if size > 120_000:
+            break
+    path = tmp_path_factory.mktemp("soma_corpus") / "docs.txt"
+    path.write_text("\n\n".join(docs), encoding="utf-8")
+    return path
+
+
+def write_recipe(tmp: Path, corpus: Path, run: str, **soma) -> Path:
+    raw = json.loads(json.dumps(TINY))
+    raw["run_dir"] = str(tmp / run)
+    raw["data"] = {"source": [str(corpus)]}
+    raw["soma"].update(soma)
+    path = tmp / f"{run}.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def train_here(recipe_path: Path, *overrides: str) -> None:
+    from megatron_ext.soma.trainer import train_soma
+
+    train_soma(load_recipe(recipe_path, list(overrides), world_size=1))
+
+
+def bodies(run_dir: Path, n: int) -> list[torch.Tensor]:
+    from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
+
+    return [load_file(expert_path(run_dir, e))["state"]["theta"] for e in [SEED_EXPERT, *range(n)]]
+
+
+def histories(run_dir: Path, n: int) -> list[list[dict]]:
+    from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
+
+    return [
+        load_file(expert_path(run_dir, e))["state"]["history"] for e in [SEED_EXPERT, *range(n)]
+    ]
+
+
+def test_resume_is_exact(tmp_path, corpus):
+    """6 expert updates straight == 4 updates, stop, resume to 6 (bodies, losses, lr/eps)."""
+    straight = write_recipe(tmp_path, corpus, "straight")
+    train_here(straight)
+    split = write_recipe(tmp_path, corpus, "split", expert_updates=4)
+    train_here(split)
+    first = bodies(tmp_path / "split", 2)
+    train_here(split, "soma.expert_updates=6")
+    a, b = bodies(tmp_path / "straight", 2), bodies(tmp_path / "split", 2)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(first[1], b[1])  # the resumed run did train further
+    assert histories(tmp_path / "straight", 2) == histories(tmp_path / "split", 2)
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert summary["k"] == 2 and summary["test_windows"] > 0
+    rows = (tmp_path / "split" / "soma" / "curves.csv").read_text().splitlines()
+    assert len(rows) == 1 + sum(len(h) for h in histories(tmp_path / "split", 2))
+    assert (tmp_path / "split" / "soma" / "curves.png").stat().st_size > 0
+
+
+def test_fso_is_silent_and_ddpp_is_bit_identical(tmp_path, corpus):
+    """2 ranks vs 1 process, same recipe: FSO (each rank its own expert, zero collectives while
+    the experts train) and DDPP (directions split, scalars exchanged) give bit-identical bodies."""
+    one = write_recipe(tmp_path, corpus, "one")
+    train_here(one)
+    ref = bodies(tmp_path / "one", 2)
+    for mode in ("fso", "ddpp"):
+        recipe = write_recipe(tmp_path, corpus, mode, distribution=mode)
+        counts = tmp_path / f"{mode}_calls"
+        run_torchrun(SCRIPT, 2, str(recipe), str(counts), timeout=300)
+        got = bodies(tmp_path / mode, 2)
+        for e, (x, y) in enumerate(zip(ref, got, strict=True)):
+            assert torch.equal(x, y), f"{mode}: body {e - 1} differs from the 1-process run"
+        calls = [json.loads(Path(f"{counts}.{r}").read_text()) for r in range(2)]
+        if mode == "fso":
+            assert calls == [[], []], calls
+        else:  # the counter does see traffic: one scalar all-gather per expert and batch
+            assert all(c and set(c) == {"all_gather"} for c in calls), calls
+
+
+def test_routed_eval_matches_direct_mixture(tmp_path, corpus):
+    """summary.json's test loss == a mixture computed here from the saved router and experts,
+    expert by expert with the single-probe forward."""
+    recipe_path = write_recipe(tmp_path, corpus, "ev", expert_updates=2)
+    train_here(recipe_path)
+    from megatron_ext.soma.corpus import test_windows
+    from megatron_ext.soma.data import window_texts
+    from megatron_ext.soma.model import BodyLayout, log_probs
+    from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
+    from megatron_ext.soma.trainer import expert_shape
+
+    recipe = load_recipe(recipe_path)
+    s, run_dir = recipe.soma, Path(recipe.run_dir)
+    windows, router = test_windows(recipe)
+    layout = BodyLayout.from_shape(expert_shape(recipe))
+    emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]
+    experts = bodies(run_dir, 2)[1:]
+    nll = []
+    for w in windows:
+        routes = router.route(window_texts(w[None, : s.route_bytes]), 2)[0]
+        tokens = torch.from_numpy(w.astype(np.int64))[None]
+        n_in = s.route_bytes + s.score_bytes
+        p = 0
+        for e in routes:
+            lp = log_probs(experts[e][None].double(), emb.double(), tokens[:, :n_in], layout)
+            p = p + lp[0, 0].exp() / len(routes)
+        tgt = tokens[0, 1 : n_in + 1]
+        nll.append(-p[torch.arange(n_in), tgt].log()[s.route_bytes :])
+    expected = float(torch.cat(nll).mean())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["test_nats_per_byte"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("soma.eval_topk=3", "exceeds soma.num_experts=2"),
+        ("soma.n_pert=0", "soma.n_pert"),
+        ("soma.route_bytes=200", "exceeds the 256 targets"),
+    ],
+)
+def test_bad_recipe_values_stop_before_training(tmp_path, corpus, override, message):
+    recipe = write_recipe(tmp_path, corpus, "bad")
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(recipe, [override], world_size=1)
+
+
+def test_too_many_experts_for_the_corpus(tmp_path, corpus):
+    recipe = write_recipe(tmp_path, corpus, "many", num_experts=400)
+    with pytest.raises(ConfigError, match="400"):
+        train_here(recipe)
+    assert not list((tmp_path / "many").glob("soma/experts/*.pt"))
+
+
+def test_eval_without_router_is_one_clear_error(tmp_path, corpus):
+    recipe = write_recipe(tmp_path, corpus, "norouter")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.launch.cli", "soma", "eval", str(recipe)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().startswith("megatron-ext: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
