@@ -16,6 +16,12 @@ def add_soma_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("overrides", nargs="*", help="key=value overrides, as for launch")
     e.add_argument("--k", type=int, default=None, help="experts per window (default recipe's)")
     e.add_argument("--throughput", action="store_true", help="also time routed inference")
+    v = ssub.add_parser(
+        "variance",
+        help="the SPSA estimator's variance vs its small-eps prediction, the 1/n_pert law and "
+        "independent vs summed losses (CSV + PNG)",
+    )
+    v.add_argument("--out", default="runs/soma_variance", help="folder for variance.csv/.png")
     g = ssub.add_parser("generate", help="sample bytes after a prompt from the routed mixture")
     g.add_argument("recipe")
     g.add_argument("overrides", nargs="*")
@@ -29,6 +35,17 @@ def add_soma_parser(sub: argparse._SubParsersAction) -> None:
 def soma_main(args: argparse.Namespace) -> int:
     from megatron_ext.config import load_recipe
     from megatron_ext.config.errors import ConfigError
+
+    if args.soma_command == "variance":
+        from megatron_ext.soma.variance import measure_paper_claims
+
+        for row in measure_paper_claims(args.out):
+            print(
+                f"{row['experiment']:>11s} {row['x_label']:>11s}={row['x']}: measured "
+                f"{row['measured']:.2f}, predicted {row['predicted']:.2f}"
+            )
+        print(f"wrote {args.out}/variance.csv and variance.png")
+        return 0
 
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.trainer != "soma":
