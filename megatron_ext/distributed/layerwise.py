@@ -212,7 +212,7 @@ class LayerwiseOptimizer:
 
     # -- gradient sync: reduce-scatter-v to the owners ----------------------------------------
     @torch.no_grad()
-    def reduce_grads(self, grads: Mapping[str, torch.Tensor], group: Any = None) -> None:
+    def reduce_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Sum each gradient over the data-parallel ranks into its owner's copy, in place.
 
         ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). Per bucket one
@@ -225,6 +225,7 @@ class LayerwiseOptimizer:
         Per rank and bucket it sends the bytes of the gradients it does not own and receives
         ``world − 1`` copies of the ones it owns; a ring all-reduce sends and receives
         ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_bytes`."""
+        group = self.gather.group
         for name, _ in self.named_params:
             if self.plan.owner[name] == OwnershipPlan.REPLICATED:
                 torch.distributed.all_reduce(grads[name], group=group)

@@ -101,25 +101,35 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
 
     def build(named: NamedParams) -> Any:
         from megatron_ext.distributed.allgather_v import make_allgather_v
+        from megatron_ext.distributed.domains import LayerwiseDomains
         from megatron_ext.distributed.layerwise import LayerwiseOptimizer
-
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
-            raise NotImplementedError(
-                "the layer-wise optimizer does not plan over expert-data-parallel groups yet: "
-                "use parallel.expert_model_parallel_size=1 or optimizer.name=adamw"
-            )
         from megatron_ext.distributed.tensor_parallel import shard_infos_from_attributes
 
-        # TP shards of the hidden matrices: the matrix optimizers update them in optimizer.tp_mode
-        # (the ownership plan depends only on names and shard shapes, so every rank of a TP group
-        # owns the same shards and joins the same TP collectives).
+        # Dense weights are planned over the data-parallel group, expert weights over the
+        # expert-data-parallel group (the ranks holding the same experts); TP shards are updated
+        # in optimizer.tp_mode (the plan depends only on names and shard shapes, so every rank of
+        # a TP group owns the same shards and joins the same TP collectives).
+        dense = [(n, p) for n, p in named if not is_expert_param(p)]
+        expert = [(n, p) for n, p in named if is_expert_param(p)]
         tp_shards = shard_infos_from_attributes(
-            [p for _, p in named], parallel_state.get_tensor_model_parallel_group()
+            [p for _, p in dense], parallel_state.get_tensor_model_parallel_group()
         )
-        gather = make_allgather_v(parallel_state.get_data_parallel_group())
-        return LayerwiseOptimizer(
-            named, cfg.name, gather, hyperparameters(cfg), tp_shards=tp_shards
+        tp_shards |= shard_infos_from_attributes(
+            [p for _, p in expert], parallel_state.get_expert_tensor_parallel_group()
         )
+        hp = hyperparameters(cfg)
+        dp_group = parallel_state.get_data_parallel_group()
+        parts = [
+            LayerwiseOptimizer(dense, cfg.name, make_allgather_v(dp_group), hp, tp_shards=tp_shards)
+        ]
+        if expert:
+            edp_group = parallel_state.get_expert_data_parallel_group()
+            parts.append(
+                LayerwiseOptimizer(
+                    expert, cfg.name, make_allgather_v(edp_group), hp, tp_shards=tp_shards
+                )
+            )
+        return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
 
     return build
 
@@ -284,9 +294,10 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     master.data.copy_(p.data)
 
     def _layerwise(self) -> bool:
+        from megatron_ext.distributed.domains import LayerwiseDomains
         from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 
-        return isinstance(self.optimizer, LayerwiseOptimizer)
+        return isinstance(self.optimizer, (LayerwiseOptimizer, LayerwiseDomains))
 
     def _step_inner(self) -> None:
         self.optimizer.step()
@@ -318,7 +329,6 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if not self._layerwise():
             return False
         names = self.master_names
-        group = parallel_state.get_data_parallel_group()
 
         @torch.no_grad()
         def finish_grad_sync(force_all_reduce: bool = False) -> None:
@@ -327,7 +337,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     if bucket.gradient_scaling_factor != 1.0:
                         bucket.grad_data *= bucket.gradient_scaling_factor
             grads = {n: p.main_grad for n, p in zip(names, self.model_params, strict=True)}
-            self.optimizer.reduce_grads(grads, group=group)
+            self.optimizer.reduce_grads(grads)
 
         model.finish_grad_sync = finish_grad_sync
         return True
