@@ -56,7 +56,7 @@ class Muon(OrthogonalizedOptimizer):
         precision: matmul precision of the iteration: ``fp32`` (default) or ``bf16`` (GPUs: ~2×
             faster, singular values accurate to ~1e-2 only).
         gram_restart: Gram NS steps after which the iteration restarts from a fresh Gram
-            matrix; default after step 2 (see :mod:`.newton_schulz`).
+            matrix; default none in fp32, after step 2 in bf16 (see :mod:`.newton_schulz`).
         scale_mode: ``spectral``, ``shape`` or ``unit_rms``.
         extra_scale_factor: multiplies the scale; 0.2 with ``spectral`` matches AdamW's RMS.
         qkv_layout: orthogonalise Q, K and V of a fused megatron-core ``linear_qkv.weight``
@@ -140,7 +140,7 @@ class Muon(OrthogonalizedOptimizer):
         steps = resolve_coefficients(group["coefficients"], group["num_steps"])
         restart = group["gram_restart"]
         if restart is None:
-            restart = default_gram_restart(group["num_steps"])
+            restart = default_gram_restart(group["num_steps"], group["precision"])
         dtype = torch.bfloat16 if group["precision"] == "bf16" else torch.float32
         method = group["ns_method"]
 

@@ -87,7 +87,7 @@ def test_muon_matches_float64_reference(shape: tuple[int, ...], options: dict) -
         w0,
         grads,
     )
-    # fp32 NS (plain or Gram with restart) vs float64: measured ≤ 2e-5 on these shapes
+    # fp32 NS (plain, or Gram without restart: the fp32 default) vs float64: ≤ 1e-4
     assert_updates_close(fast, ref, w0, 1e-4)
 
 
