@@ -41,7 +41,7 @@ def soma_main(args: argparse.Namespace) -> int:
 
         for row in measure_paper_claims(args.out):
             print(
-                f"{row['experiment']:>11s} {row['x_label']:>11s}={row['x']}: measured "
+                f"{row['experiment']:>11s} {row['x_label']}={row['x']}: measured "
                 f"{row['measured']:.2f}, predicted {row['predicted']:.2f}"
             )
         print(f"wrote {args.out}/variance.csv and variance.png")

@@ -295,12 +295,12 @@ def measure_paper_claims(
     r = summed_vs_independent(
         thetas, emb, batches, layout, n_pert=1, eps=1e-5, repeats=3000, seed=seed + 11
     )
-    for x, mode in enumerate(("independent", "summed")):
+    for mode in ("independent", "summed"):
         rows.append(
             {
                 "experiment": "4 experts",
-                "x": x,
-                "x_label": mode,
+                "x": mode,
+                "x_label": "loss mode",
                 "measured": r[mode],
                 "predicted": r[f"predicted_{mode}"],
                 "repeats": 3000,
