@@ -65,3 +65,15 @@ def run_torchrun(
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small tensors: one thread is as fast, and avoids OpenMP barrier stalls (several times
+    slower) when other jobs share the CPU. Use with ``pytest.mark.usefixtures``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,15 +24,7 @@ from megatron_ext.soma.model import (
     naive_loss_loop,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one thread is as fast, and avoids OpenMP barrier stalls (several times
-    slower) when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_forward(

@@ -35,14 +35,7 @@ EPS = 1e-5
 PROBES_PER_POINT = 4800  # repeats × n_pert: about 2% standard error per variance
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one thread is as fast, and avoids OpenMP barrier stalls (several times
-    slower) when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,7 @@ import torch
 from megatron_ext.zo.probes import probe_matrix, random_bits, second_moments, sparse_rademacher
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam, loss_differences, perturb, spsa_estimate
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: one thread is as fast, and avoids OpenMP barrier stalls (several times
-    slower) when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- the hash, rewritten from the module docstring in plain Python ints -------------------------
