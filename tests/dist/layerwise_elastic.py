@@ -37,6 +37,9 @@ def main(optimizer: str, in_dir: str, out_dir: str, first: int, steps: int) -> N
     save_named_state(opt, out_dir)
     if opt.rank == 0:
         torch.save({n: p.detach().clone() for n, p in params}, Path(out_dir) / "params.pt")
+    # Leave together: a rank tearing down its gloo pairs while a peer still finishes its last
+    # transfer aborted a rank once ("terminate called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

@@ -53,6 +53,9 @@ def main(out: str) -> None:
     }
     with open(f"{out}.{opt.rank}.json", "w") as f:
         json.dump(result, f)
+    # Leave together: a rank tearing down its gloo pairs while a peer still finishes its last
+    # transfer aborted a rank once ("terminate called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
