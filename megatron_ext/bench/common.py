@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 
 def matmul_gflops(size: int = 1024, repeats: int = 12) -> float:
@@ -17,3 +19,11 @@ def matmul_gflops(size: int = 1024, repeats: int = 12) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
+
+
+def write_json(report: dict[str, Any], path: str | None) -> None:
+    """Write a benchmark's report to ``path`` (when given) and say so."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {path}")

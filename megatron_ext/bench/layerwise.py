@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench.common import write_json
+
 DESCRIPTION = (
     "layer-wise distributed optimizer at several DP sizes on the reference workload: step time, "
     "imbalance, gradient/parameter-sync bytes, exposed communication (figures + JSON)"
@@ -119,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
         "notes": [GRAD_SYNC_NOTE, MEGATRON_CORE_NOTE],
     }
     _print_report(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(report, args.json)
     return 0
 
 

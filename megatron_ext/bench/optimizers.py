@@ -12,12 +12,12 @@ ratios (our time / theirs) are reported. Figures only, never pass/fail.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
+from megatron_ext.bench.common import write_json
 
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
 
@@ -220,10 +220,7 @@ def run(args: argparse.Namespace) -> int:
         "ratios": ratios,
     }
     _print_table(report)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(report, args.json)
     return 0
 
 

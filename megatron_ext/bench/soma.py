@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from megatron_ext.bench.common import write_json
+
 DESCRIPTION = (
     "SOMA: batched SPSA perturbed-tokens/s vs a per-probe loop, GFLOP/s vs matmul rate, peak "
     "memory; routed inference tokens/s at N = 8 and 64 (figures + JSON)"
@@ -221,8 +223,5 @@ def run(args: argparse.Namespace) -> int:
         )
     report = {"spsa": spsa, "inference": inference}
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(report, args.json)
     return 0

@@ -313,9 +313,9 @@ class LayerwiseOptimizer:
                 f"optimizer state is missing for {len(missing)} parameters (e.g. {missing[0]}): "
                 f"the checkpoint was written for a different model or optimizer"
             )
+        names = self._param_names()
         for opt in self.all_optimizers():
             by_id = {id(p): p for g in opt.param_groups for p in g["params"]}
-            names = self._param_names()
             opt.state.clear()
             for pid, p in by_id.items():
                 opt.state[p] = {

@@ -57,14 +57,18 @@ def _batch(ctx: UpdateContext, shard: ExpertShard, expert: int, update: int, a: 
     return sample_batch(ctx.windows, shard.train, c.batch_size, c.seq_length, key)
 
 
+def _probes(ctx: UpdateContext, state: ExpertState, a: int, directions: range) -> torch.Tensor:
+    return probe_matrix(
+        ctx.seed, key_id(state.expert), state.update, a, directions, ctx.layout.gain_mask
+    )
+
+
 def _local_differences(
-    ctx: UpdateContext, state: ExpertState, tokens: torch.Tensor, a: int
+    ctx: UpdateContext, state: ExpertState, tokens: torch.Tensor, z: torch.Tensor
 ) -> tuple[torch.Tensor, float]:
-    """(len(local),) loss differences along this rank's directions, and their mean loss."""
-    local = ctx.split.local()
-    if len(local) == 0:
+    """(len(local),) loss differences along this rank's probes ``z``, and their mean loss."""
+    if len(z) == 0:
         return torch.zeros(0), float("nan")
-    z = probe_matrix(ctx.seed, key_id(state.expert), state.update, a, local, ctx.layout.gain_mask)
     losses = batched_loss(perturb(state.theta, z, state.plateau.eps), ctx.emb, tokens, ctx.layout)
     return loss_differences(losses), float(losses.mean())
 
@@ -78,21 +82,22 @@ def spsa_update(
     all_dirs = range(c.n_pert)
     grads = [torch.zeros_like(s.theta) for s in states]
     mean_losses = [0.0 for _ in states]
+    local = ctx.split.local()
     for a in range(c.accumulation):
-        diffs = []
+        diffs, probes = [], []
         for i, (state, shard) in enumerate(zip(states, shards, strict=True)):
             tokens = _batch(ctx, shard, state.expert, state.update, a)
-            local, loss = _local_differences(ctx, state, tokens, a)
-            diffs.append(ctx.split.gather(local))
+            z = _probes(ctx, state, a, local)
+            part, loss = _local_differences(ctx, state, tokens, z)
+            diffs.append(ctx.split.gather(part))
+            # One rank holding every direction reuses its probes; DDPP regenerates the others.
+            probes.append(z if local == all_dirs else _probes(ctx, state, a, all_dirs))
             mean_losses[i] += loss / c.accumulation
         if c.loss_mode == "summed":
             total = torch.stack(diffs).sum(0)
             diffs = [total for _ in states]
         for i, state in enumerate(states):
-            z = probe_matrix(
-                ctx.seed, key_id(state.expert), state.update, a, all_dirs, ctx.layout.gain_mask
-            )
-            grads[i] += spsa_estimate(diffs[i], z, state.plateau.eps)
+            grads[i] += spsa_estimate(diffs[i], probes[i], state.plateau.eps)
     for state, g in zip(states, grads, strict=True):
         g /= c.accumulation
         state.adam.step(state.theta, g, state.plateau.lr, c.weight_decay)
