@@ -17,9 +17,16 @@ from tests.conftest import DIST, run_torchrun
 from tests.dist.layerwise_step import STEPS, make_params, set_grads
 
 
-def single_process(optimizer: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+def single_process(
+    optimizer: str, steps: int = STEPS, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Parameters after ``steps`` steps; for bf16, the fp32 masters (started from the bf16
+    values), which the model holds rounded to bf16."""
     torch.set_num_threads(1)
-    params = make_params(with_experts=optimizer != "kl_soap")
+    params = [
+        (n, torch.nn.Parameter(p.detach().float()))
+        for n, p in make_params(optimizer != "kl_soap", dtype)
+    ]
     by_route: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in params:
         route = route_parameter(name, tuple(p.shape), matrix_optimizer=optimizer)
@@ -58,6 +65,37 @@ def test_layerwise_equals_single_process(tmp_path, optimizer, world):
         assert torch.equal(saved["params"][name], want), name
 
 
+@pytest.mark.parametrize(("optimizer", "world"), [("muon", 2), ("kl_soap", 4)])
+def test_bf16_parameters_keep_fp32_masters_only_where_updated(tmp_path, optimizer, world):
+    """bf16 parameters: every rank keeps fp32 masters only for the parameters it owns plus the
+    replicated ones (so each non-replicated master exists once across ranks), the all-gather
+    carries bf16 (received: exactly the bf16 bytes of the others' parameters), and the model
+    ends bit-identical to the single-process optimizer's fp32 masters rounded to bf16."""
+    from megatron_ext.distributed.plan import OwnershipPlan
+
+    out = tmp_path / "params.pt"
+    run_torchrun(DIST / "layerwise_step.py", world, optimizer, str(out), "bf16")
+    saved = torch.load(out)
+    plan = saved["plan"]
+    ref = single_process(optimizer, dtype=torch.bfloat16)
+    for name, want in ref.items():
+        assert saved["params"][name].dtype == torch.bfloat16
+        assert torch.equal(saved["params"][name], want.to(torch.bfloat16)), name
+    params = dict(make_params(optimizer != "kl_soap", torch.bfloat16))
+    for r in range(world):
+        counts = torch.load(f"{out}.rank{r}")
+        held = sorted(n for n in params if plan[n] in (r, OwnershipPlan.REPLICATED))
+        assert counts["masters"] == held
+        assert counts["master_bytes"] == 4 * sum(params[n].numel() for n in held)
+        others = sum(params[n].numel() for n in params if n not in held)
+        assert counts["gather_received"] == STEPS * 2 * others, (r, counts)
+    replicated = sum(p.numel() for n, p in params.items() if plan[n] == OwnershipPlan.REPLICATED)
+    total = sum(p.numel() for p in params.values())
+    assert sum(torch.load(f"{out}.rank{r}")["master_bytes"] for r in range(world)) == 4 * (
+        total + (world - 1) * replicated
+    )
+
+
 def test_allgathers_overlap_the_step_and_the_next_forward(tmp_path):
     """Each bucket's all-gather is launched right after its own updates (before the next
     bucket's updates), stays in flight through the rest of the step, and the next forward waits
@@ -78,23 +116,34 @@ def test_allgathers_overlap_the_step_and_the_next_forward(tmp_path):
     assert rec["ranks_agree"]
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "kl_soap"])
-def test_name_keyed_state_moves_between_dp_sizes(tmp_path, optimizer):
+@pytest.mark.parametrize(
+    ("optimizer", "dtype"), [("muon", "fp32"), ("kl_soap", "fp32"), ("muon", "bf16")]
+)
+def test_name_keyed_state_moves_between_dp_sizes(tmp_path, optimizer, dtype):
     """Save at DP=4, continue at DP=2, then DP=1, then back at DP=4 (2 steps each, plain torch
     format): the parameters equal 8 uninterrupted single-process steps bit for bit, so every
-    momentum / KL-SOAP factor and eigenbasis reached its new owner intact."""
+    momentum / KL-SOAP factor and eigenbasis -- and with bf16 parameters every fp32 master --
+    reached its new owner intact."""
     previous = "-"
     for i, world in enumerate([4, 2, 1, 4]):
         out = tmp_path / f"leg{i}_dp{world}"
         run_torchrun(
-            DIST / "layerwise_elastic.py", world, optimizer, previous, str(out), str(2 * i), "2"
+            DIST / "layerwise_elastic.py",
+            world,
+            optimizer,
+            previous,
+            str(out),
+            str(2 * i),
+            "2",
+            dtype,
         )
         assert len(list(out.glob("optimizer.*.pt"))) == world
         previous = str(out)
     final = torch.load(tmp_path / "leg3_dp4" / "params.pt")
-    ref = single_process(optimizer, steps=8)
+    bf16 = dtype == "bf16"
+    ref = single_process(optimizer, steps=8, dtype=torch.bfloat16 if bf16 else torch.float32)
     for name, want in ref.items():
-        assert torch.equal(final[name], want), name
+        assert torch.equal(final[name], want.to(final[name].dtype)), name
 
 
 def test_state_from_a_different_model_is_refused(tmp_path):

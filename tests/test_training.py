@@ -74,6 +74,18 @@ def _train(
     return run_torchrun(script, 2, *args, env=env, check=check)
 
 
+def _train_one_rank(recipe: Path, run_dir: Path, *overrides: str) -> None:
+    run_torchrun(
+        "megatron_ext.launch.cli",
+        1,
+        "train",
+        str(recipe),
+        f"run_dir={run_dir}",
+        *overrides,
+        module=True,
+    )
+
+
 def _metric(run_dir: Path, key: str) -> list[float]:
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(row)[key] for row in rows]
@@ -160,15 +172,7 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
     tolerance: gradients are summed in another order), and 4 + resume + 4 steps equal 8."""
     muon = ("optimizer.name=muon", "checkpoint.save_interval=0")
     one, two, resumed = tmp_path / "dp1", tmp_path / "dp2", tmp_path / "resumed"
-    run_torchrun(
-        "megatron_ext.launch.cli",
-        1,
-        "train",
-        str(recipe_file),
-        f"run_dir={one}",
-        *muon,
-        module=True,
-    )
+    _train_one_rank(recipe_file, one, *muon)
     _train(recipe_file, two, *muon)
     dp1, dp2 = _losses(one), _losses(two)
     assert dp2[-1] < dp2[0] - 0.5, dp2
@@ -187,18 +191,29 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
     # The layer-wise state is keyed by parameter: the DP=2 checkpoint resumes at DP=1 (each
     # rank's owned momenta merge into one rank's), continuing DP=2's run to fp32 tolerance.
     elastic = tmp_path / "elastic_dp1"
-    run_torchrun(
-        "megatron_ext.launch.cli",
-        1,
-        "train",
-        str(recipe_file),
-        f"run_dir={elastic}",
-        f"checkpoint.load={step4}",
-        *muon,
-        module=True,
-    )
+    _train_one_rank(recipe_file, elastic, f"checkpoint.load={step4}", *muon)
     for a, b in zip(_losses(elastic), dp2[4:], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (_losses(elastic), dp2)
+
+
+def test_bf16_muon_layerwise_resumes_exactly_at_any_dp(recipe_file, tmp_path):
+    """bf16 parameters with the layer-wise optimizer, whose fp32 masters live only on their
+    owners (and travel in the checkpoint as the owners' entries): 4 + resume + 4 steps equal 8
+    straight bit for bit at DP=2, and the step-4 checkpoint resumes at DP=1 on the DP=2 curve
+    (fp32 gradient sums in another order; the bf16 parameters may round differently)."""
+    bf16 = ("optimizer.name=muon", "training.precision=bf16", "checkpoint.save_interval=0")
+    straight, resumed, elastic = tmp_path / "straight", tmp_path / "resumed", tmp_path / "dp1"
+    _train(recipe_file, straight, *bf16)
+    losses = _losses(straight)
+    assert losses[-1] < losses[0] - 0.5, losses
+    _train(recipe_file, resumed, *bf16, "training.steps=4")
+    first = _losses(resumed)
+    (step4,) = (resumed / "checkpoints").glob("step_*")
+    _train(recipe_file, resumed, *bf16)
+    assert first + _losses(resumed) == losses
+    _train_one_rank(recipe_file, elastic, f"checkpoint.load={step4}", *bf16)
+    for a, b in zip(_losses(elastic), losses[4:], strict=True):
+        assert abs(a - b) <= 2e-3 * abs(a), (_losses(elastic), losses)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,21 @@ class LayerwiseDomains:
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
         return [h for part in self.parts for h in part.attach_forward_hooks(model)]
 
+    # -- masters ----------------------------------------------------------------------------
+    def master(self, name: str) -> torch.nn.Parameter:
+        return self._of[name].master(name)
+
+    def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        for part in self.parts:
+            part.set_grads({n: grads[n] for n, _ in part.named_params if n in grads})
+
+    def reload_masters(self) -> None:
+        for part in self.parts:
+            part.reload_masters()
+
+    def master_bytes(self) -> int:
+        return sum(part.master_bytes() for part in self.parts)
+
     # -- ownership ------------------------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
         return self._of[name].counts_toward_norm(name)

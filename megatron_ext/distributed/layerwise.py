@@ -12,6 +12,12 @@ contiguous segment.  :meth:`LayerwiseOptimizer.step` launches a bucket's all-gat
 this rank's updates in it are done, so communication overlaps the updates of later buckets;
 :meth:`LayerwiseOptimizer.wait_bucket` (called by a forward pre-hook, or by ``finish``) waits
 for one bucket and copies it back into the parameters.
+
+Low-precision parameters (bf16) get an fp32 master copy only where this rank updates them (the
+parameters it owns, and the small replicated ones): the optimizers step the masters, the owner
+rounds each updated master into its model parameter and into the bucket, and the all-gather
+carries the model dtype. A rank therefore keeps fp32 masters (and optimizer state) for about
+1/dp of the model, and the wire carries half the bytes of an fp32 gather.
 """
 
 from __future__ import annotations
@@ -30,6 +36,27 @@ from megatron_ext.optimizers import build_optimizer, route_parameter, weight_dec
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")  # the ones whose update couples a matrix's entries
+# Attributes megatron-core reads from a parameter (tensor parallelism, tied weights, experts):
+# they travel with its fp32 master.
+PARAM_ATTRIBUTES = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "allreduce",
+)
+MASTER_KEY = "fp32_param"  # the master's entry in the name-keyed state
+
+
+def fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """``p`` itself when it is fp32, else an fp32 copy carrying its megatron-core attributes."""
+    if p.dtype == torch.float32:
+        return p
+    master = torch.nn.Parameter(p.detach().clone().float())
+    for attr in PARAM_ATTRIBUTES:
+        if hasattr(p, attr):
+            setattr(master, attr, getattr(p, attr))
+    return master
 
 
 @dataclass
@@ -79,26 +106,30 @@ class LayerwiseOptimizer:
         }
         specs = [ParamSpec(n, tuple(p.shape), self.routes[n]) for n, p in self.named_params]
         self.plan: OwnershipPlan = plan_ownership(specs, self.world)
+        self._params = dict(self.named_params)
+        # fp32 masters only for the parameters this rank updates (owned or replicated).
+        self.masters = {n: fp32_master(p) for n, p in self.named_params if self.holds(n)}
+        self._tp = {
+            n: self.tp_shards[p] for n, p in self.named_params if p in (self.tp_shards or {})
+        }
         self.replicated_optimizers = self._optimizers_for(
-            (n, p) for n, p in self.named_params if self.plan.owner[n] == OwnershipPlan.REPLICATED
+            n for n, _ in self.named_params if self.plan.owner[n] == OwnershipPlan.REPLICATED
         )
         self.buckets = self._build_buckets()
         self.grad_bytes = {"sent": 0, "received": 0}  # reduce_grads payload, cumulative
 
     # -- construction ---------------------------------------------------------------------
-    def _optimizers_for(
-        self, members: Iterable[tuple[str, torch.nn.Parameter]]
-    ) -> dict[str, torch.optim.Optimizer]:
-        """One optimizer per routed name over ``members``; biases and 1-D tensors get no weight
-        decay (megatron-core's convention)."""
+    def _optimizers_for(self, members: Iterable[str]) -> dict[str, torch.optim.Optimizer]:
+        """One optimizer per routed name over the masters of ``members``; biases and 1-D tensors
+        get no weight decay (megatron-core's convention)."""
         by_route: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p in members:
-            by_route.setdefault(self.routes[name], []).append((name, p))
+        for name in members:
+            by_route.setdefault(self.routes[name], []).append((name, self.masters[name]))
         optimizers = {}
         for route, named in by_route.items():
             groups = weight_decay_groups(named)
             hp = dict(self.hyperparameters.get(route) or {})
-            shards = {p: self.tp_shards[p] for _, p in named if p in (self.tp_shards or {})}
+            shards = {p: self._tp[n] for n, p in named if n in self._tp}
             if shards and route in MATRIX_OPTIMIZERS:  # AdamW/Lion are elementwise: shards are fine
                 hp["tp_shards"] = shards
             optimizers[route] = build_optimizer(route, groups, hp)
@@ -127,7 +158,7 @@ class LayerwiseOptimizer:
                 sum(p.numel() for n, p in members if self.plan.owner[n] == r)
                 for r in range(self.world)
             ]
-            mine = [(n, p) for n, p in members if self.plan.owner[n] == self.rank]
+            mine = [n for n, _ in members if self.plan.owner[n] == self.rank]
             buckets.append(
                 Bucket(
                     index=i,
@@ -148,6 +179,9 @@ class LayerwiseOptimizer:
         self.finish()  # a bucket nobody waited for (no forward since the last step)
         for opt in self.replicated_optimizers.values():
             opt.step()
+        for name, p in self.named_params:
+            if self.plan.owner[name] == OwnershipPlan.REPLICATED and self.masters[name] is not p:
+                p.copy_(self.masters[name])
         for bucket in self.buckets:
             self._record("update", bucket.index)
             for opt in bucket.optimizers.values():
@@ -160,12 +194,16 @@ class LayerwiseOptimizer:
             self.events.append((what, index))
 
     def _launch(self, bucket: Bucket) -> None:
-        params = [p for _, p in bucket.order]
-        dtype = params[0].dtype
-        buffer = torch.empty(sum(bucket.counts), dtype=dtype, device=params[0].device)
+        """Round this rank's updated masters into their model parameters and the bucket (in the
+        model dtype), then start the bucket's all-gather."""
+        first = bucket.order[0][1]
+        buffer = torch.empty(sum(bucket.counts), dtype=first.dtype, device=first.device)
         offset = 0
         for name, p in bucket.order:
             if self.plan.owner[name] == self.rank:
+                master = self.masters[name]
+                if master is not p:
+                    p.copy_(master)
                 buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
             offset += p.numel()
         bucket.buffer = buffer
@@ -190,6 +228,27 @@ class LayerwiseOptimizer:
         """Wait for every bucket still in flight."""
         for bucket in self.buckets:
             self.wait_bucket(bucket)
+
+    # -- masters and their gradients ----------------------------------------------------------
+    def master(self, name: str) -> torch.nn.Parameter:
+        """The tensor the optimizers update for ``name``: its fp32 master where this rank holds
+        one, else the model parameter itself (fp32 parameters are their own masters)."""
+        return self.masters.get(name, self._params[name])
+
+    def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
+        """Give each held parameter's master its gradient (as fp32; an fp32 gradient is used
+        in place, not copied); the others' masters are not updated here and get none."""
+        for name, g in grads.items():
+            if name in self.masters:
+                self.masters[name].grad = None if g is None else g.float()
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """Copy the model parameters into the fp32 masters (after the model was loaded)."""
+        for name, p in self.named_params:
+            master = self.masters.get(name)
+            if master is not None and master is not p:
+                master.copy_(p)
 
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
         """Wait for each bucket in a forward pre-hook of the module holding its first parameter
@@ -263,6 +322,10 @@ class LayerwiseOptimizer:
     def owned_numel(self) -> int:
         return sum(p.numel() for n, p in self.named_params if self.plan.owner[n] == self.rank)
 
+    def master_bytes(self) -> int:
+        """Bytes of the separate fp32 masters this rank keeps (0 for fp32 parameters)."""
+        return sum(4 * m.numel() for n, m in self.masters.items() if m is not self._params[n])
+
     def all_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
             *self.replicated_optimizers.values(),
@@ -278,8 +341,8 @@ class LayerwiseOptimizer:
         return {k: v for opt in self.all_optimizers() for k, v in opt.state.items()}
 
     # -- name-keyed state (independent of the data-parallel size and the plan) -----------------
-    def _param_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.named_params}
+    def _master_names(self) -> dict[int, str]:
+        return {id(m): n for n, m in self.masters.items()}
 
     def saves(self, name: str) -> bool:
         """Whether this rank writes ``name``'s state: its owner, or rank 0 if replicated."""
@@ -290,38 +353,49 @@ class LayerwiseOptimizer:
         return self.plan.owner[name] in (self.rank, OwnershipPlan.REPLICATED)
 
     def named_state(self) -> dict[str, dict[str, Any]]:
-        """``{parameter name: {state key: value}}`` for every parameter this rank holds.
+        """``{parameter name: {state key: value}}`` for every parameter this rank holds, with the
+        fp32 master of a low-precision parameter under ``"fp32_param"``.
 
         Tensors are copies: the optimizers keep some state as views of stacked tensors (KL-SOAP
         packs same-shape matrices), and a view would drag its whole stack into a file."""
-        names = self._param_names()
+        names = self._master_names()
         out: dict[str, dict[str, Any]] = {}
         for opt in self.all_optimizers():
             for p, st in opt.state.items():
                 out[names[id(p)]] = {
                     k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()
                 }
+        for name, master in self.masters.items():
+            if master is not self._params[name]:
+                out.setdefault(name, {})[MASTER_KEY] = master.detach().clone()
         return out
 
     def load_named_state(self, named: Mapping[str, Mapping[str, Any]]) -> None:
         """Install name-keyed state (from :meth:`named_state` of any data-parallel size) for every
-        parameter this rank holds; a held parameter missing from ``named`` is an error."""
-        params = dict(self.named_params)
-        missing = [n for n in params if self.holds(n) and n not in named]
+        parameter this rank holds; a held parameter missing from ``named`` is an error. A saved
+        fp32 master is copied into this rank's master (for an fp32 parameter: the parameter)."""
+        missing = [n for n in self._params if self.holds(n) and n not in named]
         if missing:
             raise ValueError(
                 f"optimizer state is missing for {len(missing)} parameters (e.g. {missing[0]}): "
                 f"the checkpoint was written for a different model or optimizer"
             )
-        names = self._param_names()
+        names = self._master_names()
         for opt in self.all_optimizers():
             by_id = {id(p): p for g in opt.param_groups for p in g["params"]}
             opt.state.clear()
             for pid, p in by_id.items():
-                opt.state[p] = {
+                st = {
                     k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v
                     for k, v in named[names[pid]].items()
+                    if k != MASTER_KEY
                 }
+                if st:  # a parameter never stepped has a master but no optimizer state yet
+                    opt.state[p] = st
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                if MASTER_KEY in named[name]:
+                    master.copy_(named[name][MASTER_KEY])
 
     def state_dict(self) -> dict[str, Any]:
         """Name-keyed state of the parameters this rank holds (see :meth:`named_state`)."""

@@ -8,6 +8,8 @@ adapter keeps the same contract (``step() -> (success, grad_norm, num_zeros)``, 
 
 * reads each parameter's gradient from DDP's ``param.main_grad`` (fp32 grad buffer);
 * keeps an fp32 master copy for every bf16 parameter (fp32 parameters are their own master);
+  with the layer-wise distributed optimizer only for the parameters this rank updates (the
+  layer-wise optimizer holds them, see :mod:`megatron_ext.distributed.layerwise`);
 * computes the global gradient norm and zero count once, counting tensor-parallel duplicates and
   shared (tied) parameters once, reduced over the model-parallel group (dense) and the
   expert-model-parallel group (MoE experts);
@@ -40,7 +42,9 @@ from megatron_ext.config.schema import OptimizerConfig
 from megatron_ext.optimizers import weight_decay_groups
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
-# Builds the wrapped optimizer over the (named) fp32 master parameters.
+# Builds the wrapped optimizer over the (named) fp32 master parameters -- or, when the factory
+# has ``owns_masters = True``, over the model parameters: the optimizer then keeps its own fp32
+# masters and answers ``master(name)``, ``set_grads``, ``reload_masters`` (the layer-wise one).
 InnerFactory = Callable[[NamedParams], Any]
 
 
@@ -131,6 +135,7 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
             )
         return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
 
+    build.owns_masters = True  # type: ignore[attr-defined]  # masters only for held params
     return build
 
 
@@ -150,31 +155,20 @@ class MegatronExtOptimizer(MegatronOptimizer):
     def __init__(
         self, named_params: NamedParams, inner_factory: InnerFactory, config: McOptimizerConfig
     ) -> None:
-        self.model_params: list[torch.nn.Parameter] = []
-        self.master_params: list[torch.nn.Parameter] = []
-        self.master_names: list[str] = []
-        named_masters = []
-        for name, p in named_params:
-            if not p.requires_grad:
-                continue
-            master = (
-                p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().clone().float())
-            )
-            # Tensor-parallel attributes travel with the master (for norm filtering).
-            for attr in (
-                "tensor_model_parallel",
-                "partition_dim",
-                "partition_stride",
-                "shared",
-                "allreduce",
-            ):
-                if hasattr(p, attr) and master is not p:
-                    setattr(master, attr, getattr(p, attr))
-            self.model_params.append(p)
-            self.master_params.append(master)
-            self.master_names.append(name)
-            named_masters.append((name, master))
-        super().__init__(inner_factory(named_masters), config)
+        from megatron_ext.distributed.layerwise import fp32_master
+
+        trained = [(n, p) for n, p in named_params if p.requires_grad]
+        self.master_names = [n for n, _ in trained]
+        self.model_params = [p for _, p in trained]
+        # Whether the wrapped optimizer keeps the masters (and writes the model parameters).
+        self._inner_masters = bool(getattr(inner_factory, "owns_masters", False))
+        if self._inner_masters:
+            inner = inner_factory(trained)
+            self.master_params = [inner.master(n) for n in self.master_names]
+        else:
+            self.master_params = [fp32_master(p) for p in self.model_params]
+            inner = inner_factory(list(zip(self.master_names, self.master_params, strict=True)))
+        super().__init__(inner, config)
         self.is_stub_optimizer = False  # read by the base class's param_groups property
         self._param_sync_in_forward = False
         device = self.master_params[0].device if self.master_params else torch.device("cpu")
@@ -185,11 +179,15 @@ class MegatronExtOptimizer(MegatronOptimizer):
     def prepare_grads(self) -> bool:
         """Point master grads at DDP's fp32 ``main_grad`` buffers; False = no inf/nan check
         failed (the finite check happens on the global norm in :meth:`step`)."""
-        for p, master in zip(self.model_params, self.master_params, strict=True):
+        grads = {}
+        for name, p in zip(self.master_names, self.model_params, strict=True):
             grad = getattr(p, "main_grad", None)
-            if grad is None:
-                grad = p.grad
-            master.grad = None if grad is None else grad.float()
+            grads[name] = p.grad if grad is None else grad
+        if self._inner_masters:  # only the masters this rank updates get gradients
+            self.optimizer.set_grads(grads)
+            return False
+        for name, master in zip(self.master_names, self.master_params, strict=True):
+            master.grad = None if grads[name] is None else grads[name].float()
         return False
 
     def _norm_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -264,9 +262,10 @@ class MegatronExtOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self._step_inner()
-        for p, master in zip(self.model_params, self.master_params, strict=True):
-            if master is not p:
-                p.data.copy_(master.data)
+        if not self._inner_masters:
+            for p, master in zip(self.model_params, self.master_params, strict=True):
+                if master is not p:
+                    p.data.copy_(master.data)
         return True
 
     @torch.no_grad()
@@ -288,6 +287,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     def reload_model_params(self, state_dict: dict | None = None) -> None:
         """Refresh fp32 masters from the model parameters (after the model was loaded)."""
+        if self._inner_masters:
+            self.optimizer.reload_masters()
+            return
         with torch.no_grad():
             for p, master in zip(self.model_params, self.master_params, strict=True):
                 if master is not p:
@@ -310,11 +312,10 @@ class MegatronExtOptimizer(MegatronOptimizer):
         """Let the next forward pass wait for each all-gather bucket just before its first
         use (forward pre-hooks) instead of waiting at the end of ``step``.
 
-        Only for the layer-wise optimizer on fp32 parameters, where the gathered masters *are*
-        the model parameters; with bf16 parameters each gathered master must be copied into its
-        bf16 model parameter at the end of ``step``. Returns whether overlap is on.
+        Only for the layer-wise optimizer, which all-gathers into the model parameters (bf16
+        ones as the rounding of their owner's fp32 master). Returns whether overlap is on.
         """
-        if not self._layerwise() or self._fp32_masters():
+        if not self._layerwise():
             return False
         self.optimizer.attach_forward_hooks(model)
         self._param_sync_in_forward = True
@@ -352,11 +353,13 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return [m for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
 
     def state_dict(self) -> dict[str, Any]:
+        if self._inner_masters:  # name-keyed, masters included
+            return {"layerwise": self.optimizer.named_state()}
         return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "layerwise" in state_dict:  # see _layerwise_sharded_state
-            self._load_layerwise(state_dict["layerwise"], state_dict["fp32_masters"])
+            self.optimizer.load_named_state(state_dict["layerwise"])
             return
         optim = state_dict["optimizer"]
         if "common_step" in optim["state"]:
@@ -434,8 +437,8 @@ class MegatronExtOptimizer(MegatronOptimizer):
         tensors as whole ShardedTensors, scalars as ShardedObjects, keyed by the parameter's
         model shard so a checkpoint loads at any data-parallel size. The owner writes (replica
         0); replicated parameters are written by data-parallel rank 0, tensor-parallel
-        duplicates by TP rank 0. fp32 masters are laid
-        out like their model parameters (megatron-core's own fp32_param convention)."""
+        duplicates by TP rank 0. A bf16 parameter's fp32 master is one more entry
+        (``optimizer.layerwise.fp32_param.<shard>``), held and written by its owner only."""
         opt = self.optimizer
         shards = self._model_shard_keys(model_sharded_state_dict)
         params = dict(zip(self.master_names, self.master_params, strict=True))
@@ -456,20 +459,4 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 else:
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
-        masters = {
-            name: make_sharded_optimizer_tensor(
-                shards[name], master, prefix="optimizer.state.fp32_param"
-            )
-            for name, p, master in zip(
-                self.master_names, self.model_params, self.master_params, strict=True
-            )
-            if master is not p
-        }
-        return {"layerwise": state, "fp32_masters": masters}
-
-    def _load_layerwise(self, state: dict[str, Any], masters: dict[str, torch.Tensor]) -> None:
-        self.optimizer.load_named_state(state)
-        by_name = dict(zip(self.master_names, self.master_params, strict=True))
-        with torch.no_grad():
-            for name, saved in masters.items():
-                by_name[name].copy_(saved)
+        return {"layerwise": state}

@@ -1,15 +1,16 @@
 """Run under torchrun (gloo): continue a layer-wise optimizer run from a name-keyed checkpoint
 written at any data-parallel size, then save one (plain torch format).
 
-Usage: layerwise_elastic.py OPTIMIZER IN_DIR|- OUT_DIR FIRST_STEP STEPS
-Gradients of step s are the same on every rank (seeded by s), as in layerwise_step.py.
+Usage: layerwise_elastic.py OPTIMIZER IN_DIR|- OUT_DIR FIRST_STEP STEPS [fp32|bf16]
+Gradients of step s are the same on every rank (seeded by s), as in layerwise_step.py; with bf16
+parameters the fp32 masters travel in the optimizer files.
 """
 
 import sys
 from pathlib import Path
 
 import torch
-from layerwise_step import make_params, set_grads  # same folder (run as a script)
+from layerwise_step import grads_for, make_params  # same folder (run as a script)
 
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import (
@@ -19,19 +20,22 @@ from megatron_ext.distributed.layerwise import (
 )
 
 
-def main(optimizer: str, in_dir: str, out_dir: str, first: int, steps: int) -> None:
+def main(
+    optimizer: str, in_dir: str, out_dir: str, first: int, steps: int, dtype: str = "fp32"
+) -> None:
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
-    params = make_params(with_experts=optimizer != "kl_soap")
+    params = make_params(optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32)
     opt = LayerwiseOptimizer(params, optimizer, make_allgather_v(), bucket_numel=3000)
     if in_dir != "-":
         saved = torch.load(Path(in_dir) / "params.pt")
         with torch.no_grad():
             for n, p in params:
                 p.copy_(saved[n])
+        opt.reload_masters()
         load_named_state_files(opt, in_dir)
     for step in range(first, first + steps):
-        set_grads(params, step)
+        opt.set_grads(grads_for(params, step))
         opt.step()
         opt.finish()
     save_named_state(opt, out_dir)
@@ -44,4 +48,4 @@ def main(optimizer: str, in_dir: str, out_dir: str, first: int, steps: int) -> N
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])

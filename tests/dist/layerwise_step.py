@@ -1,7 +1,8 @@
 """Run under torchrun (gloo): a few steps of the layer-wise optimizer with identical gradients
-on every rank; rank 0 saves the resulting parameters (every rank checks they agree).
+on every rank; rank 0 saves the resulting parameters (every rank checks they agree) and every
+rank its fp32-master and all-gather byte counts.
 
-Usage: layerwise_step.py OPTIMIZER OUT.pt
+Usage: layerwise_step.py OPTIMIZER OUT.pt [fp32|bf16]
 """
 
 import sys
@@ -14,7 +15,9 @@ from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 STEPS = 3
 
 
-def make_params(with_experts: bool) -> list[tuple[str, torch.nn.Parameter]]:
+def make_params(
+    with_experts: bool, dtype: torch.dtype = torch.float32
+) -> list[tuple[str, torch.nn.Parameter]]:
     """A miniature GPT's parameters in forward order, identical on every rank."""
     gen = torch.Generator().manual_seed(0)
     shapes = [("embedding.word_embeddings.weight", (50, 32))]
@@ -34,23 +37,31 @@ def make_params(with_experts: bool) -> list[tuple[str, torch.nn.Parameter]]:
                 (f"{pre}.mlp.experts.linear_fc2.weight", (4, 32, 16)),
             ]
     shapes += [("decoder.final_layernorm.weight", (32,)), ("output_layer.weight", (50, 32))]
-    return [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1)) for n, s in shapes]
+    return [
+        (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype))) for n, s in shapes
+    ]
+
+
+def grads_for(params: list[tuple[str, torch.nn.Parameter]], step: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s fp32 gradients (as DDP's fp32 ``main_grad`` would hold them)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return {n: torch.randn(p.shape, generator=gen) * 0.01 for n, p in params}
 
 
 def set_grads(params: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
-    gen = torch.Generator().manual_seed(1000 + step)
-    for _, p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 0.01
+    for (_, p), g in zip(params, grads_for(params, step).values(), strict=True):
+        p.grad = g
 
 
-def main(optimizer: str, out: str) -> None:
+def main(optimizer: str, out: str, dtype: str = "fp32") -> None:
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
-    params = make_params(with_experts=optimizer != "kl_soap")
+    params = make_params(optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32)
     # Small buckets so that several all-gathers are in flight at once.
-    opt = LayerwiseOptimizer(params, optimizer, make_allgather_v(), bucket_numel=3000)
+    gather = make_allgather_v()
+    opt = LayerwiseOptimizer(params, optimizer, gather, bucket_numel=3000)
     for step in range(STEPS):
-        set_grads(params, step)
+        opt.set_grads(grads_for(params, step))
         opt.step()
         opt.finish()
     flat = torch.cat([p.detach().reshape(-1) for _, p in params])
@@ -58,6 +69,14 @@ def main(optimizer: str, out: str) -> None:
     torch.distributed.all_gather(gathered, flat)
     if not all(torch.equal(g, flat) for g in gathered):
         raise SystemExit("ranks disagree on the parameters after the layer-wise step")
+    counts = {
+        "master_bytes": opt.master_bytes(),
+        "masters": sorted(n for n, m in opt.masters.items() if m.dtype != flat.dtype),
+        "gather_sent": gather.stats.sent,
+        "gather_received": gather.stats.received,
+    }
+    torch.save(counts, f"{out}.rank{opt.rank}")
+    torch.distributed.barrier()  # leave together (see layerwise_elastic.py)
     if opt.rank == 0:
         torch.save(
             {
@@ -71,4 +90,4 @@ def main(optimizer: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
