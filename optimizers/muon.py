@@ -73,6 +73,7 @@ class Muon(OrthogonalizedOptimizer):
     """
 
     supported_tp_modes = ("blockwise", "duplicated", "distributed")
+    takes_tall_batches = True  # newton_schulz runs Gram NS on the small side of tall batches
 
     def __init__(
         self,

@@ -239,27 +239,31 @@ def newton_schulz(
 
     shape = x.shape
     batch = x.reshape(-1, shape[-2], shape[-1])
-    transpose = batch.shape[-2] > batch.shape[-1]
-    if transpose:
-        batch = batch.mT
-    m, n = batch.shape[-2], batch.shape[-1]
+    tall = batch.shape[-2] > batch.shape[-1]
+    m, n = min(batch.shape[-2:]), max(batch.shape[-2:])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-
-    # One working copy, contiguous in the m ≤ n orientation so every matmul below is a plain bmm.
+    use_gram = method == "gram" or (
+        method == "auto" and gram_is_cheaper(m, n, num_steps, gram_restart)
+    )
+    # Gram NS on a tall batch runs on its n×n side (XᵀX, and X·P at the end), in the batch's own
+    # layout; plain NS works on the m ≤ n orientation. Either way every matmul is a plain bmm.
+    right = tall and use_gram
+    if tall and not right:
+        batch = batch.mT
     if inplace and batch.dtype == dtype and batch.is_contiguous():
         work = batch
     else:
-        work = torch.empty((batch.shape[0], m, n), dtype=dtype, device=x.device)
+        work = torch.empty(batch.shape, dtype=dtype, device=x.device)
         work.copy_(batch)
     if normalize:
         normalize_frobenius(work, eps)
 
-    use_gram = method == "gram" or (
-        method == "auto" and gram_is_cheaper(m, n, num_steps, gram_restart)
-    )
-    out = newton_schulz_iterate(work, steps, gram=use_gram, gram_restart=gram_restart)
-    if transpose:
-        out = out.mT
+    if right:
+        out = _gram_ns(work, steps, set(gram_restart), right=True)
+    else:
+        out = newton_schulz_iterate(work, steps, gram=use_gram, gram_restart=gram_restart)
+        if tall:
+            out = out.mT
     return out.reshape(shape)
 
 
@@ -313,15 +317,19 @@ def _gram_ns(
     steps: list[Coefficients],
     restart: set[int],
     gram_reduce: GramReduce | None = None,
+    right: bool = False,
 ) -> torch.Tensor:
     """Gram NS on a contiguous ``(B, m, n)`` batch; ``x`` is read, not overwritten.
 
     Every m×m product here is of two commuting symmetric matrices (all are polynomials in R),
-    so each is formed by :func:`symmetric_bmm`.
+    so each is formed by :func:`symmetric_bmm`. ``right``: iterate on the n×n side instead
+    (``R = XᵀX``, ``X_K = X_0 P_K``) -- the same iteration for the transpose, used for tall
+    batches so that they are never transposed in memory.
     """
-    batch, m = x.shape[0], x.shape[1]
+    gram_side = x.mT if right else x  # the factor whose rows span the Gram side
+    batch, m = gram_side.shape[0], gram_side.shape[1]
     a_mat = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
-    symmetric_bmm(x, x.mT, a_mat)  # A_0 = R = X_0 X_0ᵀ
+    symmetric_bmm(gram_side, gram_side.mT, a_mat)  # A_0 = R = X_0 X_0ᵀ (right: X_0ᵀ X_0)
     if gram_reduce is not None:
         gram_reduce(a_mat)
     q_mat = torch.empty_like(a_mat)
@@ -345,8 +353,9 @@ def _gram_ns(
         if k + 1 in restart:
             # X_{k+1} = P X_0 and R = X_{k+1} X_{k+1}ᵀ: the same numbers the plain iteration
             # would hold here, so the rounding that crept into A and P is discarded.
-            x = torch.bmm(p_mat, x)
-            symmetric_bmm(x, x.mT, a_mat)
+            x = torch.bmm(x, p_mat) if right else torch.bmm(p_mat, x)
+            gram_side = x.mT if right else x
+            symmetric_bmm(gram_side, gram_side.mT, a_mat)
             if gram_reduce is not None:
                 gram_reduce(a_mat)
             p_mat = None
@@ -355,4 +364,4 @@ def _gram_ns(
         symmetric_bmm(a_mat, q, tmp)
         symmetric_bmm(q, tmp, a_mat)
     assert p_mat is not None
-    return torch.bmm(p_mat, x)
+    return torch.bmm(x, p_mat) if right else torch.bmm(p_mat, x)

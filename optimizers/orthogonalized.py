@@ -111,18 +111,19 @@ class MatrixSlot:
         """Shape of this matrix inside the stacked batch."""
         return (min(self.rows, self.cols), max(self.rows, self.cols))
 
-    def load_into(self, dst: torch.Tensor) -> None:
-        """Copy the source matrix into ``dst`` (contiguous, :attr:`batch_shape`)."""
+    def load_into(self, dst: torch.Tensor, native: bool = False) -> None:
+        """Copy the source matrix into ``dst`` (contiguous, :attr:`batch_shape`; with
+        ``native``, ``(rows, cols)``: never transposed)."""
         lead = self.source.shape[:-1]
-        if self.transposed:
+        if self.transposed and not native:
             dst.view(self.cols, *lead).copy_(self.source.movedim(-1, 0))
         else:
             dst.view(self.source.shape).copy_(self.source)
 
-    def add_to_target(self, update: torch.Tensor, alpha: float) -> None:
-        """``target += alpha · update`` for ``update`` in :attr:`batch_shape`."""
+    def add_to_target(self, update: torch.Tensor, alpha: float, native: bool = False) -> None:
+        """``target += alpha · update`` for ``update`` laid out as in :meth:`load_into`."""
         lead = self.target.shape[:-1]
-        if self.transposed:
+        if self.transposed and not native:
             update = update.view(self.cols, *lead).movedim(0, -1)
         else:
             update = update.view(self.target.shape)
@@ -180,6 +181,9 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     #: ``tp_mode`` values this optimizer implements (``distributed`` needs
     #: :meth:`distributed_iteration`).
     supported_tp_modes: ClassVar[tuple[str, ...]] = ("blockwise", "duplicated")
+    #: Whether :meth:`orthogonalize` takes tall batches (m > n) as they are: whole matrices with
+    #: more rows than columns are then stacked untransposed (no transposing copy in or out).
+    takes_tall_batches: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -233,7 +237,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         check_tp_mode(group["tp_mode"], self.supported_tp_modes, type(self).__name__)
 
     def orthogonalize(self, x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """Polar factor (approximate) of each matrix of the ``(B, m, n)`` fp32 batch, m ≤ n.
+        """Polar factor (approximate) of each matrix of the ``(B, m, n)`` fp32 batch, m ≤ n
+        (m > n too where :attr:`takes_tall_batches`).
 
         ``x`` is a private copy of the momenta, which the hook may overwrite.
         """
@@ -253,11 +258,16 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         return ShardSplit.of(info, info.matrix_axis(p.shape) ^ int(slot.transposed))
 
     def _orthogonalize_shards(
-        self, x: torch.Tensor, group: dict[str, Any], split: ShardSplit
+        self, x: torch.Tensor, group: dict[str, Any], split: ShardSplit, flipped: bool
     ) -> torch.Tensor:
-        """This rank's block of the orthogonalised full matrices of a ``(B, m, n)`` shard batch."""
+        """This rank's block of the orthogonalised full matrices of a ``(B, m, n)`` shard batch
+        (``flipped``: the batch holds the parameters' transposes)."""
         if group["tp_mode"] == "duplicated":
-            return orthogonalize_duplicated(x, split, lambda full: self.orthogonalize(full, group))
+            # The full matrices go to the hook as a single process would give them.
+            orientation = "parameter" if self.takes_tall_batches else "wide"
+            return orthogonalize_duplicated(
+                x, split, lambda full: self.orthogonalize(full, group), orientation, flipped
+            )
         return orthogonalize_distributed(
             x, split.axis, split.world_size, split.all_reduce_, self.distributed_iteration(group)
         )
@@ -294,14 +304,26 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         else:
             sources = buffers
 
-        # Batches: same shape, and (TP shards) split the same way over the same group.
-        by_batch: dict[tuple[tuple[int, int], ShardSplit | None], list[MatrixSlot]]
+        # Batches: same shape, and (TP shards) split the same way over the same group; whole
+        # tall matrices stay untransposed where the orthogonalisation takes them so.
+        by_batch: dict[tuple[tuple[int, int], ShardSplit | None, bool], list[MatrixSlot]]
         by_batch = defaultdict(list)
         for p, source in zip(params, sources, strict=True):
             for slot in matrix_slots(source, p, group["qkv_layout"]):
-                by_batch[(slot.batch_shape, self._split(slot, p, group))].append(slot)
+                split = self._split(slot, p, group)
+                native = self.takes_tall_batches and split is None and slot.transposed
+                shape = (slot.rows, slot.cols) if native else slot.batch_shape
+                # Shards of tall and wide matrices are gathered apart when the hook takes each
+                # full matrix as the parameter holds it (see orthogonalize_duplicated).
+                flipped = (
+                    self.takes_tall_batches
+                    and split is not None
+                    and group["tp_mode"] == "duplicated"
+                    and slot.transposed
+                )
+                by_batch[(shape, split, native, flipped)].append(slot)
 
-        for ((m, n), split), slots in by_batch.items():
+        for ((m, n), split, native, flipped), slots in by_batch.items():
             device = slots[0].source.device
             limit = self.max_batch_numel or default_max_batch_numel(device)
             if split is not None and group["tp_mode"] == "duplicated":
@@ -311,14 +333,14 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                     len(chunk), m, n, dtype=torch.float32, device=chunk[0].source.device
                 )
                 for i, slot in enumerate(chunk):
-                    slot.load_into(x[i])
+                    slot.load_into(x[i], native)
                 if split is None:
                     ortho = self.orthogonalize(x, group)
                 else:
-                    ortho = self._orthogonalize_shards(x, group, split)
+                    ortho = self._orthogonalize_shards(x, group, split, flipped)
                 for i, slot in enumerate(chunk):
                     rows, cols = full_matrix_shape(slot, split)
                     scale = update_scale(
                         rows, cols, group["scale_mode"], group["extra_scale_factor"]
                     )
-                    slot.add_to_target(ortho[i], alpha=-lr * scale)
+                    slot.add_to_target(ortho[i], alpha=-lr * scale, native=native)

@@ -95,6 +95,19 @@ def test_gram_matches_plain_on_random_inputs(shape: tuple[int, int], restart: tu
     assert _relative(gram, plain) < 1e-4, coefficients
 
 
+@pytest.mark.parametrize("restart", [(), (2,)])
+def test_tall_batches_run_gram_on_their_small_side_untransposed(restart: tuple) -> None:
+    """A tall batch runs Gram NS on XᵀX (n×n) and returns X·P in its own layout: the same
+    iteration as the wide Gram NS of its transpose (fp32 rounding apart), without a
+    transposed copy in or out."""
+    x = random_batch(4, 96, 32)
+    tall = newton_schulz(x, method="gram", gram_restart=restart)
+    wide = newton_schulz(x.mT.contiguous(), method="gram", gram_restart=restart)
+    assert tall.is_contiguous() and tall.shape == x.shape
+    # measured ≤ 1e-6 (products of the same numbers in another order)
+    assert _relative(tall, wide.mT) < 1e-5
+
+
 # Findings (fp32, 5 steps, 32×96, singular values log-spaced from 1 to 1/cond; error relative
 # to a float64 plain-NS reference), measured for quintic and polar_express:
 #   cond   plain NS   Gram, no restart   Gram, restart after step 2

@@ -128,8 +128,10 @@ def test_blockwise_is_per_shard_and_not_tp1(tp2_results, config):
 # Stacked batches of one optimizer step, from MATRICES (shard shapes at TP=2, each turned to
 # rows ≤ columns, and where its split then runs). Muon/MOP: fc1 (24×32, columns, stride 2);
 # fc2 (24×32, columns); proj (24×40, rows); kv_like and narrow (8×48, rows); the six experts
-# (16×24, rows); Q (16×32, rows); K and V (8×32, rows): 7 batches for 14 matrices. KL-SOAP
-# batches by full shape and stride: 8 parameters, 8 batches.
+# (16×24, rows); Q (16×32, rows); K and V (8×32, rows): 7 batches for 14 matrices. Muon, whose
+# hook takes tall matrices as they are, gathers shards of tall parameters (narrow, experts fc2)
+# apart from wide ones in duplicated mode: 9 batches. KL-SOAP batches by full shape and stride:
+# 8 parameters, 8 batches.
 # distributed: per batch one norm all-reduce plus one per Gram: Gram NS (chosen from the full
 # shape as at TP=1: fc1 24×64, fc2 24×64) reduces R once (fp32 Gram NS does not restart by
 # default); plain NS reduces 5 (proj 40×48, experts 24×32, Q 32×32, and the short-side splits
@@ -140,7 +142,7 @@ DISTRIBUTED_ALL_REDUCES = 7 + 2 * 1 + 5 * 5
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_one_collective_per_stacked_batch(tp2_results, config):
     cls, _, mode = CONFIGS[config]
-    batches = {Muon: 7, MOP: 7, KLSoap: 8}[cls]
+    batches = {Muon: 9 if mode == "duplicated" else 7, MOP: 7, KLSoap: 8}[cls]
     want = {
         "blockwise": {"all_gather": 0, "all_reduce": 0},
         "duplicated": {"all_gather": batches * STEPS, "all_reduce": 0},

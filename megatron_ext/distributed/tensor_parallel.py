@@ -242,24 +242,35 @@ def own_shard(full: torch.Tensor, split: ShardSplit) -> torch.Tensor:
 
 
 def orthogonalize_duplicated(
-    x: torch.Tensor, split: ShardSplit, orthogonalize: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor,
+    split: ShardSplit,
+    orthogonalize: Callable[[torch.Tensor], torch.Tensor],
+    orientation: str = "wide",
+    flipped: bool = False,
 ) -> torch.Tensor:
     """``duplicated`` mode: gather, orthogonalise the full matrices, keep this rank's block.
 
     Args:
         x: ``(B, m, n)`` fp32 batch of this rank's shards (any orientation).
         split: how the batch splits.
-        orthogonalize: the single-matrix hook, ``(B, M', N') -> (B, M', N')`` with M' ≤ N'; it
-            receives the full matrices in that orientation (transposed here if needed).
+        orthogonalize: the single-matrix hook, ``(B, M', N') -> (B, M', N')``.
+        orientation: how the hook receives the full matrices (transposed here if needed):
+            ``wide`` with M' ≤ N'; ``parameter`` as the parameters hold them, which is how a
+            single process hands them to a hook that takes tall batches too (so the result is
+            that process's, bit for bit).
+        flipped: the batch holds the parameters' transposes.
 
     Returns:
         ``(B, m, n)`` this rank's block of the full matrices' orthogonalisation.
     """
     full = gather_shards(x, split)
-    if full.shape[-2] > full.shape[-1]:
-        out = orthogonalize(full.mT.contiguous()).mT
+    if orientation == "parameter":
+        transpose = flipped
+    elif orientation == "wide":
+        transpose = full.shape[-2] > full.shape[-1]
     else:
-        out = orthogonalize(full)
+        raise ValueError(f"orientation must be 'wide' or 'parameter', got {orientation!r}")
+    out = orthogonalize(full.mT.contiguous()).mT if transpose else orthogonalize(full)
     return own_shard(out, split)
 
 
