@@ -252,3 +252,20 @@ def test_uint8_windows_read_as_byte_ids():
         body_hidden(thetas, emb, as_bytes[:, :-1], layout),
         body_hidden(thetas, emb, tokens[:, :-1], layout),
     )
+
+
+@pytest.mark.parametrize("shape", [ExpertShape(), ExpertShape(d_embed=16, d_model=24)])
+def test_benchmark_textbook_loop_computes_the_same_losses(shape):
+    """The SOMA benchmark's anchor (standard torch.nn modules, one forward per body) must compute
+    what the batched forward computes, or its speedup would compare different work."""
+    from megatron_ext.bench.soma import torch_nn_expert, torch_nn_loss_loop
+
+    layout, thetas, emb, tokens = _setup(shape, p=3, b=2, t=9)
+    module = torch_nn_expert(layout, torch.float64)
+    with torch.no_grad():
+        loop = torch_nn_loss_loop(thetas, emb, tokens, layout, module)
+    want = torch.stack([reference_loss(th, emb, tokens, shape) for th in thetas])
+    torch.testing.assert_close(loop, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        batched_loss(thetas, emb, tokens, layout), want, rtol=1e-10, atol=1e-10
+    )
