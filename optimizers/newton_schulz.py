@@ -54,7 +54,7 @@ __all__ = [
     "resolve_coefficients",
 ]
 
-CoefficientSet = Literal["quintic", "polar_express", "cubic"]
+CoefficientSet = Literal["quintic", "polar_express", "cubic", "quintic_cubic"]
 NSMethod = Literal["auto", "plain", "gram"]
 NSPrecision = Literal["fp32", "bf16"]
 
@@ -96,6 +96,11 @@ COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
     # but slowly for small σ.
     "cubic": ((1.5, -0.5, 0.0),),
 }
+# Three quintic steps lift the small singular values (×3.4 per step) into the quintic's band
+# [0.7, 1.2]; cubic steps then pull that band towards 1 (0.7 -> 0.88, 1.2 -> 0.94), and a cubic
+# step costs one product less (c = 0: no A²). At num_steps = 4 it is closer to the polar factor
+# than 5 quintic steps (tests/test_optim_newton_schulz.py) for about 3/4 of their flops.
+COEFFICIENT_SETS["quintic_cubic"] = (*COEFFICIENT_SETS["quintic"] * 3, *COEFFICIENT_SETS["cubic"])
 
 
 def resolve_coefficients(
@@ -141,14 +146,17 @@ def newton_schulz_flops(
     method: Literal["plain", "gram"],
     gram_restart: Sequence[int] | None = None,
     precision: NSPrecision = "fp32",
+    coefficients: CoefficientSet | Sequence[Sequence[float]] = "quintic",
 ) -> int:
     """Multiply-add flops (2 per MAC) of one ``m×n`` orthogonalisation (m, n in any order).
 
     ``gram_restart=None`` means the default for ``precision`` (:func:`default_gram_restart`).
+    Steps whose ``c`` is 0 (cubic) need no ``A²`` product.
     """
     m, n = min(m, n), max(m, n)
+    quintic = [c != 0.0 for _, _, c in resolve_coefficients(coefficients, num_steps)]
     if method == "plain":
-        return num_steps * (4 * m * m * n + 2 * m**3)
+        return sum(4 * m * m * n + (2 * m**3 if q else 0) for q in quintic)
     if gram_restart is None:
         gram_restart = default_gram_restart(num_steps, precision)
     restart = set(gram_restart)
@@ -156,7 +164,7 @@ def newton_schulz_flops(
     square = 0  # m×m products
     p_is_identity = True
     for k in range(num_steps):
-        square += 1 if p_is_identity else 2  # A², and P ← Q·P unless P = I
+        square += int(quintic[k]) + (0 if p_is_identity else 1)  # A², and P ← Q·P unless P = I
         p_is_identity = False
         if k == num_steps - 1:
             break
@@ -174,10 +182,12 @@ def gram_is_cheaper(
     num_steps: int,
     gram_restart: Sequence[int] | None = None,
     precision: NSPrecision = "fp32",
+    coefficients: CoefficientSet | Sequence[Sequence[float]] = "quintic",
 ) -> bool:
     """Whether Gram NS needs fewer flops than plain NS for an ``m×n`` matrix."""
-    gram = newton_schulz_flops(m, n, num_steps, "gram", gram_restart, precision)
-    return gram < newton_schulz_flops(m, n, num_steps, "plain")
+    gram = newton_schulz_flops(m, n, num_steps, "gram", gram_restart, precision, coefficients)
+    plain = newton_schulz_flops(m, n, num_steps, "plain", coefficients=coefficients)
+    return gram < plain
 
 
 def normalize_frobenius(x: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -243,7 +253,7 @@ def newton_schulz(
     m, n = min(batch.shape[-2:]), max(batch.shape[-2:])
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     use_gram = method == "gram" or (
-        method == "auto" and gram_is_cheaper(m, n, num_steps, gram_restart)
+        method == "auto" and gram_is_cheaper(m, n, num_steps, gram_restart, coefficients=steps)
     )
     # Gram NS on a tall batch runs on its n×n side (XᵀX, and X·P at the end), in the batch's own
     # layout; plain NS works on the m ≤ n orientation. Either way every matmul is a plain bmm.
@@ -295,6 +305,13 @@ def newton_schulz_iterate(
     return _plain_ns(work, steps, gram_reduce)
 
 
+def _polynomial(a_mat: torch.Tensor, b: float, c: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = b·A + c·A²`` for symmetric ``A``; a cubic step (c = 0) needs no product."""
+    if c == 0.0:
+        return torch.mul(a_mat, b, out=out)
+    return symmetric_bmm(a_mat, a_mat, out, add=a_mat, beta=b, alpha=c)
+
+
 def _plain_ns(
     x: torch.Tensor, steps: list[Coefficients], gram_reduce: GramReduce | None = None
 ) -> torch.Tensor:
@@ -306,7 +323,7 @@ def _plain_ns(
         symmetric_bmm(x, x.mT, gram)  # A = XXᵀ
         if gram_reduce is not None:
             gram_reduce(gram)
-        symmetric_bmm(gram, gram, poly, add=gram, beta=b, alpha=c)  # B = bA + cA²
+        _polynomial(gram, b, c, poly)  # B = bA + cA²
         torch.baddbmm(x, poly, x, beta=a, alpha=1.0, out=other)  # X ← aX + BX
         x, other = other, x
     return x
@@ -339,8 +356,7 @@ def _gram_ns(
     last = len(steps) - 1
     for k, (a, b, c) in enumerate(steps):
         # Q = aI + bA + cA²
-        q = q_mat
-        symmetric_bmm(a_mat, a_mat, q, add=a_mat, beta=b, alpha=c)
+        q = _polynomial(a_mat, b, c, q_mat)
         q.diagonal(dim1=-2, dim2=-1).add_(identity_diag, alpha=a)
         if p_mat is None:
             p_mat = q  # P = Q·I; P now owns this buffer, so Q gets a fresh one next step

@@ -93,7 +93,9 @@ class OptimizerConfig:
     # rest (embeddings, output layer, norms, biases). One LR schedule drives all of them, so the
     # orthogonalised updates are scaled to AdamW's update RMS (extra_scale_factor 0.2).
     momentum: float = spec(0.95, ge=0.0, le=1.0, help="muon/mop momentum")
-    ns_coefficients: str = spec("polar_express", choices=("polar_express", "quintic", "cubic"))
+    ns_coefficients: str = spec(
+        "polar_express", choices=("polar_express", "quintic", "cubic", "quintic_cubic")
+    )
     ns_steps: int = spec(5, ge=1, help="muon Newton-Schulz iterations")
     extra_scale_factor: float = spec(0.2, gt=0.0, help="muon/mop: x sqrt(max(m,n)) scale")
     kl_soap_refresh_mode: str = spec("qr", choices=("qr", "eigh", "cholesky_qr2"))
