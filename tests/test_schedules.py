@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.config.errors import ConfigError
-from megatron_ext.config.schema import OptimizerConfig, TrainingConfig
+from megatron_ext.config.schema import OptimizerConfig, Recipe, TrainingConfig
 from megatron_ext.schedules import LRSchedule
 
 MAX_LR, MIN_LR = 3e-3, 3e-4
@@ -193,7 +193,7 @@ def test_matches_megatron_core(style: str, wsd_style: str | None, warmup: int) -
         theirs.step(1)
 
 
-def test_from_recipe_maps_schema_names() -> None:
+def test_recipe_builds_its_schedule_from_schema_names() -> None:
     training = TrainingConfig(
         steps=200,
         lr_warmup_steps=20,
@@ -201,7 +201,8 @@ def test_from_recipe_maps_schema_names() -> None:
         lr_wsd_decay_steps=50,
         lr_wsd_decay_style="cosine",
     )
-    schedule = LRSchedule.from_recipe(OptimizerConfig(lr=1e-3, min_lr=1e-5), training)
+    recipe = Recipe(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5), training=training)
+    schedule = recipe.lr_schedule()
     assert schedule == LRSchedule(
         max_lr=1e-3,
         min_lr=1e-5,
@@ -212,7 +213,7 @@ def test_from_recipe_maps_schema_names() -> None:
         wsd_decay_style="cosine",
     )
     training.lr_decay_steps = 120
-    assert LRSchedule.from_recipe(OptimizerConfig(), training).decay_steps == 120
+    assert Recipe(training=training).lr_schedule().decay_steps == 120
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,10 @@ def matmul_gflops(size: int = 1024, repeats: int = 12) -> float:
 
 
 def write_json(report: dict[str, Any], path: str | None) -> None:
-    """Write a benchmark's report to ``path`` (when given) and say so."""
+    """Write a benchmark's report to ``path`` (when given, atomically) and say so."""
     if path:
-        with open(path, "w", encoding="utf-8") as f:
+        from megatron_ext.atomic import atomic_path
+
+        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {path}")

@@ -11,7 +11,10 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_ext.schedules.lr import LRSchedule
 
 
 def spec(
@@ -252,6 +255,22 @@ class Recipe:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     soma: SomaConfig = field(default_factory=SomaConfig)
 
+    def lr_schedule(self) -> LRSchedule:
+        """The learning-rate schedule this recipe describes (``training.lr_decay_steps=None`` =
+        ``training.steps``); raises ``ConfigError`` if it is inconsistent."""
+        from megatron_ext.schedules.lr import LRSchedule
+
+        t = self.training
+        return LRSchedule(
+            max_lr=self.optimizer.lr,
+            min_lr=self.optimizer.min_lr,
+            warmup_steps=t.lr_warmup_steps,
+            decay_steps=t.steps if t.lr_decay_steps is None else t.lr_decay_steps,
+            decay_style=t.lr_decay_style,
+            wsd_decay_steps=t.lr_wsd_decay_steps,
+            wsd_decay_style=t.lr_wsd_decay_style,
+        )
+
     def check(self, world_size: int | None = None) -> None:
         """Cross-field rules; raises ``ConfigError``. ``world_size`` adds the layout checks."""
         from megatron_ext.config.errors import ConfigError
@@ -324,9 +343,7 @@ class Recipe:
         if self.trainer == "gpt":
             # The schedule checks its own consistency (e.g. the WSD window must fit after the
             # warmup): build it once here so a bad schedule fails before any process starts.
-            from megatron_ext.schedules.lr import LRSchedule
-
-            LRSchedule.from_recipe(self.optimizer, self.training)
+            self.lr_schedule()
         if world_size is not None:
             self.check_layout(world_size)
 

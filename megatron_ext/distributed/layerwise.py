@@ -22,7 +22,6 @@ carries the model dtype. A rank therefore keeps fp32 masters (and optimizer stat
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
 from megatron_ext.optimizers import build_optimizer, route_parameter, weight_decay_groups
@@ -411,13 +411,9 @@ def save_named_state(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:
     """Plain torch format: each rank writes the state of the parameters it saves (its own, plus
     the replicated ones on rank 0) to ``folder/optimizer.<rank>.pt``, atomically. Keys are
     parameter names, so any data-parallel size can load the folder."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     mine = {n: st for n, st in optimizer.named_state().items() if optimizer.saves(n)}
-    path = folder / f"optimizer.{optimizer.rank}.pt"
-    tmp = folder / f".optimizer.{optimizer.rank}.pt.tmp"
-    torch.save({"world": optimizer.world, "state": mine}, tmp)
-    os.replace(tmp, path)
+    with atomic_path(Path(folder) / f"optimizer.{optimizer.rank}.pt") as tmp:
+        torch.save({"world": optimizer.world, "state": mine}, tmp)
 
 
 def load_named_state_files(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:

@@ -30,12 +30,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 from megatron_ext.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import OptimizerConfig, TrainingConfig
 
 DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
 WsdDecayStyle = Literal["minus_sqrt", "linear", "cosine", "exponential"]
@@ -91,20 +88,6 @@ class LRSchedule:
                     f"lr_warmup_steps = {room} (the final decay window must fit after warmup), "
                     f"got lr_wsd_decay_steps={self.wsd_decay_steps}"
                 )
-
-    @classmethod
-    def from_recipe(cls, optimizer: OptimizerConfig, training: TrainingConfig) -> LRSchedule:
-        """The schedule a recipe describes (``training.lr_decay_steps=None`` = ``steps``)."""
-        decay_steps = training.lr_decay_steps
-        return cls(
-            max_lr=optimizer.lr,
-            min_lr=optimizer.min_lr,
-            warmup_steps=training.lr_warmup_steps,
-            decay_steps=training.steps if decay_steps is None else decay_steps,
-            decay_style=training.lr_decay_style,
-            wsd_decay_steps=training.lr_wsd_decay_steps,
-            wsd_decay_style=training.lr_wsd_decay_style,
-        )
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update after ``step`` completed optimizer steps (``step >= 0``)."""

@@ -8,7 +8,6 @@ the same ones without communication.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import Recipe
 from megatron_ext.soma.data import (
     ExpertShard,
@@ -71,10 +71,8 @@ def prepare_corpus(
         with threadpool_limits(1):
             router, assignment = fit_router(texts, cfg)
         router.save(path)
-        assign_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = assign_path.with_name(f".{assign_path.name}.tmp{os.getpid()}.npy")
-        np.save(tmp, assignment)
-        os.replace(tmp, assign_path)
+        with atomic_path(assign_path) as tmp:
+            np.save(tmp, assignment)
         sizes = np.bincount(assignment, minlength=s.num_experts)
         log(
             f"router: {len(pool)} windows -> {s.num_experts} clusters "

@@ -7,7 +7,6 @@ validation check of every expert and of the seed run) and ``<run_dir>/soma/curve
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import Recipe
 from megatron_ext.soma.corpus import SomaCorpus
 from megatron_ext.soma.evaluate import routed_eval, unigram_entropy
@@ -75,14 +75,12 @@ def write_curves(run_dir: Path, num_experts: int) -> Path:
         for h in load_file(expert_path(run_dir, e))["state"]["history"]:
             rows.append({"expert": "seed" if e == SEED_EXPERT else e, **h})
     out = run_dir / "soma" / "curves.csv"
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    with atomic_path(out) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(
             f, fieldnames=["expert", "update", "train_loss", "val_loss", "lr", "eps"]
         )
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, out)
 
     import matplotlib
 
@@ -100,11 +98,9 @@ def write_curves(run_dir: Path, num_experts: int) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    png = out.with_suffix(".png")
-    tmp_png = png.with_name(f".{png.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp_png)
+    with atomic_path(out.with_suffix(".png")) as tmp_png:
+        fig.savefig(tmp_png)
     plt.close(fig)
-    os.replace(tmp_png, png)
     return out
 
 

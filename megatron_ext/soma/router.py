@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -30,6 +29,7 @@ import sklearn
 from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import TfidfVectorizer
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.config.errors import ConfigError
 
 ROUTER_FORMAT = "megatron-ext/soma-router"
@@ -250,16 +250,8 @@ class Router:
             "mean": self.mean,
             "centroids": self.centroids,
         }
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as stream:
-                pickle.dump(payload, stream, protocol=pickle.HIGHEST_PROTOCOL)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(path) as tmp, open(tmp, "wb") as stream:
+            pickle.dump(payload, stream, protocol=pickle.HIGHEST_PROTOCOL)
         return path
 
     @classmethod

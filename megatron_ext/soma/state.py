@@ -10,13 +10,13 @@ and a resumed run draws exactly the batches and probes the uninterrupted run wou
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.config.errors import ConfigError
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
 
@@ -77,10 +77,8 @@ def expert_path(run_dir: Path, expert: int) -> Path:
 def save_atomic(obj: Any, path: Path) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename: a crash leaves the old
     file (or none), never a truncated one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def load_file(path: Path) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.soma.model import BodyLayout, batched_loss
 from megatron_ext.zo.probes import probe_rows, second_moments
 from megatron_ext.zo.spsa import loss_differences, perturb, spsa_estimate
@@ -213,12 +213,10 @@ def write_report(
     for row in rows:
         columns += [k for k in row if k not in columns]
     csv_path, png_path = Path(csv_path), Path(png_path)
-    tmp = csv_path.with_name(f".{csv_path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(csv_path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, csv_path)
 
     experiments = list(dict.fromkeys(row["experiment"] for row in rows))
     fig, axes = plt.subplots(1, len(experiments), figsize=(5 * len(experiments), 4), squeeze=False)
@@ -244,10 +242,9 @@ def write_report(
         ax.set_title(name)
         ax.legend()
     fig.tight_layout()
-    tmp = png_path.with_name(f".{png_path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, png_path)
 
 
 def measure_paper_claims(

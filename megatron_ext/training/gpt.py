@@ -113,7 +113,7 @@ def setup(recipe: Recipe) -> GPTRun:
         env=env,
         model=model,
         optimizer=optimizer,
-        schedule=LRSchedule.from_recipe(recipe.optimizer, t),
+        schedule=recipe.lr_schedule(),
         train_data=train_data,
         num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
         flops_per_token=flops,

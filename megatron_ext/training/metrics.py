@@ -7,13 +7,13 @@ and ``metrics.jsonl`` never disagree.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import ModelConfig
 
 
@@ -221,13 +221,11 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     ax.set_title(out_png.parent.name)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out_png.with_suffix(".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    os.replace(tmp, out_png)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,35 @@
+"""Atomic file replacement: write a temporary file next to the target, then rename it over.
+
+A crash or an exception while writing leaves the previous file (or none), never a truncated
+one: the rename is atomic on POSIX because the temporary file sits in the same folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["atomic_path"]
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write to; on success it is flushed to disk and
+    renamed over ``path``, on an exception removed.
+
+    The temporary name keeps ``path``'s suffix, for writers that choose the format from it
+    (matplotlib's ``savefig``, ``numpy.save``). The parent folder is created if missing.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
