@@ -175,6 +175,13 @@ def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_pat
     _train_one_rank(recipe_file, one, *muon)
     _train(recipe_file, two, *muon)
     dp1, dp2 = _losses(one), _losses(two)
+    # DDP's all-reduce was replaced by the reduce-scatter to the owners: per step rank 0 sent
+    # the fp32 gradients rank 1 owns and received those it owns, together at most one copy of
+    # the gradients (a ring all-reduce moves about two).
+    summary = json.loads((two / "summary.json").read_text())
+    sync, grad_bytes = summary["grad_sync_bytes"], 4 * summary["parameters"]
+    assert sync is not None and sync["sent"] > 0 and sync["received"] > 0, sync
+    assert sync["sent"] + sync["received"] <= summary["steps"] * grad_bytes, (sync, grad_bytes)
     assert dp2[-1] < dp2[0] - 0.5, dp2
     for a, b in zip(dp1, dp2, strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (dp1, dp2)

@@ -324,24 +324,24 @@ class MegatronExtOptimizer(MegatronOptimizer):
     def take_over_grad_sync(self, model: Any) -> bool:
         """With the layer-wise optimizer, replace DDP's gradient all-reduce by a reduce-scatter-v
         to the owners (:meth:`LayerwiseOptimizer.reduce_grads`): each rank receives only the
-        gradients it updates, about half an all-reduce's bytes. ``model`` is megatron-core's
-        DDP wrapper; its ``finish_grad_sync`` (called by ``finalize_model_grads``) is replaced,
-        keeping DDP's scaling of each bucket (1/dp) before the sum. Returns whether it did."""
+        gradients it updates, about half an all-reduce's bytes. ``model`` is
+        :class:`megatron_ext.megatron.ddp.DistributedDataParallel`, which keeps DDP's scaling
+        of each bucket (1/dp) before the sum. Returns whether it did."""
         if not self._layerwise():
             return False
-        names = self.master_names
+        names, params = self.master_names, self.model_params
 
-        @torch.no_grad()
-        def finish_grad_sync(force_all_reduce: bool = False) -> None:
-            for bucket_group in model.bucket_groups + model.expert_parallel_bucket_groups:
-                for bucket in bucket_group.buckets:
-                    if bucket.gradient_scaling_factor != 1.0:
-                        bucket.grad_data *= bucket.gradient_scaling_factor
-            grads = {n: p.main_grad for n, p in zip(names, self.model_params, strict=True)}
+        def reduce_to_owners() -> None:
+            grads = {n: p.main_grad for n, p in zip(names, params, strict=True)}
             self.optimizer.reduce_grads(grads)
 
-        model.finish_grad_sync = finish_grad_sync
+        model.hand_grad_sync_to(reduce_to_owners)
         return True
+
+    def grad_sync_bytes(self) -> dict[str, int] | None:
+        """Bytes this rank sent and received in gradient reduce-scatters since it was built
+        (None unless the layer-wise optimizer took the gradient sync over)."""
+        return dict(self.optimizer.grad_bytes) if self._layerwise() else None
 
     def finish_param_sync(self) -> None:
         """Wait for any parameter all-gather still in flight (before reading parameters)."""

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
+from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.optimizer import (
     MegatronExtOptimizer,
@@ -306,6 +307,7 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
         "start_step": run.start_step,
         "world_size": run.env.world_size,
         "backend": run.env.backend,
+        "parameters": sum(p.numel() for p in run.model.parameters()),
         "optimizer": run.recipe.optimizer.name,
         "precision": run.recipe.training.precision,
         "first_loss": recs[0].loss if recs else None,
@@ -317,6 +319,8 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
             tokens / seconds / run.env.world_size * run.flops_per_token / 1e12 if seconds else None
         ),
         "elapsed_s": recs[-1].elapsed_s if recs else 0.0,
+        # rank 0's gradient reduce-scatter payload this run (layer-wise optimizer only)
+        "grad_sync_bytes": run.optimizer.grad_sync_bytes(),
     }
     if run.env.rank == 0:
         write_json_atomic(run.run_dir / "summary.json", summary)
