@@ -13,11 +13,8 @@ import pytest
 import torch
 
 from megatron_ext.config.schema import OptimizerConfig
-from megatron_ext.megatron.optimizer import (
-    MegatronExtOptimizer,
-    adamw_factory,
-    megatron_optimizer_config,
-)
+from megatron_ext.megatron.optimizer import MegatronExtOptimizer
+from megatron_ext.megatron.optimizer_factories import adamw_factory, megatron_optimizer_config
 
 CFG = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
 

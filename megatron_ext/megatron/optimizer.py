@@ -15,14 +15,14 @@ adapter keeps the same contract (``step() -> (success, grad_norm, num_zeros)``, 
   expert-model-parallel group (MoE experts);
 * skips the step (``success=False``) when the gradient norm is not finite.
 
-The wrapped optimizer is built by a factory over parameter groups, so the matrix optimizers and
-the layer-wise distributed optimizer slot in without touching the training loop.
+The wrapped optimizer is built by a factory over named parameters (:mod:`.optimizer_factories`),
+so the matrix optimizers and the layer-wise distributed optimizer slot in without touching the
+training loop.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,109 +38,7 @@ from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
-from megatron_ext.config.schema import OptimizerConfig
-from megatron_ext.optimizers import weight_decay_groups
-
-NamedParams = list[tuple[str, torch.nn.Parameter]]
-# Builds the wrapped optimizer over the (named) fp32 master parameters -- or, when the factory
-# has ``owns_masters = True``, over the model parameters: the optimizer then keeps its own fp32
-# masters and answers ``master(name)``, ``set_grads``, ``reload_masters`` (the layer-wise one).
-InnerFactory = Callable[[NamedParams], Any]
-
-
-def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerConfig:
-    """The recipe's optimizer section as megatron-core's ``OptimizerConfig``."""
-    return McOptimizerConfig(
-        optimizer="adam",
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=False,
-    )
-
-
-def is_expert_param(param: torch.nn.Parameter) -> bool:
-    """megatron-core marks expert-parallel parameters with ``allreduce=False``."""
-    return not getattr(param, "allreduce", True)
-
-
-def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
-    """The recipe's optimizer section as keyword hyperparameters, per registry name."""
-    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    adam = {**common, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
-    ortho = {**common, "momentum": cfg.momentum, "extra_scale_factor": cfg.extra_scale_factor}
-    return {
-        "adamw": {**adam, "foreach": True},
-        "lion": common,
-        "muon": {
-            **ortho,
-            "coefficients": cfg.ns_coefficients,
-            "num_steps": cfg.ns_steps,
-            "tp_mode": cfg.tp_mode,
-        },
-        "mop": {**ortho, "tp_mode": cfg.tp_mode},
-        "kl_soap": {**adam, "refresh_mode": cfg.kl_soap_refresh_mode, "tp_mode": cfg.tp_mode},
-    }
-
-
-def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
-    """Plain AdamW over every parameter (each data-parallel rank steps all of them)."""
-
-    def build(named: NamedParams) -> torch.optim.Optimizer:
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        return torch.optim.AdamW(weight_decay_groups(trainable), **hyperparameters(cfg)["adamw"])
-
-    return build
-
-
-def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
-    """The layer-wise distributed optimizer over the data-parallel group: ``cfg.name`` for the
-    hidden matrices, AdamW for the rest, each matrix updated by the rank that owns it."""
-
-    def build(named: NamedParams) -> Any:
-        from megatron_ext.distributed.allgather_v import make_allgather_v
-        from megatron_ext.distributed.domains import LayerwiseDomains
-        from megatron_ext.distributed.layerwise import LayerwiseOptimizer
-        from megatron_ext.distributed.tensor_parallel import shard_infos_from_attributes
-
-        # Dense weights are planned over the data-parallel group, expert weights over the
-        # expert-data-parallel group (the ranks holding the same experts); TP shards are updated
-        # in optimizer.tp_mode (the plan depends only on names and shard shapes, so every rank of
-        # a TP group owns the same shards and joins the same TP collectives).
-        dense = [(n, p) for n, p in named if not is_expert_param(p)]
-        expert = [(n, p) for n, p in named if is_expert_param(p)]
-        tp_shards = shard_infos_from_attributes(
-            [p for _, p in dense], parallel_state.get_tensor_model_parallel_group()
-        )
-        tp_shards |= shard_infos_from_attributes(
-            [p for _, p in expert], parallel_state.get_expert_tensor_parallel_group()
-        )
-        hp = hyperparameters(cfg)
-        dp_group = parallel_state.get_data_parallel_group()
-        parts = [
-            LayerwiseOptimizer(dense, cfg.name, make_allgather_v(dp_group), hp, tp_shards=tp_shards)
-        ]
-        if expert:
-            edp_group = parallel_state.get_expert_data_parallel_group()
-            parts.append(
-                LayerwiseOptimizer(
-                    expert, cfg.name, make_allgather_v(edp_group), hp, tp_shards=tp_shards
-                )
-            )
-        return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
-
-    build.owns_masters = True  # type: ignore[attr-defined]  # masters only for held params
-    return build
-
-
-def inner_factory(cfg: OptimizerConfig) -> InnerFactory:
-    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg)
+from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
 
 
 class MegatronExtOptimizer(MegatronOptimizer):

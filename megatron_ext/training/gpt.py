@@ -25,11 +25,8 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
 from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model
-from megatron_ext.megatron.optimizer import (
-    MegatronExtOptimizer,
-    inner_factory,
-    megatron_optimizer_config,
-)
+from megatron_ext.megatron.optimizer import MegatronExtOptimizer
+from megatron_ext.megatron.optimizer_factories import inner_factory, megatron_optimizer_config
 from megatron_ext.megatron.parallel import DistEnv, init_distributed
 from megatron_ext.schedules.lr import LRSchedule
 from megatron_ext.training import checkpoint as ckpt
