@@ -14,9 +14,12 @@ measurements to ``OUT/rank<r>.json``:
   the parameters other ranks own.
 * an exact fingerprint of the final parameters (int64 sum of their bits, per parameter), the
   same on every rank when the all-gather delivered every update.
+* the memory the rank holds for its updates: its fp32 masters (``--precision bf16``: only for
+  the parameters it updates) and its optimizer state, in bytes.
 
 Usage: python -m torch.distributed.run --standalone --nproc-per-node N
     -m megatron_ext.bench._layerwise_worker --optimizer muon --steps 2 --warmup 1 --out DIR
+    [--precision bf16]
 """
 
 from __future__ import annotations
@@ -80,8 +83,20 @@ class _Timer:
 
 
 def fingerprint(params: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
-    """Exact per-parameter fingerprint: the int64 sum of the fp32 bit patterns."""
-    return [int(p.detach().view(torch.int32).to(torch.int64).sum()) for _, p in params]
+    """Exact per-parameter fingerprint: the int64 sum of the bit patterns (fp32 or bf16)."""
+    bits = {4: torch.int32, 2: torch.int16}
+    return [int(p.detach().view(bits[p.element_size()]).to(torch.int64).sum()) for _, p in params]
+
+
+def state_bytes(opt: LayerwiseOptimizer) -> int:
+    """Bytes of the optimizer state this rank holds (momenta, factors, ...; masters apart)."""
+    return sum(
+        v.numel() * v.element_size()
+        for o in opt.all_optimizers()
+        for st in o.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
 
 
 def main() -> None:
@@ -90,6 +105,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-numel", type=int, default=4_000_000)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -97,7 +113,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     gen = torch.Generator().manual_seed(0)
     named = workload_names()
-    params = [(n, torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02)) for n, s in named]
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    params = [
+        (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(dtype))) for n, s in named
+    ]
     # bf16-representable values: the dp shares g/dp (dp <= 4) then sum back to g exactly.
     grads = [(torch.randn(s, generator=gen) * 1e-3).bfloat16().float() for _, s in named]
 
@@ -116,12 +135,13 @@ def main() -> None:
         if i == args.warmup:
             gather.stats = WireStats()
             opt.grad_bytes = {"sent": 0, "received": 0}
-        for (_, p), g in zip(params, grads, strict=True):
-            p.grad = g / world  # each rank's share, scaled as DDP scales before its sum
+        # each rank's share of the fp32 gradient, scaled as DDP scales before its sum
+        shares = {n: g / world for (n, _), g in zip(params, grads, strict=True)}
         dist.barrier()
         g0 = time.perf_counter()
-        opt.reduce_grads({n: p.grad for n, p in params})  # reduce-scatter-v to the owners
+        opt.reduce_grads(shares)  # reduce-scatter-v to the owners
         grad_sync_s = time.perf_counter() - g0
+        opt.set_grads(shares)  # the owners' sums to their (fp32) masters
         timer.reset()
         w0 = time.perf_counter()
         opt.step()
@@ -151,6 +171,7 @@ def main() -> None:
         "backend": gather.name,
         "buckets": len(opt.buckets),
         "total_bytes": sum(nbytes.values()),
+        "total_grad_bytes": sum(g.numel() * g.element_size() for g in grads),  # fp32
         "owned_bytes": owned,
         "per_rank_owned_bytes": per_rank_owned,
         "replicated_bytes": replicated,
@@ -164,6 +185,9 @@ def main() -> None:
         "compute_imbalance": plan.compute_imbalance,
         "memory_imbalance": plan.memory_imbalance,
         "ranks_agree": all(f == mine for f in everyone),
+        "precision": args.precision,
+        "master_bytes": opt.master_bytes(),
+        "state_bytes": state_bytes(opt),
         "fingerprint": mine,
         **rows,
     }

@@ -21,8 +21,7 @@ Figures, per DP size (never pass/fail):
 * the ownership plan's compute and memory imbalance (max / mean of its cost model per rank), and
   the measured compute imbalance (max / mean of the ranks' CPU seconds).
 
-megatron-core's own ``LayerWiseDistributedOptimizer`` is not run: it wraps megatron optimizers
-around DDP model chunks and their CUDA grad buffers, which a CPU host cannot provide trivially.
+megatron-core's own ``LayerWiseDistributedOptimizer`` is not run: see ``MEGATRON_CORE_NOTE``.
 """
 
 from __future__ import annotations
@@ -48,9 +47,9 @@ DESCRIPTION = (
 TARGET_SPEEDUP_DP4 = 0.28
 TARGET_COMPUTE_IMBALANCE = 1.05
 MEGATRON_CORE_NOTE = (
-    "megatron-core's LayerWiseDistributedOptimizer: not compared -- it wraps megatron "
-    "optimizers around DDP model chunks with CUDA grad buffers and a ProcessGroupCollection, "
-    "which does not run on a CPU/gloo parameter list without a full GPTModel + DDP on CUDA"
+    "megatron-core's LayerWiseDistributedOptimizer: not compared -- in megatron-core 0.19.2 its "
+    "bf16 path wraps the optimizers in Float16OptimizerWithFloat16Params, which accepts only "
+    "torch.cuda tensors, and its fp32 path chains raw torch optimizers; it needs a GPU"
 )
 GRAD_SYNC_NOTE = (
     "gradient sync: each rank starts from its own share (gradient / dp) and the layer-wise "
@@ -78,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4_000_000,
         help="elements per all-gather bucket (default 4,000,000)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="parameter dtype (default fp32); bf16 keeps fp32 masters only where a rank updates",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
 
 
@@ -86,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         print("bench layerwise: --steps must be >= 1, --warmup >= 0 and every --dp >= 1")
         return 2
     print(
-        f"layer-wise optimizer, {args.optimizer}, reference workload (144 fp32 matrices, "
+        f"layer-wise optimizer, {args.optimizer}, reference workload (144 {args.precision} "
+        "matrices, "
         f"29,360,128 parameters); gloo ranks on this host ({os.cpu_count()} CPUs), one compute "
         f"thread each; {args.warmup} warmup + {args.steps} timed steps"
     )
@@ -110,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         d["params_equal_dp1"] = fingerprints[int(n)] == fingerprints[1] if base else None
     report: dict[str, Any] = {
         "optimizer": args.optimizer,
-        "workload": {"matrices": 144, "parameters": 29_360_128, "dtype": "float32"},
+        "workload": {"matrices": 144, "parameters": 29_360_128, "dtype": args.precision},
         "host_cpus": os.cpu_count(),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -140,6 +146,7 @@ def _launch(n: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
             f"--steps={args.steps}",
             f"--warmup={args.warmup}",
             f"--bucket-numel={args.bucket_numel}",
+            f"--precision={args.precision}",
             f"--out={out}",
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -156,7 +163,7 @@ def _launch(n: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
 def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-DP figures from the ranks' measurements (medians over steps, then max over ranks)."""
     n = len(ranks)
-    total = ranks[0]["total_bytes"]
+    total = ranks[0]["total_grad_bytes"]  # DDP reduces fp32 gradients whatever the params
     ring = 2 * (n - 1) / n
     per_rank = []
     for r in ranks:
@@ -179,15 +186,21 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 "grad_sync_bytes_allreduce": ring * total,
                 "plan_gflop": r["plan_compute_flops"][r["rank"]] / 1e9,
                 "plan_state_mib": r["plan_memory_bytes"][r["rank"]] / 2**20,
+                "master_mib": r["master_bytes"] / 2**20,
+                "state_mib": r["state_bytes"] / 2**20,
             }
         )
     cpu = [p["compute_cpu_s"] for p in per_rank]
+    held = [p["master_mib"] + p["state_mib"] for p in per_rank]
     return {
         "slowest_step_s": max(cpu),
         "slowest_step_wall_s": max(p["compute_wall_s"] for p in per_rank),
         "compute_imbalance": ranks[0]["compute_imbalance"],
         "memory_imbalance": ranks[0]["memory_imbalance"],
         "measured_compute_imbalance": max(cpu) / (sum(cpu) / n),
+        # fp32 masters + optimizer state actually held, per rank
+        "held_memory_mib": max(held),
+        "measured_memory_imbalance": max(held) / (sum(held) / n) if sum(held) else 1.0,
         "param_sync_bytes_recv": max(p["param_sync_bytes_recv"] for p in per_rank),
         "param_sync_exact": all(p["param_sync_exact"] for p in per_rank),
         # measured payload of the reduce-scatter-v (max over ranks of sent and received)
@@ -242,7 +255,8 @@ def _print_report(report: dict[str, Any]) -> None:
     print()
     header = (
         f"{'DP':>3s} {'rank':>4s} {'cpu s':>7s} {'proc s':>7s} {'wall s':>7s} {'step s':>7s} "
-        f"{'exposed':>8s} {'GFLOP':>7s} {'MiB st':>7s} {'ag sent MB':>10s} {'ag recv MB':>10s} "
+        f"{'exposed':>8s} {'GFLOP':>7s} {'MiB st':>7s} {'MiB m+s':>7s} {'ag sent MB':>10s} "
+        f"{'ag recv MB':>10s} "
         f"{'=unowned':>8s} {'AR MB':>7s} {'RS MB':>7s}"
     )
     print(header)
@@ -252,7 +266,8 @@ def _print_report(report: dict[str, Any]) -> None:
                 f"{n:>3s} {p['rank']:>4d} {p['compute_cpu_s']:7.3f} "
                 f"{p['compute_process_cpu_s']:7.3f} {p['compute_wall_s']:7.3f} "
                 f"{p['step_wall_s']:7.3f} {p['exposed_comm_s']:8.3f} {p['plan_gflop']:7.1f} "
-                f"{p['plan_state_mib']:7.1f} {_mb(p['param_sync_bytes_sent']):>10s} "
+                f"{p['plan_state_mib']:7.1f} {p['master_mib'] + p['state_mib']:7.1f} "
+                f"{_mb(p['param_sync_bytes_sent']):>10s} "
                 f"{_mb(p['param_sync_bytes_recv']):>10s} "
                 f"{'yes' if p['param_sync_exact'] else 'NO':>8s} "
                 f"{_mb(p['grad_sync_bytes_allreduce']):>7s} "
@@ -262,7 +277,8 @@ def _print_report(report: dict[str, Any]) -> None:
         "cpu s: optimizer-update CPU time of the rank's thread per step (the step time); proc s:"
         " process CPU over the same spans (gloo threads included); wall s: wall time of the "
         "updates; step s: wall time of step() (updates + copies + all-gather launches); "
-        "exposed: wall time in finish(); GFLOP / MiB st: the plan's cost model; ag: parameter "
+        "exposed: wall time in finish(); GFLOP / MiB st: the plan's cost model; MiB m+s: fp32 "
+        "masters + optimizer state the rank holds (measured); ag: parameter "
         "all-gather payload per step; =unowned: received exactly the bytes of parameters owned "
         "elsewhere; AR: gradient-sync bytes per rank a ring all-reduce would move each way; RS: "
         "the measured reduce-scatter-v to the owners (max of sent, received)"
@@ -270,7 +286,8 @@ def _print_report(report: dict[str, Any]) -> None:
     print()
     print(
         f"{'DP':>3s} {'slowest s':>9s} {'ratio':>6s} {'wall s':>7s} {'exposed':>8s} "
-        f"{'plan imb':>8s} {'meas imb':>8s} {'mem imb':>7s} {'buckets':>7s} {'agree':>5s} "
+        f"{'plan imb':>8s} {'meas imb':>8s} {'mem imb':>7s} {'meas mem':>8s} {'buckets':>7s} "
+        f"{'agree':>5s} "
         f"{'=DP1':>5s}"
     )
     for n, d in report["dp"].items():
@@ -281,11 +298,13 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{'-' if ratio is None else f'{ratio:.3f}':>6s} {d['slowest_step_wall_s']:7.3f} "
             f"{d['exposed_comm_s']:8.3f} {d['compute_imbalance']:8.3f} "
             f"{d['measured_compute_imbalance']:8.3f} {d['memory_imbalance']:7.3f} "
+            f"{d['measured_memory_imbalance']:8.3f} "
             f"{d['buckets']:7d} {'yes' if d['ranks_agree'] else 'NO':>5s} "
             f"{'-' if equal is None else ('yes' if equal else 'no'):>5s}"
         )
     print(
-        "slowest s: slowest rank's update CPU s per step; ratio: / DP=1; agree: every rank ends "
+        "slowest s: slowest rank's update CPU s per step; ratio: / DP=1; meas mem: max / mean "
+        "over ranks of the masters + state held; agree: every rank ends "
         "with the same parameters (bit-exact); =DP1: the same bits as the DP=1 run"
     )
     print()
