@@ -7,16 +7,21 @@ import time
 from typing import Any
 
 
-def matmul_gflops(size: int = 1024, repeats: int = 12) -> float:
-    """Best-of-``repeats`` fp32 GFLOP/s of a ``size``³ matmul at the current torch thread count:
-    the machine's attainable rate, the anchor for every achieved-GFLOP/s figure."""
+def matmul_gflops(size: int = 1024, repeats: int = 12, device: str = "cpu") -> float:
+    """Best-of-``repeats`` fp32 GFLOP/s of a ``size``³ matmul at the current torch thread count
+    (or on ``device``): the machine's attainable rate, the anchor for every achieved-GFLOP/s
+    figure."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else lambda: None
+    a @ b  # warm-up (CUDA: kernel selection)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="device of the SPSA timing (cpu, or cuda[:N] on a GPU host); routed inference "
+        "always runs on the CPU",
+    )
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="N for inference")
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--windows", type=int, default=128, help="windows per inference run")
@@ -159,14 +165,17 @@ def torch_nn_loss_loop(thetas: Any, emb: Any, tokens: Any, layout: Any, module: 
     return torch.stack(losses)
 
 
-def _interleaved_medians(fns: list[Any], repeats: int) -> list[float]:
+def _interleaved_medians(fns: list[Any], repeats: int, sync: Any = lambda: None) -> list[float]:
     """Median wall seconds of each function, timed round-robin (one call of each per round) so
-    that background load on a shared host hits all of them alike."""
+    that background load on a shared host hits all of them alike; ``sync`` waits for queued
+    device work (CUDA) before each clock reading."""
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
 
@@ -186,27 +195,41 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     shape = ExpertShape(d_embed=32, d_model=args.d_model, num_blocks=args.blocks)
     layout = BodyLayout.from_shape(shape)
     gen = torch.Generator().manual_seed(0)
-    theta, emb = init_body(shape, gen), init_embedding(shape, gen)
-    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+    theta, emb = init_body(shape, gen), init_embedding(shape, gen).to(device)
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(device)
     z = probe_matrix(0, 1, 0, 0, range(args.n_pert), layout.gain_mask)
-    thetas = perturb(theta, z, 1e-3)
+    thetas = perturb(theta, z, 1e-3).to(device)
     pert_tokens = thetas.shape[0] * args.batch * args.seq
-    module = torch_nn_expert(layout)
+    module = torch_nn_expert(layout).to(device)
     loops = {
         "torch_nn": lambda: torch_nn_loss_loop(thetas, emb, tokens, layout, module),
         "own_kernels": lambda: naive_loss_loop(thetas, emb, tokens, layout),
     }
     with torch.inference_mode():
         # The first call allocates the working set (later calls reuse the allocator's cache).
-        with PeakRSS() as peak:
+        if cuda:
+            sync()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
             batched_loss(thetas, emb, tokens, layout)
+            sync()
+            peak_bytes = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with PeakRSS() as peak:
+                batched_loss(thetas, emb, tokens, layout)
+            peak_bytes = peak.added_bytes
         for loop in loops.values():
             loop()  # warm-up
         batched_s, *loop_s = _interleaved_medians(
-            [lambda: batched_loss(thetas, emb, tokens, layout), *loops.values()], args.repeats
+            [lambda: batched_loss(thetas, emb, tokens, layout), *loops.values()],
+            args.repeats,
+            sync,
         )
         b = batched_loss(thetas, emb, tokens, layout)
         diffs = {name: float((b - loop()).abs().max()) for name, loop in loops.items()}
@@ -214,7 +237,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     anchor = min(anchors, key=anchors.__getitem__)
     naive_s = anchors[anchor]
     flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
-    rate = matmul_gflops()
+    rate = matmul_gflops(device=args.device)
     return {
         "shape": {
             "d_model": args.d_model,
@@ -238,7 +261,9 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         "naive_gflops": flops / naive_s / 1e9,
         "matmul_gflops": rate,
         "fraction_of_matmul_rate": flops / batched_s / 1e9 / rate,
-        "peak_mem_mb": peak.added_bytes / 2**20,
+        "device": str(device),
+        "peak_mem_mb": peak_bytes / 2**20,
+        "peak_mem_kind": "device memory allocated" if cuda else "process resident memory",
         "max_loss_difference_batched_vs_loops": diffs,
     }
 
@@ -279,12 +304,23 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    try:
+        kind = torch.device(args.device).type
+    except RuntimeError:
+        print(f"bench soma: --device {args.device!r} is not a torch device; use cpu or cuda[:N]")
+        return 2
+    if kind == "cuda" and not torch.cuda.is_available():
+        print(
+            f"bench soma: --device {args.device} needs a CUDA GPU, and torch sees none "
+            "(torch.cuda.is_available() is False); run with --device cpu"
+        )
+        return 2
     spsa = _spsa(args)
     s = spsa["shape"]
     print(
         f"SPSA losses of {2 * s['n_pert']} perturbed bodies (d={s['d_model']}, D={s['blocks']}, "
-        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, "
-        f"{args.threads} threads"
+        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, on {spsa['device']}"
+        f"{f', {args.threads} threads' if spsa['device'] == 'cpu' else ''}"
     )
     tokens = s["perturbed_tokens_per_update"]
     print(f"  {'':22s} {'s/update':>10s} {'perturbed tok/s':>16s}")
@@ -307,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
     for n in args.experts:
         r = inference[f"n{n}"]
         print(
-            f"routed inference N={n} k={r['k']}: {r['tokens_per_s']:,.0f} tokens/s over "
+            f"routed inference (CPU) N={n} k={r['k']}: {r['tokens_per_s']:,.0f} tokens/s over "
             f"{r['windows']} windows (routing {r['routing_s']:.3f} s of {r['total_s']:.2f} s; "
             f"router fit {r['router_fit_s']:.1f} s)"
         )
