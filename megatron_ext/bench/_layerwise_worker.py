@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,11 @@ def workload_names() -> list[tuple[str, tuple[int, int]]]:
 
 
 class _Timer:
-    """Accumulates thread CPU, process CPU and wall seconds of wrapped calls."""
+    """Accumulates thread CPU, process CPU and wall seconds of wrapped calls (``sync`` waits for
+    queued GPU work at both ends, so that wall time covers it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Any = lambda: None) -> None:
+        self.sync = sync
         self.thread = self.process = self.wall = 0.0
 
     def reset(self) -> None:
@@ -71,10 +74,12 @@ class _Timer:
 
     def wrap(self, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            self.sync()
             t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.sync()
                 self.thread += time.thread_time() - t0
                 self.process += time.process_time() - p0
                 self.wall += time.perf_counter() - w0
@@ -106,24 +111,34 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-numel", type=int, default=4_000_000)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    gen = torch.Generator().manual_seed(0)
+    if args.device == "cuda":  # one GPU per rank, NCCL
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+        sync: Any = torch.cuda.synchronize
+    else:  # one compute thread per rank, gloo
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        sync = lambda: None  # noqa: E731
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on any device
     named = workload_names()
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     params = [
-        (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(dtype))) for n, s in named
+        (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device, dtype)))
+        for n, s in named
     ]
     # bf16-representable values: the dp shares g/dp (dp <= 4) then sum back to g exactly.
-    grads = [(torch.randn(s, generator=gen) * 1e-3).bfloat16().float() for _, s in named]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).bfloat16().float().to(device) for _, s in named]
 
     world = dist.get_world_size()
     gather = make_allgather_v()
     opt = LayerwiseOptimizer(params, args.optimizer, gather, bucket_numel=args.bucket_numel)
-    timer = _Timer()
+    timer = _Timer(sync)
     for o in opt.all_optimizers():
         o.step = timer.wrap(o.step)  # type: ignore[method-assign]
 
@@ -137,16 +152,20 @@ def main() -> None:
             opt.grad_bytes = {"sent": 0, "received": 0}
         # each rank's share of the fp32 gradient, scaled as DDP scales before its sum
         shares = {n: g / world for (n, _), g in zip(params, grads, strict=True)}
+        sync()
         dist.barrier()
         g0 = time.perf_counter()
         opt.reduce_grads(shares)  # reduce-scatter-v to the owners
+        sync()
         grad_sync_s = time.perf_counter() - g0
         opt.set_grads(shares)  # the owners' sums to their (fp32) masters
         timer.reset()
         w0 = time.perf_counter()
         opt.step()
+        sync()
         w1 = time.perf_counter()
         opt.finish()
+        sync()
         w2 = time.perf_counter()
         if i >= args.warmup:
             rows["compute_cpu_s"].append(timer.thread)
@@ -186,6 +205,7 @@ def main() -> None:
         "memory_imbalance": plan.memory_imbalance,
         "ranks_agree": all(f == mine for f in everyone),
         "precision": args.precision,
+        "device": args.device,
         "master_bytes": opt.master_bytes(),
         "state_bytes": state_bytes(opt),
         "fingerprint": mine,

@@ -1,7 +1,8 @@
 """``megatron-ext bench layerwise``: the layer-wise distributed optimizer at several DP sizes.
 
 For each ``--dp`` size, torchrun starts that many gloo ranks on this host (one compute thread
-each; :mod:`megatron_ext.bench._layerwise_worker`).  Every rank builds the reference workload of
+each; :mod:`megatron_ext.bench._layerwise_worker`), or with ``--device cuda`` that many NCCL ranks
+with one GPU each.  Every rank builds the reference workload of
 ``bench optimizers`` (144 fp32 matrices, 29,360,128 parameters, seeded, the same on every rank),
 sets the same gradients and runs ``--warmup`` + ``--steps`` steps of
 :class:`~megatron_ext.distributed.layerwise.LayerwiseOptimizer`.
@@ -10,7 +11,8 @@ Figures, per DP size (never pass/fail):
 
 * optimizer step = the rank's *CPU time* inside the optimizers' update calls (median over the
   timed steps).  The ranks share this host's cores, so wall time cannot show the division of
-  work; wall time is reported beside it.  ``slowest_step_s`` is the slowest rank's figure.
+  work; wall time is reported beside it.  On GPUs (``--device cuda``) it is the wall time of the
+  updates (synchronised).  ``slowest_step_s`` is the slowest rank's figure.
 * exposed communication = wall seconds in ``finish()`` after the updates (the all-gathers not
   hidden behind later buckets' updates).
 * parameter-sync bytes (the all-gather-v's payload counters) and whether each rank received
@@ -83,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="parameter dtype (default fp32); bf16 keeps fp32 masters only where a rank updates",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks, one thread each (default); cuda: NCCL ranks, one GPU each",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
 
 
@@ -90,11 +98,25 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or any(n < 1 for n in args.dp):
         print("bench layerwise: --steps must be >= 1, --warmup >= 0 and every --dp >= 1")
         return 2
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < max(args.dp):
+            print(
+                f"bench layerwise: --device cuda runs one rank per GPU; DP={max(args.dp)} needs "
+                f"{max(args.dp)} GPUs and torch sees {gpus}; lower --dp or use --device cpu"
+            )
+            return 2
+    ranks = (
+        "NCCL ranks, one GPU each"
+        if args.device == "cuda"
+        else f"gloo ranks on this host ({os.cpu_count()} CPUs), one compute thread each"
+    )
     print(
         f"layer-wise optimizer, {args.optimizer}, reference workload (144 {args.precision} "
-        "matrices, "
-        f"29,360,128 parameters); gloo ranks on this host ({os.cpu_count()} CPUs), one compute "
-        f"thread each; {args.warmup} warmup + {args.steps} timed steps"
+        f"matrices, 29,360,128 parameters); {ranks}; {args.warmup} warmup + {args.steps} timed "
+        "steps"
     )
     sizes = sorted(set(args.dp))
     per_dp: dict[str, dict[str, Any]] = {}
@@ -120,7 +142,12 @@ def run(args: argparse.Namespace) -> int:
         "host_cpus": os.cpu_count(),
         "steps": args.steps,
         "warmup": args.warmup,
-        "step_time": "per-rank CPU time of the optimizer updates, one thread per rank",
+        "device": args.device,
+        "step_time": (
+            "per-rank wall time of the optimizer updates, one GPU per rank"
+            if args.device == "cuda"
+            else "per-rank CPU time of the optimizer updates, one thread per rank"
+        ),
         "dp": per_dp,
         "speedup_ratio": speedup,
         "targets": _targets(per_dp, speedup),
@@ -147,9 +174,12 @@ def _launch(n: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
             f"--warmup={args.warmup}",
             f"--bucket-numel={args.bucket_numel}",
             f"--precision={args.precision}",
+            f"--device={args.device}",
             f"--out={out}",
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = dict(os.environ)
+        if args.device == "cpu":
+            env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(f"DP={n}: the ranks failed (exit {proc.returncode}); their output:")
@@ -190,7 +220,9 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 "state_mib": r["state_bytes"] / 2**20,
             }
         )
-    cpu = [p["compute_cpu_s"] for p in per_rank]
+    # the step time: CPU time on a shared CPU host, synchronised wall time on GPUs
+    step_key = "compute_wall_s" if ranks[0]["device"] == "cuda" else "compute_cpu_s"
+    cpu = [p[step_key] for p in per_rank]
     held = [p["master_mib"] + p["state_mib"] for p in per_rank]
     return {
         "slowest_step_s": max(cpu),
