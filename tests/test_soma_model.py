@@ -12,14 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
 from megatron_ext.soma.model import (
-    BodyLayout,
-    ExpertShape,
     batched_loss,
     body_hidden,
     head_gradient,
-    init_body,
-    init_embedding,
     log_probs,
     naive_loss_loop,
 )

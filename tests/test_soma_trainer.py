@@ -144,7 +144,8 @@ def test_routed_eval_matches_direct_mixture(tmp_path, corpus):
     train_here(recipe_path)
     from megatron_ext.soma.corpus import test_windows
     from megatron_ext.soma.data import window_texts
-    from megatron_ext.soma.model import BodyLayout, log_probs
+    from megatron_ext.soma.layout import BodyLayout
+    from megatron_ext.soma.model import log_probs
     from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
     from megatron_ext.soma.trainer import expert_shape
 

@@ -12,13 +12,8 @@ import csv
 import pytest
 import torch
 
-from megatron_ext.soma.model import (
-    BodyLayout,
-    ExpertShape,
-    batched_loss,
-    init_body,
-    init_embedding,
-)
+from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
+from megatron_ext.soma.model import batched_loss
 from megatron_ext.soma.variance import (
     estimator_samples,
     exact_gradient,

@@ -184,14 +184,8 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from megatron_ext.bench.common import matmul_gflops
-    from megatron_ext.soma.model import (
-        BodyLayout,
-        ExpertShape,
-        batched_loss,
-        init_body,
-        init_embedding,
-        naive_loss_loop,
-    )
+    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
+    from megatron_ext.soma.model import batched_loss, naive_loss_loop
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
@@ -274,7 +268,7 @@ def _inference(args: argparse.Namespace) -> dict[str, Any]:
 
     from megatron_ext.soma.data import build_windows, window_texts
     from megatron_ext.soma.evaluate import routed_throughput
-    from megatron_ext.soma.model import BodyLayout, ExpertShape, init_body, init_embedding
+    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.router import RouterConfig, fit_router
 
     windows = build_windows(["python-stdlib"], window_bytes=1025).windows

@@ -56,7 +56,7 @@ def soma_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--k={k} must be between 1 and soma.num_experts={s.num_experts}")
 
     from megatron_ext.soma.corpus import test_windows
-    from megatron_ext.soma.model import BodyLayout
+    from megatron_ext.soma.layout import BodyLayout
     from megatron_ext.soma.report import load_experts
     from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
     from megatron_ext.soma.trainer import expert_shape

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from megatron_ext.soma.data import window_texts
-from megatron_ext.soma.model import BodyLayout, log_probs
+from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.model import log_probs
 from megatron_ext.soma.router import Router
 
 

@@ -17,7 +17,8 @@ import torch
 
 from megatron_ext.config.errors import ConfigError
 from megatron_ext.soma.data import window_texts
-from megatron_ext.soma.model import BodyLayout, log_probs
+from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.model import log_probs
 from megatron_ext.soma.router import Router
 
 

@@ -18,7 +18,7 @@ from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import Recipe
 from megatron_ext.soma.corpus import SomaCorpus
 from megatron_ext.soma.evaluate import routed_eval, unigram_entropy
-from megatron_ext.soma.model import BodyLayout, ExpertShape
+from megatron_ext.soma.layout import BodyLayout, ExpertShape
 from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
 from megatron_ext.training.metrics import write_json_atomic
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_ext.config.schema import Recipe
 from megatron_ext.soma.corpus import SomaCorpus, prepare_corpus
 from megatron_ext.soma.data import ExpertShard
-from megatron_ext.soma.model import BodyLayout, ExpertShape, init_body, init_embedding
+from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
 from megatron_ext.soma.state import (
     SEED_EXPERT,
     ExpertState,

@@ -24,7 +24,8 @@ import torch
 
 from megatron_ext.config.schema import SomaConfig
 from megatron_ext.soma.data import ExpertShard, sample_batch
-from megatron_ext.soma.model import BodyLayout, batched_loss, body_hidden, head_gradient
+from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.model import batched_loss, body_hidden, head_gradient
 from megatron_ext.soma.state import ExpertState
 from megatron_ext.zo.directions import DirectionSplit
 from megatron_ext.zo.probes import probe_matrix

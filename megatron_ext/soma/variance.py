@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from megatron_ext.atomic import atomic_path
-from megatron_ext.soma.model import BodyLayout, batched_loss
+from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.model import batched_loss
 from megatron_ext.zo.probes import probe_rows, second_moments
 from megatron_ext.zo.spsa import loss_differences, perturb, spsa_estimate
 
@@ -258,7 +259,7 @@ def measure_paper_claims(
     ε = 1e-5, d = 8, one block, V = 32, B = 2, T = 8): measured vs predicted relative centered
     variance for each ``n_pert`` (the 1/n_pert law), and independent vs summed losses over 4
     experts. Writes ``variance.csv`` and ``variance.png`` to ``out_dir``; returns the rows."""
-    from megatron_ext.soma.model import ExpertShape, init_body, init_embedding
+    from megatron_ext.soma.layout import ExpertShape, init_body, init_embedding
     from megatron_ext.zo.probes import second_moments
 
     shape = ExpertShape(vocab=32, d_embed=8, d_model=8, num_blocks=1)
