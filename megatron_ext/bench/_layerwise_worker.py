@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ext.bench.common import optimizer_state_bytes
 from megatron_ext.bench.optimizers import DENSE_SHAPES, EXPERT_SHAPES, EXPERTS, LAYERS
 from megatron_ext.distributed.allgather_v import WireStats, make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
@@ -91,17 +92,6 @@ def fingerprint(params: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
     """Exact per-parameter fingerprint: the int64 sum of the bit patterns (fp32 or bf16)."""
     bits = {4: torch.int32, 2: torch.int16}
     return [int(p.detach().view(bits[p.element_size()]).to(torch.int64).sum()) for _, p in params]
-
-
-def state_bytes(opt: LayerwiseOptimizer) -> int:
-    """Bytes of the optimizer state this rank holds (momenta, factors, ...; masters apart)."""
-    return sum(
-        v.numel() * v.element_size()
-        for o in opt.all_optimizers()
-        for st in o.state.values()
-        for v in st.values()
-        if torch.is_tensor(v)
-    )
 
 
 def main() -> None:
@@ -207,7 +197,7 @@ def main() -> None:
         "precision": args.precision,
         "device": args.device,
         "master_bytes": opt.master_bytes(),
-        "state_bytes": state_bytes(opt),
+        "state_bytes": optimizer_state_bytes(opt),  # masters apart
         "fingerprint": mine,
         **rows,
     }

@@ -26,6 +26,18 @@ def matmul_gflops(size: int = 1024, repeats: int = 12, device: str = "cpu") -> f
     return 2 * size**3 / best / 1e9
 
 
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (momenta, factors, ...), in any dtype."""
+    import torch
+
+    return sum(
+        v.numel() * v.element_size()
+        for st in optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
+
+
 def write_json(report: dict[str, Any], path: str | None) -> None:
     """Write a benchmark's report to ``path`` (when given, atomically) and say so."""
     if path:

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
-from megatron_ext.bench.common import write_json
+from megatron_ext.bench.common import optimizer_state_bytes, write_json
 
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 elapsed = timed_step(opt, params)
                 if i >= args.warmup:
                     times[mode].append(elapsed)
-        states = {mode: _state_bytes(torch, opt) for mode, (opt, _) in running.items()}
+        states = {mode: optimizer_state_bytes(opt) for mode, (opt, _) in running.items()}
         del running
     else:
         for mode in modes:
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                 elapsed = timed_step(opt, params)
                 if i >= args.warmup:
                     times[mode].append(elapsed)
-            states[mode] = _state_bytes(torch, opt)
+            states[mode] = optimizer_state_bytes(opt)
             del opt, params
 
     results: dict[str, dict[str, Any]] = {}
@@ -258,15 +258,6 @@ def _mean_error(torch: Any, outs: list[Any], polar: list[Any]) -> float:
         for o, p in zip(outs, polar, strict=True)
     ]
     return sum(errs) / len(errs)
-
-
-def _state_bytes(torch: Any, opt: Any) -> int:
-    total = 0
-    for state in opt.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                total += value.numel() * value.element_size()
-    return total
 
 
 def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | str | None]:

@@ -45,8 +45,8 @@ class LayerwiseDomains:
         return self._of[name].master(name)
 
     def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
-        for part in self.parts:
-            part.set_grads({n: grads[n] for n, _ in part.named_params if n in grads})
+        for part in self.parts:  # each part takes the gradients of the masters it holds
+            part.set_grads(grads)
 
     def reload_masters(self) -> None:
         for part in self.parts:

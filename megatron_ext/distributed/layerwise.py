@@ -112,9 +112,9 @@ class LayerwiseOptimizer:
         self._tp = {
             n: self.tp_shards[p] for n, p in self.named_params if p in (self.tp_shards or {})
         }
-        self.replicated_optimizers = self._optimizers_for(
-            n for n, _ in self.named_params if self.plan.owner[n] == OwnershipPlan.REPLICATED
-        )
+        replicated = OwnershipPlan.REPLICATED
+        self.replicated = [n for n, _ in self.named_params if self.plan.owner[n] == replicated]
+        self.replicated_optimizers = self._optimizers_for(self.replicated)
         self.buckets = self._build_buckets()
         self.grad_bytes = {"sent": 0, "received": 0}  # reduce_grads payload, cumulative
 
@@ -179,9 +179,9 @@ class LayerwiseOptimizer:
         self.finish()  # a bucket nobody waited for (no forward since the last step)
         for opt in self.replicated_optimizers.values():
             opt.step()
-        for name, p in self.named_params:
-            if self.plan.owner[name] == OwnershipPlan.REPLICATED and self.masters[name] is not p:
-                p.copy_(self.masters[name])
+        for name in self.replicated:
+            if self.masters[name] is not self._params[name]:
+                self._params[name].copy_(self.masters[name])
         for bucket in self.buckets:
             self._record("update", bucket.index)
             for opt in bucket.optimizers.values():
@@ -285,9 +285,8 @@ class LayerwiseOptimizer:
         ``world − 1`` copies of the ones it owns; a ring all-reduce sends and receives
         ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_bytes`."""
         group = self.gather.group
-        for name, _ in self.named_params:
-            if self.plan.owner[name] == OwnershipPlan.REPLICATED:
-                torch.distributed.all_reduce(grads[name], group=group)
+        for name in self.replicated:
+            torch.distributed.all_reduce(grads[name], group=group)
         for bucket in self.buckets:
             mine = bucket.counts[self.rank]
             send = torch.cat([grads[n].reshape(-1) for n, _ in bucket.order])

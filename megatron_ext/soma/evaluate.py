@@ -73,6 +73,26 @@ def target_probs_by_expert(
     return acc / k
 
 
+def _route_and_score(
+    windows: np.ndarray,
+    router: Router,
+    experts: Sequence[torch.Tensor],
+    emb: torch.Tensor,
+    layout: BodyLayout,
+    k: int,
+    route_bytes: int,
+    score_bytes: int,
+) -> tuple[np.ndarray, torch.Tensor, float, float]:
+    """Route every window on its first ``route_bytes`` and score the next ``score_bytes`` with
+    the mixture: (routes (n, k), target probabilities (n, score_bytes), routing seconds, total
+    seconds)."""
+    t0 = time.perf_counter()
+    routes = router.route(window_texts(windows, prefix_bytes=route_bytes), k)
+    t1 = time.perf_counter()
+    probs = target_probs_by_expert(windows, routes, experts, emb, layout, route_bytes, score_bytes)
+    return routes, probs, t1 - t0, time.perf_counter() - t0
+
+
 def routed_eval(
     windows: np.ndarray,
     router: Router,
@@ -84,8 +104,9 @@ def routed_eval(
     score_bytes: int = 768,
 ) -> EvalResult:
     """Mean cross-entropy (nats/byte) of the top-``k`` routed mixture on ``windows``."""
-    routes = router.route(window_texts(windows, prefix_bytes=route_bytes), k)
-    probs = target_probs_by_expert(windows, routes, experts, emb, layout, route_bytes, score_bytes)
+    routes, probs, _, _ = _route_and_score(
+        windows, router, experts, emb, layout, k, route_bytes, score_bytes
+    )
     load = np.bincount(routes.ravel(), minlength=len(experts)).tolist()
     return EvalResult(
         nats_per_byte=float(-probs.log().mean()),
@@ -118,14 +139,12 @@ def routed_throughput(
 
     Returns ``tokens_per_s`` (input bytes read per second, each window counted once however many
     experts read it), ``routing_s`` and ``total_s``."""
-    t0 = time.perf_counter()
-    routes = router.route(window_texts(windows, prefix_bytes=route_bytes), k)
-    t1 = time.perf_counter()
     with torch.inference_mode():
-        target_probs_by_expert(windows, routes, experts, emb, layout, route_bytes, score_bytes)
-    t2 = time.perf_counter()
+        _, _, routing_s, total_s = _route_and_score(
+            windows, router, experts, emb, layout, k, route_bytes, score_bytes
+        )
     tokens = len(windows) * (route_bytes + score_bytes)
-    return {"tokens_per_s": tokens / (t2 - t0), "routing_s": t1 - t0, "total_s": t2 - t0}
+    return {"tokens_per_s": tokens / total_s, "routing_s": routing_s, "total_s": total_s}
 
 
 def perplexity(nats_per_byte: float) -> float:
