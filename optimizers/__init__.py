@@ -6,7 +6,13 @@ layer-wise distributed optimizer can run it on exactly the matrices a rank owns.
 """
 
 from .combined import CombinedOptimizer, build_model_optimizer
-from .eigenbasis import RefreshMode, cholesky_qr2, eigh_descending, refresh_eigenbasis
+from .eigenbasis import (
+    RefreshMode,
+    cholesky_qr2,
+    eigh_descending,
+    factor_from_product,
+    refresh_eigenbasis,
+)
 from .kl_soap import (
     InverseRoot,
     KLSoap,
@@ -14,7 +20,9 @@ from .kl_soap import (
     KLSoapMatrices,
     accumulate_kl_factors,
     adam_in_eigenbasis,
+    explicit_factors,
     kl_soap_direction,
+    kl_soap_flops,
 )
 from .lion import Lion
 from .matrix_roots import inverse_root_newton_schulz
@@ -62,10 +70,13 @@ __all__ = [
     "build_optimizer",
     "cholesky_qr2",
     "eigh_descending",
+    "explicit_factors",
+    "factor_from_product",
     "gram_is_cheaper",
     "hyperparameter_names",
     "inverse_root_newton_schulz",
     "kl_soap_direction",
+    "kl_soap_flops",
     "matrix_slots",
     "newton_schulz",
     "newton_schulz_flops",

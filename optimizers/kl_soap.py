@@ -5,8 +5,9 @@ The algorithm and its implementation notes are in :mod:`.kl_soap_math`; this mod
 
 * Matrices of equal shape and step count are processed as one batch. State lives in stacked
   tensors (:class:`~.packing.StatePacker`); per step the full-size transients are the stacked
-  gradient and up to three matmul workspaces per matrix in the batch (``Q_Lᵀ G``, ``G Q_R`` and,
-  for the low-rank refresh product, ``Q_Lᵀ G Q_R``).
+  gradient and three matmul workspaces per matrix in the batch (``Q_Lᵀ G``, ``G Q_R`` and
+  ``Q_Lᵀ G Q_R``; Adam in the eigenbasis reuses two of them), plus ``k×k`` refresh workspaces
+  per side (the sorted basis, the sorted product and the QR's reflectors).
 * 1-D parameters are not preconditioned: route them to AdamW.
 * Tensor parallelism (``tp_shards``, group option ``tp_mode``): ``duplicated`` all-gathers the
   gradient shards of a stacked batch (one collective), keeps full-size state — factors
@@ -35,6 +36,7 @@ from megatron_ext.distributed.tensor_parallel import (
 
 from .eigenbasis import RefreshMode
 from .kl_soap_math import (
+    COLUMN_MAJOR_KEYS,
     STALE_REFRESH_EVERY,
     STATE_KEYS,
     InverseRoot,
@@ -42,7 +44,9 @@ from .kl_soap_math import (
     KLSoapMatrices,
     accumulate_kl_factors,
     adam_in_eigenbasis,
+    explicit_factors,
     kl_soap_direction,
+    kl_soap_flops,
 )
 from .orthogonalized import default_max_batch_numel
 from .packing import StatePacker
@@ -55,7 +59,9 @@ __all__ = [
     "KLSoapMatrices",
     "accumulate_kl_factors",
     "adam_in_eigenbasis",
+    "explicit_factors",
     "kl_soap_direction",
+    "kl_soap_flops",
 ]
 
 
@@ -239,13 +245,16 @@ class KLSoap(torch.optim.Optimizer):
         shapes = {
             "exp_avg": (m, n),
             "exp_avg_sq": (m, n),
-            "factor_l": (m, m),
-            "factor_r": (n, n),
+            "factor_basis_l": (m, m),
+            "factor_basis_r": (n, n),
             "basis_l": (m, m),
             "basis_r": (n, n),
         }
         packed = {
-            key: self._packer.pack(self.state, params, key, shapes[key]) for key in STATE_KEYS
+            key: self._packer.pack(
+                self.state, params, key, shapes[key], column_major=key in COLUMN_MAJOR_KEYS
+            )
+            for key in STATE_KEYS
         }
         local = params[0].shape[-2:]
         grads = torch.cat([p.grad.reshape(-1, *local) for p in params]).to(torch.float32)

@@ -19,19 +19,26 @@ arXiv:2509.03378, with SOAP's Adam-in-the-eigenbasis, Vyas et al., 2024):
 
 Implementation notes.
 
+* The factors are held as their products with the bases, ``P_L = L·Q_L`` and ``P_R = R·Q_R``
+  (state ``factor_basis_l``/``factor_basis_r``; ``L = P_L·Q_Lᵀ``), never as L and R:
+  - ``λ_L = diag(Q_Lᵀ P_L)`` is an element-wise product, not a ``m³`` matmul;
+  - the factor update needs only its product with the basis, and that has a low-rank form:
+    ``L_new·Q_L = (1 − β_k)·P_L + (β_k/n)·G S_R^(−p) Gᵀ Q_L
+    = (1 − β_k)·P_L + (β_k/n)·(G Q_R D_R)·G'ᵀ`` with ``G' = Q_Lᵀ G Q_R`` and
+    ``D = diag((λ + ε)^(−p))`` (S is never materialised), and for R
+    ``(β_k/m)·(D_L Q_Lᵀ G)ᵀ·G'`` — ``2m²n`` and ``2mn²`` flops, and no product for the factor
+    itself;
+  - the refresh is ``orth(P)``, and the QR's triangular factor gives the next product at half
+    the cost of a matmul (:mod:`.eigenbasis`).
+  Per matrix and step that is ``k³`` (triangular product) + ``2k²·other`` (update) per side
+  instead of ``2k³`` (λ) + ``2k³`` (power product) + ``1.5k²·other`` (update) with explicit
+  factors. Only the Newton–Schulz roots and the ``eigh`` refresh need L itself; they form it
+  (``P·Qᵀ``, symmetrised).
 * The first moment is stored in the parameter's own coordinates and projected into the current
   basis each step. That is exactly "rotate it out with the old basis and into the new one" at
   every refresh (``Q_newᵀ (Q_old m Q_oldᵀ) Q_new``) and costs one two-sided product instead of
   two. The second moment lives in the eigenbasis; its rows/columns follow the basis columns when
   a refresh reorders them.
-* ``G S_R^(−p) Gᵀ`` is formed as ``(G Q_R D)(G Q_R D)ᵀ`` with ``D = diag((λ_R + ε)^(−p/2))``, so
-  ``S`` is never materialised.
-* The refresh's power-iteration product ``L·Q`` is not formed from scratch where a cheaper exact
-  form exists: ``L_old·Q`` is computed once for the approximate eigenvalues, and
-  ``L_new·Q = (1 − β_k)·L_old Q + (β_k/n)·X (Xᵀ Q)`` adds the low-rank term (see
-  :func:`_accumulate`) — ``m²n`` instead of ``m³`` flops for the larger factor of a rectangular
-  matrix. The factor updates form only half of the symmetric product
-  (:func:`~.symmetric.symmetric_bmm`).
 * ``stale_refresh=True`` reproduces the reference SOAP behaviour for ablations: the basis is
   refreshed every 10 steps (unless ``refresh_every`` says otherwise) from factors that do not yet
   include the current gradient (except at step 1, where the factors are still empty).
@@ -48,9 +55,14 @@ from typing import Literal
 
 import torch
 
-from .eigenbasis import RefreshMode, eigh_descending, refresh_eigenbasis
+from .eigenbasis import (
+    RefreshMode,
+    column_major,
+    diagonal_in_basis,
+    factor_from_product,
+    refresh_eigenbasis,
+)
 from .matrix_roots import inverse_root_newton_schulz
-from .symmetric import symmetric_bmm
 from .validation import check_betas, check_choice, check_range
 
 __all__ = [
@@ -61,13 +73,24 @@ __all__ = [
     "KLSoapMatrices",
     "accumulate_kl_factors",
     "adam_in_eigenbasis",
+    "explicit_factors",
     "kl_soap_direction",
+    "kl_soap_flops",
     "refresh_bases",
 ]
 
 InverseRoot = Literal["eigenbasis", "newton_schulz"]
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "factor_l", "factor_r", "basis_l", "basis_r")
+STATE_KEYS = (
+    "exp_avg",
+    "exp_avg_sq",
+    "factor_basis_l",
+    "factor_basis_r",
+    "basis_l",
+    "basis_r",
+)
+#: State held column-major (:func:`~.eigenbasis.column_major`).
+COLUMN_MAJOR_KEYS = ("factor_basis_l", "factor_basis_r", "basis_l", "basis_r")
 STALE_REFRESH_EVERY = 10
 
 
@@ -118,16 +141,18 @@ class KLSoapMatrices:
     Attributes:
         exp_avg: ``(B, m, n)`` first moment, parameter coordinates.
         exp_avg_sq: ``(B, m, n)`` second moment, eigenbasis coordinates.
-        factor_l: ``(B, m, m)`` Kronecker factor L.
-        factor_r: ``(B, n, n)`` Kronecker factor R.
+        factor_basis_l: ``(B, m, m)`` ``L·Q_L``, the Kronecker factor L times its eigenbasis.
+        factor_basis_r: ``(B, n, n)`` ``R·Q_R``.
         basis_l: ``(B, m, m)`` eigenbasis Q_L (orthonormal columns).
         basis_r: ``(B, n, n)`` eigenbasis Q_R.
+
+    The last four are best column-major (see :mod:`.eigenbasis`); :meth:`zeros` makes them so.
     """
 
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    factor_l: torch.Tensor
-    factor_r: torch.Tensor
+    factor_basis_l: torch.Tensor
+    factor_basis_r: torch.Tensor
     basis_l: torch.Tensor
     basis_r: torch.Tensor
 
@@ -138,107 +163,89 @@ class KLSoapMatrices:
         """Fresh state: zero moments and factors, identity bases."""
 
         def eye(k: int) -> torch.Tensor:
-            return torch.eye(k, device=device).expand(batch, k, k).clone()
+            return column_major(torch.eye(k, device=device).expand(batch, k, k))
+
+        def square_zeros(k: int) -> torch.Tensor:
+            return torch.zeros(batch, k, k, device=device).mT
 
         zeros = torch.zeros(batch, m, n, device=device)
-        return cls(
-            zeros,
-            zeros.clone(),
-            torch.zeros(batch, m, m, device=device),
-            torch.zeros(batch, n, n, device=device),
-            eye(m),
-            eye(n),
-        )
+        return cls(zeros, zeros.clone(), square_zeros(m), square_zeros(n), eye(m), eye(n))
+
+
+def explicit_factors(s: KLSoapMatrices) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Kronecker factors ``(L, R)`` themselves, ``(B, m, m)`` and ``(B, n, n)``."""
+    return (
+        factor_from_product(s.factor_basis_l, s.basis_l),
+        factor_from_product(s.factor_basis_r, s.basis_r),
+    )
+
+
+def kl_soap_flops(m: int, n: int) -> float:
+    """FLOPs (2 per multiply-add) of one step with a refresh by ``qr``, one ``m×n`` matrix.
+
+    ``Q_Lᵀ G``, ``G Q_R`` and ``G'`` for the factor updates, the two low-rank updates, per side a
+    triangular product (``k³``), ``geqrf`` and forming Q (``4/3·k³`` each), and the three
+    two-sided products of Adam in the eigenbasis.
+    """
+    two_sided = 2 * m * n * (m + n)
+    updates = two_sided + 2 * m * n * min(m, n) + two_sided
+    per_side = (1 + 4 / 3 + 4 / 3) * (m**3 + n**3)
+    return updates + per_side + 3 * two_sided
 
 
 def accumulate_kl_factors(grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig) -> None:
-    """Step 1: add ``G S_R^(−p) Gᵀ/n`` to L and ``Gᵀ S_L^(−p) G/m`` to R (EMA ``kron_beta``)."""
-    _accumulate(grad, s, cfg, with_products=False)
-
-
-def _low_rank_cheaper(k: int, other: int) -> bool:
-    """Whether ``L_new·Q`` (``k×k`` factor of a ``k×other`` gradient) is cheaper from the
-    low-rank form ``(1−β)·(L_old·Q) + w·X·(XᵀQ)`` than as a fresh ``k³`` product: it costs
-    ``k²·other`` plus the shared ``Q_Lᵀ G Q_R`` (``k·other·min(k, other)``)."""
-    return k * k * other + k * other * min(k, other) < k**3
-
-
-def _accumulate(
-    grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig, *, with_products: bool
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Step 1, and with ``with_products`` also ``(L_new·Q_L, R_new·Q_R)`` for the refresh.
-
-    The approximate eigenvalues need ``L_old·Q_L`` anyway, and ``L_new = (1−β)L_old + w·XXᵀ``
-    with ``X = G Q_R D_R``, so ``L_new·Q_L = (1−β)·L_old Q_L + w·X·(D_R G'ᵀ)`` where
-    ``G' = Q_Lᵀ G Q_R`` (old bases): an ``m²n`` product instead of ``m³``. The same holds for R
-    with ``Y = D_L Q_Lᵀ G`` and ``Y·Q_R = D_L G'``. Each side takes whichever form has fewer
-    flops (:func:`_low_rank_cheaper`); both equal ``factor @ basis`` up to rounding.
-    """
+    """Step 1: add ``G S_R^(−p) Gᵀ/n`` to L and ``Gᵀ S_L^(−p) G/m`` to R (EMA ``kron_beta``),
+    keeping ``factor_basis_l = L·Q_L`` and ``factor_basis_r = R·Q_R`` with the current bases."""
     m, n = grad.shape[-2], grad.shape[-1]
     decay, weight = 1.0 - cfg.kron_beta, cfg.kron_beta
     if cfg.inverse_root != "eigenbasis":
         root = cfg.root_index
         assert root is not None
+        factor_l, factor_r = explicit_factors(s)
         inv_r = inverse_root_newton_schulz(
-            s.factor_r, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
+            factor_r, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
         )
         inv_l = inverse_root_newton_schulz(
-            s.factor_l, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
+            factor_l, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
         )
-        s.factor_l.baddbmm_(torch.bmm(grad, inv_r), grad.mT, beta=decay, alpha=weight / n)
-        s.factor_r.baddbmm_(grad.mT, torch.bmm(inv_l, grad), beta=decay, alpha=weight / m)
-        return None
-    # Both λ from the factors before either is updated.
-    half = -0.5 * cfg.factor_exponent
-    lq = torch.bmm(s.factor_l, s.basis_l)
-    rq = torch.bmm(s.factor_r, s.basis_r)
-    d_l = (s.basis_l * lq).sum(dim=-2).clamp_min_(0).add_(cfg.factor_eps).pow_(half)
-    d_r = (s.basis_r * rq).sum(dim=-2).clamp_min_(0).add_(cfg.factor_eps).pow_(half)
+        factor_l.baddbmm_(torch.bmm(grad, inv_r), grad.mT, beta=decay, alpha=weight / n)
+        factor_r.baddbmm_(grad.mT, torch.bmm(inv_l, grad), beta=decay, alpha=weight / m)
+        torch.bmm(factor_l, s.basis_l, out=s.factor_basis_l)
+        torch.bmm(factor_r, s.basis_r, out=s.factor_basis_r)
+        return
+    # Both λ from the factors before either is updated: λ = diag(Qᵀ·(L·Q)); D² = (λ + ε)^(−p).
+    power = -cfg.factor_exponent
+    d2_l = diagonal_in_basis(s.factor_basis_l, s.basis_l).clamp_min_(0)
+    d2_r = diagonal_in_basis(s.factor_basis_r, s.basis_r).clamp_min_(0)
+    d2_l = d2_l.add_(cfg.factor_eps).pow_(power)
+    d2_r = d2_r.add_(cfg.factor_eps).pow_(power)
     qtg = torch.bmm(s.basis_l.mT, grad)  # Q_Lᵀ G
     gq = torch.bmm(grad, s.basis_r)  # G Q_R
-    low_l = with_products and _low_rank_cheaper(m, n)
-    low_r = with_products and _low_rank_cheaper(n, m)
-    projected = None
-    if low_l or low_r:  # G' = Q_Lᵀ G Q_R, in the cheaper order
-        projected = torch.bmm(qtg, s.basis_r) if n <= m else torch.bmm(s.basis_l.mT, gq)
-    left = gq.mul_(d_r.unsqueeze(-2))  # G Q_R D_R
-    right = qtg.mul_(d_l.unsqueeze(-1))  # D_L Q_Lᵀ G
-    symmetric_bmm(left, left.mT, s.factor_l, add=s.factor_l, beta=decay, alpha=weight / n)
-    symmetric_bmm(right.mT, right, s.factor_r, add=s.factor_r, beta=decay, alpha=weight / m)
-    if not with_products:
-        return None
-    if low_l:
-        assert projected is not None
-        lq.baddbmm_(left, (projected * d_r.unsqueeze(-2)).mT, beta=decay, alpha=weight / n)
-    else:
-        torch.bmm(s.factor_l, s.basis_l, out=lq)
-    if low_r:
-        assert projected is not None
-        rq.baddbmm_(right.mT, projected.mul_(d_l.unsqueeze(-1)), beta=decay, alpha=weight / m)
-    else:
-        torch.bmm(s.factor_r, s.basis_r, out=rq)
-    return lq, rq
+    # G' = Q_Lᵀ G Q_R, in the cheaper order
+    projected = torch.bmm(qtg, s.basis_r) if n <= m else torch.bmm(s.basis_l.mT, gq)
+    # L_new·Q_L = (1−β)·L Q_L + (β/n)·G S_R Gᵀ Q_L = (1−β)·L Q_L + (β/n)·(G Q_R D_R²)·G'ᵀ
+    s.factor_basis_l.baddbmm_(
+        gq.mul_(d2_r.unsqueeze(-2)), projected.mT, beta=decay, alpha=weight / n
+    )
+    # R_new·Q_R = (1−β)·R Q_R + (β/m)·Gᵀ S_L G Q_R = (1−β)·R Q_R + (β/m)·(D_L² Q_Lᵀ G)ᵀ·G'
+    s.factor_basis_r.baddbmm_(
+        qtg.mul_(d2_l.unsqueeze(-1)).mT, projected, beta=decay, alpha=weight / m
+    )
 
 
-def refresh_bases(
-    s: KLSoapMatrices,
-    mode: RefreshMode,
-    first: bool,
-    products: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    """Step 2: refresh Q_L and Q_R from the factors; permute v to follow reordered columns.
-
-    ``products`` are ``(L·Q_L, R·Q_R)`` if the caller has them (they are overwritten).
-    """
-    sides = ((s.factor_l, s.basis_l, -2), (s.factor_r, s.basis_r, -1))
-    for i, (factor, basis, dim) in enumerate(sides):
+def refresh_bases(s: KLSoapMatrices, mode: RefreshMode, first: bool) -> None:
+    """Step 2: refresh Q_L and Q_R (``eigh`` if ``first``) from the factors, keep the products
+    ``L·Q_L``, ``R·Q_R`` current, and permute v to follow reordered columns."""
+    sides = ((s.factor_basis_l, s.basis_l, -2), (s.factor_basis_r, s.basis_r, -1))
+    for product, basis, dim in sides:
+        order = refresh_eigenbasis(product, basis, "eigh" if first else mode)
         if first:
-            basis.copy_(eigh_descending(factor))  # v is still zero: nothing to permute
-            continue
-        product = None if products is None else products[i]
-        _, order = refresh_eigenbasis(factor, basis, mode, product, out=basis)
-        index = order.unsqueeze(-1) if dim == -2 else order.unsqueeze(-2)
-        s.exp_avg_sq.copy_(torch.take_along_dim(s.exp_avg_sq, index, dim=dim))
+            continue  # v is still zero: nothing to permute
+        if dim == -2:  # rows: whole-row copies by indexing
+            batch = torch.arange(order.shape[0], device=order.device).unsqueeze(-1)
+            s.exp_avg_sq.copy_(s.exp_avg_sq[batch, order])
+        else:
+            s.exp_avg_sq.copy_(torch.take_along_dim(s.exp_avg_sq, order.unsqueeze(-2), dim=-1))
 
 
 def adam_in_eigenbasis(
@@ -283,9 +290,7 @@ def kl_soap_direction(
             refresh_bases(s, cfg.refresh_mode, first=False)
         accumulate_kl_factors(grad, s, cfg)
     else:
-        first = step == 1
-        want = refresh and not first and cfg.refresh_mode != "eigh"
-        products = _accumulate(grad, s, cfg, with_products=want)
+        accumulate_kl_factors(grad, s, cfg)
         if refresh:
-            refresh_bases(s, cfg.refresh_mode, first, products)
+            refresh_bases(s, cfg.refresh_mode, first=step == 1)
     return adam_in_eigenbasis(grad, s, cfg, step)

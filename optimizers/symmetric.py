@@ -1,9 +1,9 @@
 """Batched products whose result is known to be symmetric, at 3/4 of the flops of a full one.
 
-Newton–Schulz (every Gram-side product is of two commuting symmetric matrices) and the KL-Shampoo
-factor updates (``L ← βL + w·XXᵀ``) multiply matrices whose product is symmetric. BLAS has no
-batched ``syrk``/``symm`` in PyTorch, so :func:`symmetric_bmm` multiplies only the lower block
-triangle (two matmul calls) and mirrors the remaining block.
+Newton–Schulz multiplies matrices whose product is symmetric: every Gram-side product is of two
+commuting symmetric matrices. BLAS has no batched ``syrk``/``symm`` in PyTorch, so
+:func:`symmetric_bmm` multiplies only the lower block triangle (two matmul calls) and mirrors the
+remaining block.
 """
 
 from __future__ import annotations

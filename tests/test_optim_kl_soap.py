@@ -14,6 +14,7 @@ from megatron_ext.optimizers import (
     KLSoapMatrices,
     adam_in_eigenbasis,
     cholesky_qr2,
+    explicit_factors,
     inverse_root_newton_schulz,
     kl_soap_direction,
     refresh_eigenbasis,
@@ -64,8 +65,9 @@ def test_batched_math_matches_float64_reference(shape: tuple[int, ...], variant:
     state = KLSoapMatrices.zeros(batch, m, n)
     refs = []
     for b in range(batch):
-        state.factor_l[b] = spd(m, 10.0, seed=2 * b).float()
-        state.factor_r[b] = spd(n, 10.0, seed=2 * b + 1).float()
+        # the bases start at identity, so L·Q_L = L
+        state.factor_basis_l[b] = spd(m, 10.0, seed=2 * b).float()
+        state.factor_basis_r[b] = spd(n, 10.0, seed=2 * b + 1).float()
         ref = KLSoapReference(
             lr=1.0,
             p=cfg.factor_exponent,
@@ -86,6 +88,13 @@ def test_batched_math_matches_float64_reference(shape: tuple[int, ...], variant:
             ref_delta = -ref.step(torch.zeros(m, n, dtype=F64), grad[b])
             # fp32 through eigh/QR of factors with condition ~1e2: measured ≤ 1e-4
             assert relative(delta[b], ref_delta) < 1e-3, (step, b)
+        # the factors, held as L·Q_L and R·Q_R, are the reference's L and R: measured ≤ 2e-5
+        # (≤ 2e-6 with eigh), as when L and R were stored themselves — the reference's QR has
+        # no 1e-5·λ_max shift, which moves λ, and through it the factors, by that much
+        factor_l, factor_r = explicit_factors(state)
+        for b, ref in enumerate(refs):
+            assert relative(factor_l[b], ref.state["L"]) < 1e-4, (step, b)
+            assert relative(factor_r[b], ref.state["R"]) < 1e-4, (step, b)
 
 
 @pytest.mark.parametrize("shape", [(10, 10), (2, 6, 6)])
@@ -164,8 +173,11 @@ def test_repeated_refreshes_converge_to_eigenvectors(mode: str) -> None:
     _evals, evecs = torch.linalg.eigh(factor.double())
     evecs = evecs.flip(-1)
     basis = torch.linalg.qr(torch.randn(1, k, k, generator=torch.Generator().manual_seed(16))).Q
+    product = factor[None] @ basis
     for _ in range(150):
-        basis, _ = refresh_eigenbasis(factor[None], basis, mode)
+        refresh_eigenbasis(product, basis, mode)
+    # the product is kept as L·Q across 150 refreshes (triangular factor of each QR)
+    torch.testing.assert_close(product[0], factor @ basis[0], atol=1e-5, rtol=0)
     overlap = (evecs.T @ basis[0].double()).abs()  # |⟨v_i, q_j⟩|: identity up to signs
     torch.testing.assert_close(overlap, torch.eye(k, dtype=F64), atol=1e-4, rtol=0)
 
@@ -178,10 +190,17 @@ def test_refresh_modes_agree() -> None:
     bump = 1e-3 * spd(k, 2.0, seed=18)
     evecs = torch.linalg.eigh(base)[1].flip(-1).float()[None]
     factor = (base + bump).float()[None]
-    q_qr, order_qr = refresh_eigenbasis(factor, evecs, "qr")
-    q_chol, order_chol = refresh_eigenbasis(factor, evecs, "cholesky_qr2")
-    q_eigh, _ = refresh_eigenbasis(factor, evecs, "eigh")
-    assert torch.equal(order_qr, order_chol)
+    bases, orders = {}, {}
+    for mode in ("qr", "cholesky_qr2", "eigh"):
+        bases[mode] = evecs.clone()
+        product = factor @ evecs
+        orders[mode] = refresh_eigenbasis(product, bases[mode], mode)
+        # every mode leaves product = L·Q_new (qr and cholesky_qr2 from the triangular factor)
+        torch.testing.assert_close(
+            product.double(), factor.double() @ bases[mode].double(), atol=2e-6, rtol=0
+        )
+    q_qr, q_chol, q_eigh = bases["qr"], bases["cholesky_qr2"], bases["eigh"]
+    assert torch.equal(orders["qr"], orders["cholesky_qr2"])
     eye = torch.eye(k)
     torch.testing.assert_close((q_qr.mT @ q_chol).abs()[0], eye, atol=1e-5, rtol=0)
     # the last two eigenvalues differ by 1.5×, so one step leaves ~3e-3 of mixing there
@@ -215,14 +234,19 @@ def test_cholesky_failure_falls_back_to_qr_and_logs_once(
     z = torch.randn(2, 6, 6)
     z[1, :, 2] = 0  # a zero column: Cholesky-QR cannot factor it
     assert cholesky_qr2(z) is None
-    assert cholesky_qr2(z[:1]) is not None
-    factor = torch.zeros(2, 6, 6)  # an all-zero factor makes every column of L·Q zero
+    result = cholesky_qr2(z[:1])
+    assert result is not None
+    q, r = result
+    torch.testing.assert_close(q @ r, z[:1], atol=1e-5, rtol=0)  # Z = Q·R, R upper triangular
+    assert torch.equal(r, r.triu())
+    product = torch.zeros(2, 6, 6)  # an all-zero factor makes every column of L·Q zero
     basis = torch.eye(6).expand(2, 6, 6).clone()
     with caplog.at_level(logging.WARNING, logger=eigenbasis_module.__name__):
-        q1, _ = refresh_eigenbasis(factor, basis, "cholesky_qr2")
-        refresh_eigenbasis(factor, basis, "cholesky_qr2")
+        refresh_eigenbasis(product, basis, "cholesky_qr2")
+        refresh_eigenbasis(product, basis, "cholesky_qr2")
     assert sum("Cholesky failed" in r.message for r in caplog.records) == 1
-    torch.testing.assert_close(q1.mT @ q1, torch.eye(6).expand(2, 6, 6), atol=1e-5, rtol=0)
+    torch.testing.assert_close(basis.mT @ basis, torch.eye(6).expand(2, 6, 6), atol=1e-5, rtol=0)
+    assert torch.equal(product, torch.zeros(2, 6, 6))
 
 
 # Coupled Newton–Schulz inverse root (A + 1e-6·I)^(−1/r) vs float64 eigh, 16×16 SPD, relative
@@ -277,7 +301,7 @@ def test_state_is_packed_not_copied_each_step() -> None:
         for p in params:
             p.grad = torch.randn(6, 9)
         opt.step()
-        ptrs = [opt.state[p]["factor_l"].data_ptr() for p in params]
+        ptrs = [opt.state[p]["factor_basis_l"].data_ptr() for p in params]
     assert ptrs[1] - ptrs[0] == 6 * 6 * 4  # consecutive views of one stacked tensor
     state_bytes = sum(
         t.numel() * t.element_size()
@@ -335,25 +359,14 @@ def test_householder_q_equals_lapack_orgqr(k: int, block: int) -> None:
     torch.testing.assert_close(q, torch.linalg.householder_product(a, tau), atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("shape", [(24, 6), (6, 24), (12, 12)])
-def test_refresh_products_equal_factor_times_basis(shape: tuple[int, int]) -> None:
-    """The low-rank form of L_new·Q_L (and R_new·Q_R) used for the refresh equals the product."""
-    from megatron_ext.optimizers.kl_soap_math import _accumulate
-
-    m, n = shape
+@pytest.mark.parametrize(("k", "block"), [(9, 4), (64, 16), (70, 256)])
+def test_times_upper_transposed_equals_the_product(k: int, block: int) -> None:
+    """Q̃·triu(R)ᵀ by row blocks equals the full product; the strict lower part of R (geqrf's
+    reflectors) is ignored."""
     g = torch.Generator().manual_seed(32)
-    state = KLSoapMatrices.zeros(2, m, n)
-    state.factor_l.copy_(
-        torch.stack([spd(m, 10.0, seed=33 + i, dtype=torch.float32) for i in range(2)])
-    )
-    state.factor_r.copy_(
-        torch.stack([spd(n, 10.0, seed=35 + i, dtype=torch.float32) for i in range(2)])
-    )
-    state.basis_l.copy_(torch.linalg.qr(torch.randn(2, m, m, generator=g)).Q)
-    state.basis_r.copy_(torch.linalg.qr(torch.randn(2, n, n, generator=g)).Q)
-    grad = torch.randn(2, m, n, generator=g)
-    cfg = KLSoapConfig(kron_beta=0.3, factor_eps=1e-2)
-    products = _accumulate(grad, state, cfg, with_products=True)
-    assert products is not None
-    torch.testing.assert_close(products[0], state.factor_l @ state.basis_l, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(products[1], state.factor_r @ state.basis_r, atol=1e-5, rtol=1e-5)
+    left = torch.randn(3, k, k, generator=g)
+    upper = torch.randn(3, k, k, generator=g)
+    out = torch.empty(3, k, k).mT  # column-major, as KL-SOAP stores its products
+    eigenbasis_module.times_upper_transposed(left, upper, out, block=block)
+    expected = left.double() @ upper.double().triu().mT
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)

@@ -18,9 +18,9 @@ sides):
 
 * ``muon`` -- Newton-Schulz: the cheaper of plain and Gram-NS
   (:func:`megatron_ext.optimizers.newton_schulz_flops`), plus the momentum update.
-* ``kl_soap`` -- the two KL factor updates (G·S_R^(-p)·Gᵀ and Gᵀ·S_L^(-p)·G, with the inverse
-  roots applied in factored form), the power-iteration products L·Q_L and R·Q_R, Householder QR
-  of both bases (4/3·k³ each), and the four rotations in and out of the eigenbasis.
+* ``kl_soap`` -- :func:`megatron_ext.optimizers.kl_soap_flops`: the factor updates in their
+  product-with-the-basis form, per side a triangular product, Householder QR and forming Q, and
+  the rotations in and out of the eigenbasis.
 * ``mop`` -- a thin SVD, 4·m²·n + 22·m³ (Golub & Van Loan).
 * ``adamw`` / ``lion`` -- 12 FLOPs per element.
 
@@ -33,7 +33,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from megatron_ext.optimizers import newton_schulz_flops
+from megatron_ext.optimizers import kl_soap_flops, newton_schulz_flops
 
 ELEMENTWISE_FLOPS = 12  # AdamW/Lion: moments, bias correction, decay, update
 
@@ -73,12 +73,7 @@ def compute_cost(spec: ParamSpec, ns_steps: int = 5) -> float:
         )
         return count * (ns + 4 * m * n)
     if spec.optimizer == "kl_soap":
-        # rows x cols gradient G with factors L (rows²) and R (cols²)
-        factors = 2 * (2 * rows * cols * cols + 2 * rows * rows * cols)  # G·S·Gᵀ, Gᵀ·S·G
-        power = 2 * rows**3 + 2 * cols**3  # L·Q_L, R·Q_R
-        qr = 4 / 3 * (rows**3 + cols**3)
-        rotations = 4 * (2 * rows * rows * cols + 2 * rows * cols * cols)
-        return count * (factors + power + qr + rotations + ELEMENTWISE_FLOPS * rows * cols)
+        return count * (kl_soap_flops(rows, cols) + ELEMENTWISE_FLOPS * rows * cols)
     if spec.optimizer == "mop":
         return count * (4 * m * m * n + 22 * m**3 + 4 * m * n)
     return ELEMENTWISE_FLOPS * spec.numel
@@ -92,7 +87,7 @@ def state_bytes(spec: ParamSpec) -> int:
     if per_element is not None:
         state = 4 * per_element * numel
     elif spec.optimizer == "kl_soap":
-        # L, R, Q_L, Q_R and the two Adam moments
+        # L·Q_L, R·Q_R, Q_L, Q_R and the two Adam moments
         state = 4 * count * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols)
     else:
         raise ValueError(f"no cost model for optimizer {spec.optimizer!r}")
