@@ -74,10 +74,10 @@ def wy_block(k: int) -> int:
     return 128 if k >= 1024 else 64
 
 
-def triangular_block(k: int) -> int:
-    """Rows per block of :func:`times_upper_transposed` (2 CPU threads, ms against a full
-    product: k = 2048: 53 at 256, 55 at 128 (full 89); k = 512, batch 8: 9.0 at 128 (11.6))."""
-    return 256 if k >= 1024 else 128
+#: Size below which :func:`times_upper_transposed` multiplies the whole (triangular) block: the
+#: recursion's smaller products run slower per flop (2 CPU threads: 128 is 8% faster than 64 or
+#: 256 at k = 2048; at k = 256 the full product already takes as long as the triangular one).
+TRIANGULAR_LEAF = 128
 
 
 _reported: set[str] = set()
@@ -188,24 +188,24 @@ def householder_q(
 
 
 def times_upper_transposed(
-    left: torch.Tensor, upper: torch.Tensor, out: torch.Tensor, block: int | None = None
+    left: torch.Tensor, upper: torch.Tensor, out: torch.Tensor, leaf: int = TRIANGULAR_LEAF
 ) -> torch.Tensor:
     """``out = left · triu(upper)ᵀ`` for ``(B, k, k)`` batches, at half the flops of a product.
 
-    Only the upper triangle of ``upper`` is read (``geqrf`` output may be passed as is). Row
-    block J of ``outᵀ = triu(upper)·leftᵀ`` is ``upper[J, J:] · left[:, J:]ᵀ``: one diagonal
-    block (made triangular in a small copy) and one rectangular product. ``out`` must not
-    overlap the inputs; column-major ``out`` makes every block a contiguous write.
+    Only the upper triangle of ``upper`` is read (``geqrf`` output may be passed as is).
+    Recursively, with ``U = [[U₁₁, U₁₂], [0, U₂₂]]`` split at ``h = k/2``:
+    ``out[:, :h] = left[:, :h]·U₁₁ᵀ + left[:, h:]·U₁₂ᵀ`` and ``out[:, h:] = left[:, h:]·U₂₂ᵀ`` —
+    one large rectangular product per level, down to ``leaf``-sized diagonal blocks multiplied
+    whole (from a small triangular copy). ``out`` must not overlap the inputs; column-major
+    ``out`` makes every column block a contiguous write.
     """
     k = upper.shape[-1]
-    block = block or triangular_block(k)
-    rows = out.mT  # row block J of outᵀ is column block J of out
-    for start in range(0, k, block):
-        stop = min(start + block, k)
-        diagonal = upper[:, start:stop, start:stop].triu()
-        torch.bmm(diagonal, left[:, :, start:stop].mT, out=rows[:, start:stop])
-        if stop < k:
-            rows[:, start:stop].baddbmm_(upper[:, start:stop, stop:], left[:, :, stop:].mT)
+    if k <= leaf:
+        return torch.bmm(left, upper.triu().mT, out=out)
+    h = k // 2
+    times_upper_transposed(left[:, :, :h], upper[:, :h, :h], out[:, :, :h], leaf)
+    out[:, :, :h].baddbmm_(left[:, :, h:], upper[:, :h, h:].mT)
+    times_upper_transposed(left[:, :, h:], upper[:, h:, h:], out[:, :, h:], leaf)
     return out
 
 

@@ -359,14 +359,14 @@ def test_householder_q_equals_lapack_orgqr(k: int, block: int) -> None:
     torch.testing.assert_close(q, torch.linalg.householder_product(a, tau), atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize(("k", "block"), [(9, 4), (64, 16), (70, 256)])
-def test_times_upper_transposed_equals_the_product(k: int, block: int) -> None:
-    """Q̃·triu(R)ᵀ by row blocks equals the full product; the strict lower part of R (geqrf's
-    reflectors) is ignored."""
+@pytest.mark.parametrize(("k", "leaf"), [(9, 2), (64, 16), (70, 256), (300, 128)])
+def test_times_upper_transposed_equals_the_product(k: int, leaf: int) -> None:
+    """Q̃·triu(R)ᵀ by recursive blocks equals the full product; the strict lower part of R
+    (geqrf's reflectors) is ignored."""
     g = torch.Generator().manual_seed(32)
     left = torch.randn(3, k, k, generator=g)
     upper = torch.randn(3, k, k, generator=g)
     out = torch.empty(3, k, k).mT  # column-major, as KL-SOAP stores its products
-    eigenbasis_module.times_upper_transposed(left, upper, out, block=block)
+    eigenbasis_module.times_upper_transposed(left, upper, out, leaf=leaf)
     expected = left.double() @ upper.double().triu().mT
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         KLSoap,
         Lion,
         Muon,
+        kl_soap_flops,
         newton_schulz,
         newton_schulz_flops,
     )
@@ -201,6 +202,13 @@ def run(args: argparse.Namespace) -> int:
             entry["ns_gflop_per_step"] = flops / 1e9
             entry["ns_gflops"] = flops / 1e9 / entry["s_per_step"]
             entry["ns_fraction_of_matmul_rate"] = entry["ns_gflops"] / matmul_gflops
+        elif mode == "kl_soap_qr":
+            # the step's flop model (factor updates, triangular products, Householder QR and
+            # forming Q, Adam's rotations), against the measured time
+            flops = sum(kl_soap_flops(m, n) for m, n in shapes)
+            entry["gflop_per_step"] = flops / 1e9
+            entry["gflops"] = flops / 1e9 / entry["s_per_step"]
+            entry["fraction_of_matmul_rate"] = entry["gflops"] / matmul_gflops
         elif mode == "mop":
             from megatron_ext.optimizers import polar_factor
 
@@ -296,11 +304,14 @@ def _print_table(report: dict[str, Any]) -> None:
         f"workload: {work['matrices']} matrices, {work['parameters']:,} parameters, fp32, "
         f"{machine['threads']} threads; matmul {machine['matmul_gflops_fp32']:.1f} GFLOP/s"
     )
-    header = f"{'mode':22s} {'s/step':>8s} {'min':>8s} {'NS GFLOP/s':>11s} {'of mm':>6s} "
+    # GFLOP/s: Newton–Schulz flops for Muon, the whole step's flop model for KL-SOAP (qr)
+    header = f"{'mode':22s} {'s/step':>8s} {'min':>8s} {'GFLOP/s':>11s} {'of mm':>6s} "
     print(header + f"{'ortho err':>10s} {'state bytes':>14s}")
     for mode, r in report["results"].items():
-        gflops = f"{r['ns_gflops']:.1f}" if "ns_gflops" in r else "-"
-        frac = f"{r['ns_fraction_of_matmul_rate']:.0%}" if "ns_gflops" in r else "-"
+        rate = r.get("ns_gflops", r.get("gflops"))
+        share = r.get("ns_fraction_of_matmul_rate", r.get("fraction_of_matmul_rate"))
+        gflops = "-" if rate is None else f"{rate:.1f}"
+        frac = "-" if share is None else f"{share:.0%}"
         err = f"{r['ortho_error']:.2e}" if r["ortho_error"] is not None else "-"
         print(
             f"{mode:22s} {r['s_per_step']:8.3f} {r['s_per_step_min']:8.3f} {gflops:>11s} "
