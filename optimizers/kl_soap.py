@@ -205,6 +205,7 @@ class KLSoap(torch.optim.Optimizer):
                     m, n = split.full_shape(m, n)
                 if not self.state[p]:
                     self._init_state(p, m, n)
+                _migrate_explicit_factors(self.state[p])
                 key = (m, n, self.state[p]["step"], split)
                 buckets.setdefault(key, []).append(p)
             for (m, n, done, split), params in buckets.items():
@@ -272,3 +273,19 @@ class KLSoap(torch.optim.Optimizer):
             p.add_(delta[offset : offset + count].view_as(p), alpha=-lr)
             offset += count
             self.state[p]["step"] = step
+
+
+#: State keys of checkpoints written before the factors were held as products with their bases.
+_EXPLICIT_FACTOR_KEYS = {
+    "factor_l": ("factor_basis_l", "basis_l"),
+    "factor_r": ("factor_basis_r", "basis_r"),
+}
+
+
+def _migrate_explicit_factors(state: dict[str, Any]) -> None:
+    """Turn an older checkpoint's factors L, R (``factor_l``/``factor_r``) into the products
+    ``L·Q_L``, ``R·Q_R`` this version keeps (exact up to rounding)."""
+    for old, (new, basis) in _EXPLICIT_FACTOR_KEYS.items():
+        if old in state and new not in state:
+            factor = state.pop(old)
+            state[new] = torch.matmul(factor, state[basis].to(factor.dtype))

@@ -370,3 +370,32 @@ def test_times_upper_transposed_equals_the_product(k: int, leaf: int) -> None:
     eigenbasis_module.times_upper_transposed(left, upper, out, leaf=leaf)
     expected = left.double() @ upper.double().triu().mT
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_checkpoint_with_explicit_factors_is_migrated() -> None:
+    """A state dict from before the factors were held as L·Q (keys ``factor_l``/``factor_r``)
+    loads and continues as the current state does (to fp32 rounding of the conversion)."""
+    g = torch.Generator().manual_seed(37)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 9), (2, 5, 4)]]
+    opt = KLSoap(params, lr=0.01, **CFG)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():  # what the older version stored: L and R themselves
+        for side in ("l", "r"):
+            product, basis = entry.pop(f"factor_basis_{side}"), entry[f"basis_{side}"]
+            entry[f"factor_{side}"] = (product @ basis.mT + basis @ product.mT) / 2
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    old = KLSoap(clones, lr=0.01, **CFG)
+    old.load_state_dict(saved)
+    for _ in range(2):
+        for p, q in zip(params, clones, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        old.step()
+    for p, q in zip(params, clones, strict=True):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5)
+    assert "factor_l" not in old.state[clones[0]]
