@@ -280,7 +280,16 @@ def test_state_dict_round_trip_gives_identical_next_step() -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    saved = copy.deepcopy(opt.state_dict())
+    clones, _ = _resume_alongside(opt, params, copy.deepcopy(opt.state_dict()), g)
+    for p, q in zip(params, clones, strict=True):
+        assert torch.equal(p, q)
+
+
+def _resume_alongside(
+    opt: KLSoap, params: list[torch.nn.Parameter], saved: dict, g: torch.Generator
+) -> tuple[list[torch.nn.Parameter], KLSoap]:
+    """Load ``saved`` into a fresh KLSoap on copies of ``params``, then take 2 steps with both
+    optimizers on the same gradients; return the copies and the fresh optimizer."""
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = KLSoap(clones, lr=0.01, **CFG)
     fresh.load_state_dict(saved)
@@ -290,8 +299,7 @@ def test_state_dict_round_trip_gives_identical_next_step() -> None:
             q.grad = p.grad.clone()
         opt.step()
         fresh.step()
-    for p, q in zip(params, clones, strict=True):
-        assert torch.equal(p, q)
+    return clones, fresh
 
 
 def test_state_is_packed_not_copied_each_step() -> None:
@@ -387,15 +395,7 @@ def test_checkpoint_with_explicit_factors_is_migrated() -> None:
         for side in ("l", "r"):
             product, basis = entry.pop(f"factor_basis_{side}"), entry[f"basis_{side}"]
             entry[f"factor_{side}"] = (product @ basis.mT + basis @ product.mT) / 2
-    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    old = KLSoap(clones, lr=0.01, **CFG)
-    old.load_state_dict(saved)
-    for _ in range(2):
-        for p, q in zip(params, clones, strict=True):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
-        opt.step()
-        old.step()
+    clones, old = _resume_alongside(opt, params, saved, g)
     for p, q in zip(params, clones, strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5)
     assert "factor_l" not in old.state[clones[0]]
