@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 DESCRIPTION = """\
 megatron-ext: matrix optimizers, a layer-wise distributed optimizer, recipes and alternate

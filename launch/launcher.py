@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.load import load_recipe
 from megatron_ext.config.schema import Recipe
+from megatron_ext.errors import ConfigError
 from megatron_ext.launch.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the

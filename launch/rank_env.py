@@ -21,7 +21,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 RankSource = Literal["torchrun", "mpi", "slurm", "single"]
 

@@ -14,7 +14,6 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.data.build import build_gpt_datasets, build_indexed_dataset
 from megatron_ext.data.corpus import iter_documents, python_stdlib_documents, resolve_inputs
 from megatron_ext.data.tokenizers import (
@@ -23,6 +22,7 @@ from megatron_ext.data.tokenizers import (
     build_tokenizer,
     train_sentencepiece,
 )
+from megatron_ext.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 MEGATRON_EXT = Path(sys.executable).parent / "megatron-ext"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 from megatron_ext.launch.launcher import (
     HostInfo,
     LaunchRequest,

@@ -12,8 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.schema import OptimizerConfig, Recipe, TrainingConfig
+from megatron_ext.errors import ConfigError
 from megatron_ext.schedules import LRSchedule
 
 MAX_LR, MIN_LR = 3e-3, 3e-4

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.data.corpus import iter_documents
+from megatron_ext.errors import ConfigError
 from megatron_ext.soma.data import (
     build_windows,
     check_expert_count,

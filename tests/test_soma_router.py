@@ -11,7 +11,7 @@ from sklearn.cluster import KMeans
 from sklearn.feature_extraction.text import TfidfVectorizer
 from threadpoolctl import threadpool_limits
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 from megatron_ext.soma.data import window_texts
 from megatron_ext.soma.router import (
     Router,

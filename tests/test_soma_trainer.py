@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from megatron_ext.config import load_recipe
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 from tests.conftest import ROOT, run_torchrun
 
 SCRIPT = ROOT / "tests" / "dist" / "soma_run.py"

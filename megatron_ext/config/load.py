@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.schema import Recipe
+from megatron_ext.errors import ConfigError
 
 
 def load_recipe(

@@ -273,7 +273,7 @@ class Recipe:
 
     def check(self, world_size: int | None = None) -> None:
         """Cross-field rules; raises ``ConfigError``. ``world_size`` adds the layout checks."""
-        from megatron_ext.config.errors import ConfigError
+        from megatron_ext.errors import ConfigError
 
         m, t, p = self.model, self.training, self.parallel
         if m.hidden_size % m.num_attention_heads:
@@ -348,7 +348,7 @@ class Recipe:
             self.check_layout(world_size)
 
     def _check_soma(self) -> None:
-        from megatron_ext.config.errors import ConfigError
+        from megatron_ext.errors import ConfigError
 
         s = self.soma
         if s.eval_topk is not None and s.eval_topk > s.num_experts:
@@ -392,7 +392,7 @@ class Recipe:
 
     def check_layout(self, world_size: int) -> None:
         """World size against the parallel layout and the batch sizes."""
-        from megatron_ext.config.errors import ConfigError
+        from megatron_ext.errors import ConfigError
 
         if self.trainer == "soma":
             s = self.soma

@@ -42,8 +42,8 @@ from megatron.core.datasets.indexed_dataset import (
 )
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.data.corpus import iter_documents
+from megatron_ext.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
+from megatron_ext.errors import ConfigError
 
 
 def data_main(args: argparse.Namespace) -> int:

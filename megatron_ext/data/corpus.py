@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 PYTHON_STDLIB = "python-stdlib"
 STDLIB_MAX_BYTES = 4 * 2**20  # UTF-8 bytes; CPython 3.12's docstrings (1.7 MB) fit whole

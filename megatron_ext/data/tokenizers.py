@@ -25,7 +25,7 @@ from typing import Any, Literal
 import sentencepiece
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 TokenizerKind = Literal["byte", "sentencepiece"]
 SentencePieceModelType = Literal["bpe", "unigram"]

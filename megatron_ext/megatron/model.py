@@ -19,8 +19,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

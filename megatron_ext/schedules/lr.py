@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 DecayStyle = Literal["constant", "linear", "cosine", "WSD"]
 WsdDecayStyle = Literal["minus_sqrt", "linear", "cosine", "exponential"]

@@ -34,7 +34,7 @@ def add_soma_parser(sub: argparse._SubParsersAction) -> None:
 
 def soma_main(args: argparse.Namespace) -> int:
     from megatron_ext.config import load_recipe
-    from megatron_ext.config.errors import ConfigError
+    from megatron_ext.errors import ConfigError
 
     if args.soma_command == "variance":
         from megatron_ext.soma.variance import measure_paper_claims

@@ -82,7 +82,7 @@ def prepare_corpus(
     router = Router.load(path)
     assignment = np.load(assign_path)
     if len(assignment) != len(pool) or router.n_clusters != s.num_experts:
-        from megatron_ext.config.errors import ConfigError
+        from megatron_ext.errors import ConfigError
 
         raise ConfigError(
             f"router {path} was fit for {router.n_clusters} clusters over {len(assignment)} "

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_ext.config.errors import ConfigError
 from megatron_ext.data.corpus import iter_documents
+from megatron_ext.errors import ConfigError
 
 WINDOW_BYTES = 1025  # 1,024 model inputs + 1 shifted target
 DOC_SEPARATOR = b"\n\n"

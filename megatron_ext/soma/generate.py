@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 from megatron_ext.soma.data import window_texts
 from megatron_ext.soma.layout import BodyLayout
 from megatron_ext.soma.model import log_probs

@@ -30,7 +30,7 @@ from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import TfidfVectorizer
 
 from megatron_ext.atomic import atomic_path
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 
 ROUTER_FORMAT = "megatron-ext/soma-router"
 ROUTER_VERSION = 1

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megatron_ext.atomic import atomic_path
-from megatron_ext.config.errors import ConfigError
+from megatron_ext.errors import ConfigError
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
 
 FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ def train_main(recipe_path: str, overrides: list[str]) -> int:
     env = detect_rank_env(os.environ)
     recipe = load_recipe(recipe_path, overrides, world_size=env.world_size)
     if recipe.trainer not in TRAINERS:
-        from megatron_ext.config.errors import ConfigError
+        from megatron_ext.errors import ConfigError
 
         raise ConfigError(
             f"trainer={recipe.trainer!r} is not available yet; available: {', '.join(TRAINERS)}"
