@@ -53,6 +53,7 @@ from .packing import StatePacker
 from .validation import check_range
 
 __all__ = [
+    "LEGACY_STATE_KEYS",
     "InverseRoot",
     "KLSoap",
     "KLSoapConfig",
@@ -275,17 +276,16 @@ class KLSoap(torch.optim.Optimizer):
             self.state[p]["step"] = step
 
 
-#: State keys of checkpoints written before the factors were held as products with their bases.
-_EXPLICIT_FACTOR_KEYS = {
-    "factor_l": ("factor_basis_l", "basis_l"),
-    "factor_r": ("factor_basis_r", "basis_r"),
-}
+#: Current state key -> the key that older checkpoints used for the factors themselves (L, R)
+#: before they were held as products with their bases (``L·Q_L``, ``R·Q_R``).
+LEGACY_STATE_KEYS = {"factor_basis_l": "factor_l", "factor_basis_r": "factor_r"}
+_BASIS_OF = {"factor_basis_l": "basis_l", "factor_basis_r": "basis_r"}
 
 
 def _migrate_explicit_factors(state: dict[str, Any]) -> None:
     """Turn an older checkpoint's factors L, R (``factor_l``/``factor_r``) into the products
     ``L·Q_L``, ``R·Q_R`` this version keeps (exact up to rounding)."""
-    for old, (new, basis) in _EXPLICIT_FACTOR_KEYS.items():
+    for new, old in LEGACY_STATE_KEYS.items():
         if old in state and new not in state:
             factor = state.pop(old)
-            state[new] = torch.matmul(factor, state[basis].to(factor.dtype))
+            state[new] = torch.matmul(factor, state[_BASIS_OF[new]].to(factor.dtype))

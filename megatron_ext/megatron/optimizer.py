@@ -23,6 +23,7 @@ training loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
+from megatron_ext.optimizers.kl_soap import LEGACY_STATE_KEYS
 
 
 class MegatronExtOptimizer(MegatronOptimizer):
@@ -284,15 +286,21 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self.zero_grad()
 
     def sharded_state_dict(
-        self, model_sharded_state_dict: dict, is_loading: bool = False, metadata: dict | None = None
+        self,
+        model_sharded_state_dict: dict,
+        is_loading: bool = False,
+        metadata: dict | None = None,
+        saved_keys: Collection[str] | None = None,
     ) -> dict[str, Any]:
         """Optimizer state as ShardedTensors laid out like the model parameters they belong to
-        (so dist_checkpointing can save and reshard it)."""
+        (so dist_checkpointing can save and reshard it). ``saved_keys``: the tensor keys of the
+        checkpoint about to be loaded, so that state saved under an older key is asked for
+        under that key (see :func:`_saved_key`)."""
         self.finish_param_sync()
         if is_loading:
             self._init_state()
         if self._layerwise():
-            return self._layerwise_sharded_state(model_sharded_state_dict)
+            return self._layerwise_sharded_state(model_sharded_state_dict, saved_keys)
         state = self.state_dict()
         # The wrapped optimizer numbers parameters in its own group order; map those ids to the
         # model parameters' sharded tensors.
@@ -330,7 +338,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 sh = sh[0]
         return f"{sh.key}@{'_'.join(str(o) for o in sh.global_offset)}"
 
-    def _layerwise_sharded_state(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+    def _layerwise_sharded_state(
+        self, model_sharded_state_dict: dict, saved_keys: Collection[str] | None = None
+    ) -> dict[str, Any]:
         """The state of every parameter this rank holds, one entry per (parameter, state key):
         tensors as whole ShardedTensors, scalars as ShardedObjects, keyed by the parameter's
         model shard so a checkpoint loads at any data-parallel size. The owner writes (replica
@@ -353,8 +363,22 @@ class MegatronExtOptimizer(MegatronOptimizer):
             for k, v in st.items():
                 key = f"optimizer.layerwise.{k}.{tag}"
                 if torch.is_tensor(v) and v.dim() > 0:
+                    k, key = _saved_key(k, tag, saved_keys)
                     entry[k] = ShardedTensor.from_rank_offsets(key, v, replica_id=replica)
                 else:
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
         return {"layerwise": state}
+
+
+def _saved_key(name: str, tag: str, saved_keys: Collection[str] | None) -> tuple[str, str]:
+    """State entry ``name`` of the parameter whose model shard is ``tag``, and its checkpoint
+    key: ``optimizer.layerwise.<name>.<tag>``, or the older name a checkpoint being loaded used
+    instead (KL-SOAP's factors before they were held as ``L·Q``: the optimizer converts that
+    state on its next step)."""
+    key = f"optimizer.layerwise.{name}.{tag}"
+    legacy = LEGACY_STATE_KEYS.get(name)
+    if saved_keys is None or key in saved_keys or legacy is None:
+        return name, key
+    legacy_key = f"optimizer.layerwise.{legacy}.{tag}"
+    return (legacy, legacy_key) if legacy_key in saved_keys else (name, key)
