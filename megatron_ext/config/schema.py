@@ -2,8 +2,9 @@
 
 Field names follow megatron-core where a counterpart exists (``TransformerConfig``,
 ``OptimizerConfig``, ``DistributedDataParallelConfig``, ``OptimizerParamScheduler``).  Each field
-may carry validation metadata (``ge``/``gt``/``le`` bounds, ``choices``) read by
-:mod:`megatron_ext.config.load`; cross-field rules live in :meth:`Recipe.check`.
+may carry validation metadata (``ge``/``gt``/``le`` bounds, ``choices``; :func:`.fields.spec`)
+read by :mod:`megatron_ext.config.load`; cross-field rules live in :meth:`Recipe.check`. The
+``soma:`` section is in :mod:`.soma`.
 
 This module must not import torch: the launcher validates recipes before any process starts.
 """
@@ -11,26 +12,13 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from megatron_ext.config.fields import spec
+from megatron_ext.config.soma import SomaConfig
 
 if TYPE_CHECKING:
     from megatron_ext.schedules.lr import LRSchedule
-
-
-def spec(
-    default: Any,
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    choices: tuple[Any, ...] | None = None,
-    help: str = "",
-) -> Any:
-    """A dataclass field with validation metadata."""
-    meta = {"ge": ge, "gt": gt, "le": le, "choices": choices, "help": help}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 TRAINERS = ("gpt", "soma", "dipaco")
@@ -183,60 +171,6 @@ class LaunchConfig:
     nproc_per_node_cpu: int = spec(2, ge=1, help="ranks per node on a CPU-only host")
     master_port: int = spec(29500, ge=1, le=65535)
     threads_per_rank: int = spec(0, ge=0, help="torch threads per rank; 0 = cores / ranks")
-
-
-@dataclass
-class SomaConfig:
-    """SOMA: N byte-level LSTM experts trained by zero-order SPSA on tf-idf clusters.
-
-    The corpus comes from ``data.source`` (nothing is downloaded), cut into windows of
-    ``window_bytes``; ``test_fraction`` of them is held out for the routed evaluation, the rest is
-    clustered into ``num_experts`` shards (each split ``1 - val_fraction`` / ``val_fraction``).
-    """
-
-    num_experts: int = spec(4, ge=1, help="N experts = N tf-idf clusters")
-    d_embed: int = spec(32, ge=1, help="width of the shared tied byte embedding E (256 x d_embed)")
-    d_model: int = spec(32, ge=1, help="expert body width d_t; != d_embed adds projections + head")
-    num_blocks: int = spec(2, ge=1, help="pre-norm LSTM+MLP blocks per expert")
-    n_pert: int = spec(8, ge=1, help="SPSA probe directions per batch (2 losses each)")
-    batch_size: int = spec(16, ge=1, help="sequences per batch (shared by all probes)")
-    seq_length: int = spec(256, ge=1, help="bytes per training sequence (+1 target)")
-    accumulation: int = spec(1, ge=1, help="A: independent batches+probes averaged per update")
-    lr: float = spec(1e-3, gt=0.0, help="initial Adam lr (halved with eps on plateaus)")
-    eps: float = spec(1e-3, gt=0.0, help="initial SPSA perturbation size")
-    lr_floor: float = spec(1e-5, gt=0.0, help="lr and eps are never halved below this")
-    weight_decay: float = spec(0.0, ge=0.0, help="coupled: lambda*theta added to the estimate")
-    plateau_patience: int = spec(1000, ge=1, help="updates without improvement before halving")
-    plateau_min_delta: float = spec(1e-8, ge=0.0, help="validation-loss improvement that counts")
-    seed_updates: int = spec(200, ge=0, help="updates of the seed run (N = 1, E learned)")
-    head_lr: float = spec(1e-2, gt=0.0, help="seed run: Adam lr of the tied head E (delta rule)")
-    expert_updates: int = spec(400, ge=0, help="updates per expert after the seed run")
-    eval_interval: int = spec(50, ge=1, help="validation loss (plateau check) every k updates")
-    val_windows: int = spec(8, ge=1, help="validation windows scored per check (at most)")
-    distribution: str = spec(
-        "fso",
-        choices=("fso", "ddpp"),
-        help="fso: each rank trains its own experts, no communication; "
-        "ddpp: every expert's probe directions are split over all ranks",
-    )
-    loss_mode: str = spec(
-        "independent",
-        choices=("independent", "summed"),
-        help="summed: one finite difference of the sum of a rank's experts' losses (ablation)",
-    )
-    window_bytes: int = spec(1025, ge=2, help="corpus window: 1,024 inputs + 1 target")
-    route_bytes: int = spec(256, ge=1, help="evaluation routes on this prefix of a window")
-    score_bytes: int = spec(768, ge=1, help="evaluation scores this many targets after it")
-    eval_topk: int | None = spec(None, ge=1, help="experts averaged per window; None = min(4, N)")
-    test_fraction: float = spec(0.01, gt=0.0, le=0.5, help="windows held out for evaluation")
-    val_fraction: float = spec(0.01, gt=0.0, le=0.5, help="per-expert validation share")
-    router: str = spec("", help="router artifact path; '' = <run_dir>/router.pkl (fit if missing)")
-    router_svd_dim: int = spec(128, ge=2)
-    router_max_features: int | None = spec(None, ge=1, help="None = scaled to the corpus")
-    router_min_df: int | None = spec(None, ge=1, help="None = scaled to the corpus")
-
-    def topk(self) -> int:
-        return self.eval_topk if self.eval_topk is not None else min(4, self.num_experts)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_ext.config.schema import SomaConfig
+from megatron_ext.config.soma import SomaConfig
 from megatron_ext.soma.data import ExpertShard, sample_batch
 from megatron_ext.soma.layout import BodyLayout
 from megatron_ext.soma.model import batched_loss, body_hidden, head_gradient
