@@ -320,6 +320,32 @@ def test_state_is_packed_not_copied_each_step() -> None:
     assert state_bytes == 3 * 4 * (2 * 6 * 9 + 2 * 6 * 6 + 2 * 9 * 9)
 
 
+def test_state_replaced_by_a_view_of_its_storage_is_repacked() -> None:
+    """A state tensor swapped for another view of the same storage (here its transpose: same
+    first element, other strides) is what the optimizer must use next, not the stale stack."""
+    g = torch.Generator().manual_seed(24)
+    params = [torch.nn.Parameter(torch.randn(6, 9, generator=g)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opts = [KLSoap(ps, lr=0.01, **CFG) for ps in (params, twins)]
+    for _ in range(2):
+        for p, q in zip(params, twins, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        for opt in opts:
+            opt.step()
+    for opt, ps, as_view in ((opts[0], params, True), (opts[1], twins, False)):
+        state = opt.state[ps[0]]
+        flipped = state["factor_basis_l"].mT
+        state["factor_basis_l"] = flipped if as_view else flipped.clone()  # own storage
+    for p, q in zip(params, twins, strict=True):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+    for opt in opts:
+        opt.step()
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+
+
 def test_stale_refresh_differs_from_fresh_refresh() -> None:
     g = torch.Generator().manual_seed(23)
     w0 = torch.randn(8, 8, generator=g)
