@@ -13,9 +13,9 @@ from .eigenbasis import (
     factor_from_product,
     refresh_eigenbasis,
 )
-from .kl_soap import (
+from .kl_soap import KLSoap
+from .kl_soap_math import (
     InverseRoot,
-    KLSoap,
     KLSoapConfig,
     KLSoapMatrices,
     accumulate_kl_factors,

@@ -42,28 +42,13 @@ from .kl_soap_math import (
     InverseRoot,
     KLSoapConfig,
     KLSoapMatrices,
-    accumulate_kl_factors,
-    adam_in_eigenbasis,
-    explicit_factors,
     kl_soap_direction,
-    kl_soap_flops,
 )
 from .orthogonalized import default_max_batch_numel
 from .packing import StatePacker
 from .validation import check_range
 
-__all__ = [
-    "LEGACY_STATE_KEYS",
-    "InverseRoot",
-    "KLSoap",
-    "KLSoapConfig",
-    "KLSoapMatrices",
-    "accumulate_kl_factors",
-    "adam_in_eigenbasis",
-    "explicit_factors",
-    "kl_soap_direction",
-    "kl_soap_flops",
-]
+__all__ = ["LEGACY_STATE_KEYS", "KLSoap"]
 
 
 class KLSoap(torch.optim.Optimizer):
