@@ -53,6 +53,7 @@ __all__ = [
     "factor_from_product",
     "householder_q",
     "refresh_eigenbasis",
+    "take_rows",
     "times_upper_transposed",
 ]
 
@@ -209,11 +210,16 @@ def times_upper_transposed(
     return out
 
 
-def _sorted_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Column-major copy of ``x`` with columns in ``order`` (``(B, k)``): a row gather of
-    ``xᵀ`` (indexing, which copies whole rows; ``take_along_dim`` is ~4× slower here)."""
+def take_rows(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``x[b, order[b], :]`` for every batch entry ``b`` (``x`` ``(B, k, n)``, ``order``
+    ``(B, k)``): indexing copies whole rows, ~4× faster here than ``take_along_dim``."""
     batch = torch.arange(x.shape[0], device=x.device).unsqueeze(-1)
-    return x.mT[batch, order].mT
+    return x[batch, order]
+
+
+def _sorted_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Column-major copy of ``x`` with columns in ``order`` (``(B, k)``): the rows of ``xᵀ``."""
+    return take_rows(x.mT, order).mT
 
 
 def diagonal_in_basis(product: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from .eigenbasis import (
     diagonal_in_basis,
     factor_from_product,
     refresh_eigenbasis,
+    take_rows,
 )
 from .matrix_roots import inverse_root_newton_schulz
 from .validation import check_betas, check_choice, check_range
@@ -241,9 +242,8 @@ def refresh_bases(s: KLSoapMatrices, mode: RefreshMode, first: bool) -> None:
         order = refresh_eigenbasis(product, basis, "eigh" if first else mode)
         if first:
             continue  # v is still zero: nothing to permute
-        if dim == -2:  # rows: whole-row copies by indexing
-            batch = torch.arange(order.shape[0], device=order.device).unsqueeze(-1)
-            s.exp_avg_sq.copy_(s.exp_avg_sq[batch, order])
+        if dim == -2:
+            s.exp_avg_sq.copy_(take_rows(s.exp_avg_sq, order))
         else:
             s.exp_avg_sq.copy_(torch.take_along_dim(s.exp_avg_sq, order.unsqueeze(-2), dim=-1))
 
