@@ -28,7 +28,31 @@ def _packages() -> tuple[list[str], dict[str, str]]:
         for sub in find_packages(where=folder):
             packages.append(f"{name}.{sub}")
             package_dir[f"{name}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
+    _check_no_folder_left_out(packages, package_dir)
     return packages, package_dir
+
+
+def _check_no_folder_left_out(packages: list[str], package_dir: dict[str, str]) -> None:
+    """Stop the build when a folder holds modules but is no package (no ``__init__.py``).
+
+    ``find_packages`` skips such a folder without a word, so the wheel would lack it while an
+    editable install (``make test``) still finds it in the working tree.
+    """
+    folders = {Path(package_dir.get(name, name.replace(".", "/"))) for name in packages}
+    left_out = sorted(
+        str(folder)
+        for root in ["megatron_ext", *NAMESPACE_MAP]
+        for folder in [Path(root), *Path(root).rglob("*")]
+        if folder.is_dir()
+        and "__pycache__" not in folder.parts
+        and any(folder.glob("*.py"))
+        and folder not in folders
+    )
+    if left_out:
+        raise SystemExit(
+            f"setup.py: {', '.join(left_out)} hold Python modules but no __init__.py, so they "
+            "would be left out of the wheel; add an __init__.py (a one-line docstring) to each"
+        )
 
 
 PACKAGES, PACKAGE_DIR = _packages()
