@@ -58,7 +58,10 @@ class KLSoap(torch.optim.Optimizer):
         params: parameters (2-D or 3-D) or parameter-group dicts.
         lr: learning rate η.
         betas: Adam's (β1, β2) in the eigenbasis.
-        kron_beta: EMA weight β_k of the new KL-Shampoo term in L and R.
+        shampoo_beta: weight β_s of the *old* factor in the EMA of L and R (SOAP's convention:
+            ``L ← β_s·L + (1 − β_s)·new``).
+        correct_shampoo_beta_bias: bias-correct that EMA (``β_t = 1 − (1 − β_s)/(1 − β_sᵗ)``),
+            as Emerging-Optimizers does by default.
         eps: Adam's ε.
         factor_eps: ε in ``(λ + ε)^(−p)`` (absolute, in the units of the factors).
         factor_exponent: p (1 for KL-Shampoo).
@@ -85,7 +88,8 @@ class KLSoap(torch.optim.Optimizer):
         *,
         lr: float = 3e-3,
         betas: tuple[float, float] = (0.9, 0.95),
-        kron_beta: float = 0.95,
+        shampoo_beta: float = 0.95,
+        correct_shampoo_beta_bias: bool = True,
         eps: float = 1e-8,
         factor_eps: float = 1e-8,
         factor_exponent: float = 1.0,
@@ -109,7 +113,8 @@ class KLSoap(torch.optim.Optimizer):
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
-            kron_beta=kron_beta,
+            shampoo_beta=shampoo_beta,
+            correct_shampoo_beta_bias=correct_shampoo_beta_bias,
             eps=eps,
             factor_eps=factor_eps,
             factor_exponent=factor_exponent,
@@ -143,7 +148,8 @@ class KLSoap(torch.optim.Optimizer):
     def _config(group: dict[str, Any]) -> KLSoapConfig:
         return KLSoapConfig(
             betas=tuple(group["betas"]),  # type: ignore[arg-type]
-            kron_beta=group["kron_beta"],
+            shampoo_beta=group["shampoo_beta"],
+            correct_shampoo_beta_bias=group["correct_shampoo_beta_bias"],
             eps=group["eps"],
             factor_eps=group["factor_eps"],
             factor_exponent=group["factor_exponent"],

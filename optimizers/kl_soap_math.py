@@ -5,7 +5,13 @@ arXiv:2509.03378, with SOAP's Adam-in-the-eigenbasis, Vyas et al., 2024):
 
 1. KL-Shampoo factors, using the current bases Q_L, Q_R *before* this step's refresh:
    ``λ_L = diag(Q_Lᵀ L Q_L)``, ``λ_R = diag(Q_Rᵀ R Q_R)``, ``S^(−p) = Q diag((λ + ε)^(−p)) Qᵀ``,
-   ``L ← (1 − β_k)L + (β_k/n)·G S_R^(−p) Gᵀ`` and ``R ← (1 − β_k)R + (β_k/m)·Gᵀ S_L^(−p) G``.
+   ``L ← β_s·L + (1 − β_s)/n·G S_R^(−p) Gᵀ`` and ``R ← β_s·R + (1 − β_s)/m·Gᵀ S_L^(−p) G``.
+   β_s (``shampoo_beta``, default 0.95) weighs the *old* factor, as in Shampoo, SOAP and
+   Emerging-Optimizers (``L.lerp_(new, 1 − shampoo_beta)``). With ``correct_shampoo_beta_bias``
+   (default on, as in Emerging-Optimizers) step t uses ``β_t = 1 − (1 − β_s)/(1 − β_sᵗ)``, so
+   the factors are the bias-corrected average of the terms so far (β_1 = 0: the first step's
+   factor is its own term). ε is absolute (units of λ); Emerging-Optimizers clamps instead,
+   ``max(λ, ε)^(−p)``, which differs from ``(λ + ε)^(−p)`` only where λ is within a few ε.
    Alternatively (``inverse_root="newton_schulz"``) ``S^(−p) = (factor + εI)^(−p)`` from a coupled
    Newton–Schulz iteration on the factor itself (:mod:`.matrix_roots`).
 2. Every ``refresh_every`` steps: ``Q ← orth(L·Q)`` (:mod:`.eigenbasis`; ``eigh`` at the first
@@ -23,11 +29,11 @@ Implementation notes.
   (state ``factor_basis_l``/``factor_basis_r``; ``L = P_L·Q_Lᵀ``), never as L and R:
   - ``λ_L = diag(Q_Lᵀ P_L)`` is an element-wise product, not a ``m³`` matmul;
   - the factor update needs only its product with the basis, and that has a low-rank form:
-    ``L_new·Q_L = (1 − β_k)·P_L + (β_k/n)·G S_R^(−p) Gᵀ Q_L
-    = (1 − β_k)·P_L + (β_k/n)·(G Q_R D_R)·G'ᵀ`` with ``G' = Q_Lᵀ G Q_R`` and
+    ``L_new·Q_L = β_t·P_L + (1 − β_t)/n·G S_R^(−p) Gᵀ Q_L
+    = β_t·P_L + (1 − β_t)/n·(G Q_R D_R)·G'ᵀ`` with ``G' = Q_Lᵀ G Q_R`` and
     ``D = diag((λ + ε)^(−p))`` (S is never materialised), and for R
-    ``(β_k/m)·(D_L Q_Lᵀ G)ᵀ·G'`` — ``2m²n`` and ``2mn²`` flops, and no product for the factor
-    itself;
+    ``(1 − β_t)/m·(D_L Q_Lᵀ G)ᵀ·G'`` — ``2m²n`` and ``2mn²`` flops, and no product for the
+    factor itself;
   - the refresh is ``orth(P)``, and the QR's triangular factor gives the next product at half
     the cost of a matmul (:mod:`.eigenbasis`).
   Per matrix and step that is ``k³`` (triangular product) + ``2k²·other`` (update) per side
@@ -100,7 +106,8 @@ class KLSoapConfig:
     """Hyperparameters of the per-matrix KL-SOAP math (see the module docstring)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
-    kron_beta: float = 0.95
+    shampoo_beta: float = 0.95
+    correct_shampoo_beta_bias: bool = True
     eps: float = 1e-8
     factor_eps: float = 1e-8
     factor_exponent: float = 1.0
@@ -112,7 +119,11 @@ class KLSoapConfig:
 
     def __post_init__(self) -> None:
         check_betas("betas", self.betas)
-        check_range("kron_beta", self.kron_beta, low=0.0, high=1.0, low_open=True)
+        check_range("shampoo_beta", self.shampoo_beta, low=0.0, high=1.0, high_open=True)
+        if not isinstance(self.correct_shampoo_beta_bias, bool):
+            raise ValueError(
+                f"correct_shampoo_beta_bias must be a bool, got {self.correct_shampoo_beta_bias!r}"
+            )
         check_range("eps", self.eps, low=0.0)
         check_range("factor_eps", self.factor_eps, low=0.0)
         check_range("factor_exponent", self.factor_exponent, low=0.0, low_open=True)
@@ -127,6 +138,13 @@ class KLSoapConfig:
                 "inverse_root='newton_schulz' needs factor_exponent = 1/r for an integer r "
                 f"(1, 0.5, 0.25, ...), got {self.factor_exponent}"
             )
+
+    def factor_beta(self, step: int) -> float:
+        """β_t, the weight of the old factor at 1-based ``step`` (bias-corrected if enabled)."""
+        beta = self.shampoo_beta
+        if not self.correct_shampoo_beta_bias:
+            return beta
+        return 1.0 - (1.0 - beta) / (1.0 - beta**step)
 
     @property
     def root_index(self) -> int | None:
@@ -194,11 +212,15 @@ def kl_soap_flops(m: int, n: int) -> float:
     return updates + per_side + 3 * two_sided
 
 
-def accumulate_kl_factors(grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig) -> None:
-    """Step 1: add ``G S_R^(−p) Gᵀ/n`` to L and ``Gᵀ S_L^(−p) G/m`` to R (EMA ``kron_beta``),
-    keeping ``factor_basis_l = L·Q_L`` and ``factor_basis_r = R·Q_R`` with the current bases."""
+def accumulate_kl_factors(
+    grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig, step: int
+) -> None:
+    """Step 1: EMA of ``G S_R^(−p) Gᵀ/n`` into L and ``Gᵀ S_L^(−p) G/m`` into R (the old factor
+    weighted by :meth:`KLSoapConfig.factor_beta` at 1-based ``step``), keeping
+    ``factor_basis_l = L·Q_L`` and ``factor_basis_r = R·Q_R`` with the current bases."""
     m, n = grad.shape[-2], grad.shape[-1]
-    decay, weight = 1.0 - cfg.kron_beta, cfg.kron_beta
+    decay = cfg.factor_beta(step)
+    weight = 1.0 - decay
     if cfg.inverse_root != "eigenbasis":
         root = cfg.root_index
         assert root is not None
@@ -224,11 +246,11 @@ def accumulate_kl_factors(grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConf
     gq = torch.bmm(grad, s.basis_r)  # G Q_R
     # G' = Q_Lᵀ G Q_R, in the cheaper order
     projected = torch.bmm(qtg, s.basis_r) if n <= m else torch.bmm(s.basis_l.mT, gq)
-    # L_new·Q_L = (1−β)·L Q_L + (β/n)·G S_R Gᵀ Q_L = (1−β)·L Q_L + (β/n)·(G Q_R D_R²)·G'ᵀ
+    # L_new·Q_L = β·L Q_L + (1−β)/n·G S_R Gᵀ Q_L = β·L Q_L + (1−β)/n·(G Q_R D_R²)·G'ᵀ
     s.factor_basis_l.baddbmm_(
         gq.mul_(d2_r.unsqueeze(-2)), projected.mT, beta=decay, alpha=weight / n
     )
-    # R_new·Q_R = (1−β)·R Q_R + (β/m)·Gᵀ S_L G Q_R = (1−β)·R Q_R + (β/m)·(D_L² Q_Lᵀ G)ᵀ·G'
+    # R_new·Q_R = β·R Q_R + (1−β)/m·Gᵀ S_L G Q_R = β·R Q_R + (1−β)/m·(D_L² Q_Lᵀ G)ᵀ·G'
     s.factor_basis_r.baddbmm_(
         qtg.mul_(d2_l.unsqueeze(-1)).mT, projected, beta=decay, alpha=weight / m
     )
@@ -288,9 +310,9 @@ def kl_soap_direction(
     if cfg.stale_refresh and step > 1:
         if refresh:
             refresh_bases(s, cfg.refresh_mode, first=False)
-        accumulate_kl_factors(grad, s, cfg)
+        accumulate_kl_factors(grad, s, cfg, step)
     else:
-        accumulate_kl_factors(grad, s, cfg)
+        accumulate_kl_factors(grad, s, cfg, step)
         if refresh:
             refresh_bases(s, cfg.refresh_mode, first=step == 1)
     return adam_in_eigenbasis(grad, s, cfg, step)

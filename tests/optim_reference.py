@@ -100,7 +100,17 @@ class MuonReference:
 # ----------------------------------------------------------------------------- KL-SOAP
 @dataclass
 class KLSoapReference:
-    """KL-SOAP on one (m, n) matrix in float64, from the issue's definitions.
+    """KL-SOAP on one (m, n) matrix in float64, from the published algorithms.
+
+    Conventions, each checked against the papers and Emerging-Optimizers' ``SOAP``:
+
+    * factor EMA (Shampoo, SOAP Alg. 1, KL-Shampoo Alg. 2): ``shampoo_beta`` weighs the *old*
+      factor, ``L ← β·L + (1 − β)·G S_R^(−p) Gᵀ/n``; with ``correct_shampoo_beta_bias`` step t uses
+      ``β_t = 1 − (1 − β)/(1 − βᵗ)`` (Emerging-Optimizers' ``correct_shampoo_beta_bias``);
+    * KL-Shampoo's 1/n (for L) and 1/m (for R) scales, and λ of the *other* factor in the
+      eigenbasis before this step's refresh;
+    * Adam in the eigenbasis: ``m ← β1·m + (1 − β1)·G'`` (β1 weighs the old moment; the KL-SOAP
+      paper's listing swaps them), bias-corrected, ``ε`` added to ``√v̂`` (absolute).
 
     Unlike the fast code it stores the first moment in the eigenbasis and rotates it out with the
     old basis and into the new one at every refresh, and it forms S^(−p) explicitly.
@@ -108,7 +118,8 @@ class KLSoapReference:
 
     lr: float
     betas: tuple[float, float] = (0.9, 0.95)
-    kron_beta: float = 0.95
+    shampoo_beta: float = 0.95
+    correct_shampoo_beta_bias: bool = True
     eps: float = 1e-8
     factor_eps: float = 1e-8
     p: float = 1.0
@@ -139,10 +150,13 @@ class KLSoapReference:
     def _accumulate(self, g: torch.Tensor) -> None:
         s = self.state
         m, n = g.shape
+        beta = self.shampoo_beta
+        if self.correct_shampoo_beta_bias:
+            beta = 1 - (1 - beta) / (1 - beta**self.t)
         s_r = self._inv_root(s["R"], s["QR"])
         s_l = self._inv_root(s["L"], s["QL"])
-        s["L"] = (1 - self.kron_beta) * s["L"] + self.kron_beta / n * g @ s_r @ g.T
-        s["R"] = (1 - self.kron_beta) * s["R"] + self.kron_beta / m * g.T @ s_l @ g
+        s["L"] = beta * s["L"] + (1 - beta) / n * g @ s_r @ g.T
+        s["R"] = beta * s["R"] + (1 - beta) / m * g.T @ s_l @ g
 
     def _refresh(self, first: bool) -> None:
         s = self.state

@@ -173,7 +173,7 @@ def _kl_soap_permutation_error(m: int, n: int, steps: int) -> float:
     """Worst relative difference between KL-SOAP's direction for P·G and P· its direction for
     G over ``steps`` steps from a fresh float64 state (damped as in test_optim_kl_soap)."""
     perm = swiglu_rank_order(m)
-    cfg = KLSoapConfig(kron_beta=0.3, eps=1e-3, factor_eps=1e-2)
+    cfg = KLSoapConfig(shampoo_beta=0.7, eps=1e-3, factor_eps=1e-2)
 
     def fresh() -> KLSoapMatrices:
         s = KLSoapMatrices.zeros(1, m, n)

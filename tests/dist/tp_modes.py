@@ -83,7 +83,7 @@ for _coeffs in ("quintic", "polar_express"):
 # are sign(G') with G' = Q_Lᵀ G Q_R diagonal up to rounding, so the update is set by rounding
 # noise and even TP=1 differs by O(1) under a 1e-7 perturbation of the gradient or a row
 # permutation (measured 1.1 to 16 relative); a test could then not tell equivalence from chance.
-KL_SOAP = {"lr": 3e-3, "weight_decay": 0.1, "kron_beta": 0.3, "eps": 1e-3, "factor_eps": 1e-2}
+KL_SOAP = {"lr": 3e-3, "weight_decay": 0.1, "shampoo_beta": 0.7, "eps": 1e-3, "factor_eps": 1e-2}
 for _mode in ("blockwise", "duplicated"):
     CONFIGS[f"kl_soap_{_mode}"] = (KLSoap, KL_SOAP, _mode)
     CONFIGS[f"mop_{_mode}"] = (MOP, {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.1}, _mode)
