@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from megatron_ext.config.load import load_recipe
+from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
-from megatron_ext.launch.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
+from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
 # ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
@@ -132,10 +132,10 @@ def build_launch_command(
     ``environ`` is only read (SLURM variables); ``python`` is the interpreter that runs
     torchrun and, through it, every rank. Raises ``ConfigError`` for any user mistake.
     """
-    recipe = load_recipe(request.recipe, request.overrides)  # fields first: clearer messages
+    recipe = read_recipe(request.recipe, request.overrides)  # fields first: clearer messages
     layout = resolve_layout(request, environ, host, recipe)
     _check_gpus_per_rank(layout, host, recipe)
-    recipe.check(world_size=layout.world_size)
+    recipe.check(world_size=layout.world_size)  # once: the trainer's rules and the layout
     argv = [
         python,
         "-m",

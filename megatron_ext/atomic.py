@@ -6,12 +6,14 @@ one: the rename is atomic on POSIX because the temporary file sits in the same f
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "write_json"]
 
 
 @contextmanager
@@ -33,3 +35,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json(path: str | Path, data: Mapping[str, Any]) -> None:
+    """Write ``data`` as indented JSON (one trailing newline) to ``path``, atomically: the one
+    JSON writer of the trainers' summaries and the benchmarks' reports."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -25,3 +25,16 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path):
         raise RuntimeError("disk full")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def test_write_json_is_indented_with_one_newline_and_atomic(tmp_path):
+    from megatron_ext.atomic import write_json
+
+    target = tmp_path / "summary.json"
+    write_json(target, {"loss": 1.5, "steps": [1, 2]})
+    assert target.read_text() == '{\n  "loss": 1.5,\n  "steps": [\n    1,\n    2\n  ]\n}\n'
+    target.write_text("old")
+    with pytest.raises(TypeError):
+        write_json(target, {"bad": object()})  # not serialisable: the old file stays
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

@@ -51,7 +51,7 @@ def load(
 
 def test_base_recipe_is_valid(tmp_path: Path) -> None:
     recipe = load(tmp_path, world_size=2)
-    assert recipe.model.hidden_size == 64 and recipe.data_parallel_size(2) == 2
+    assert recipe.model.hidden_size == 64 and recipe.training.global_batch_size == 8
 
 
 # --------------------------------------------------------------------------- field checks

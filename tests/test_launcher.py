@@ -26,7 +26,7 @@ from megatron_ext.launch.launcher import (
     count_visible_devices,
     parse_endpoint,
 )
-from megatron_ext.launch.rank_env import (
+from megatron_ext.run.rank_env import (
     RankEnv,
     detect_rank_env,
     expand_nodelist,
@@ -541,7 +541,7 @@ def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
 def test_launcher_and_dry_run_never_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "import megatron_ext.launch.launcher, megatron_ext.launch.rank_env\n"
+        "import megatron_ext.launch.launcher, megatron_ext.run.rank_env\n"
         "from megatron_ext.launch.cli import main\n"
         f"assert main(['launch', {write_recipe(tmp_path)!r}, '--dry-run']) == 0\n"
         "print('torch' in sys.modules)\n"

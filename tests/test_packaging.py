@@ -189,7 +189,7 @@ def test_wheel_holds_every_module_and_recipe_of_the_source_tree(wheel: Path) -> 
         shipped = set(zf.namelist())
     missing = sorted(expected_wheel_files() - shipped)
     assert not missing, f"{len(missing)} source files are not in {wheel.name}: {missing}"
-    assert "megatron_ext/training/gpt.py" in shipped  # the walk itself found the trainers
+    assert "megatron_ext/gpt/trainer.py" in shipped  # the walk itself found the trainers
 
 
 def test_every_module_imports_from_the_installed_wheel(site: Path, tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_every_module_imports_from_the_installed_wheel(site: Path, tmp_path: Pat
         if p.endswith(".py")
     }
     assert not expected - set(result["modules"]), sorted(expected - set(result["modules"]))
-    for trainer in ("megatron_ext.training.gpt", "megatron_ext.soma.trainer"):
+    for trainer in ("megatron_ext.gpt.trainer", "megatron_ext.soma.trainer"):
         assert trainer in result["modules"]
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from megatron_ext.config import load_recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.soma.recipe import SomaConfig
 from tests.conftest import ROOT, run_torchrun
 
 SCRIPT = ROOT / "tests" / "dist" / "soma_run.py"
@@ -78,9 +79,9 @@ def write_recipe(tmp: Path, corpus: Path, run: str, **soma) -> Path:
 
 
 def train_here(recipe_path: Path, *overrides: str) -> None:
-    from megatron_ext.soma.trainer import train_soma
+    from megatron_ext.soma.trainer import train
 
-    train_soma(load_recipe(recipe_path, list(overrides), world_size=1))
+    train(load_recipe(recipe_path, list(overrides), world_size=1))
 
 
 def bodies(run_dir: Path, n: int) -> list[torch.Tensor]:
@@ -150,7 +151,7 @@ def test_routed_eval_matches_direct_mixture(tmp_path, corpus):
     from megatron_ext.soma.trainer import expert_shape
 
     recipe = load_recipe(recipe_path)
-    s, run_dir = recipe.soma, Path(recipe.run_dir)
+    s, run_dir = recipe.section(SomaConfig), Path(recipe.run_dir)
     windows, router = test_windows(recipe)
     layout = BodyLayout.from_shape(expert_shape(recipe))
     emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]

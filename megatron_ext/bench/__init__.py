@@ -1,27 +1,29 @@
 """Benchmarks behind ``megatron-ext bench NAME``: they print figures and JSON, never pass/fail.
 
-Each benchmark module defines ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``.
-Module top levels must not import torch (``megatron-ext --help`` stays fast); import it in ``run``.
+A benchmark is a module of this package that defines ``DESCRIPTION``, ``add_arguments(parser)``
+and ``run(args) -> int``; its name is the module's (``megatron_ext/bench/soma.py`` is
+``megatron-ext bench soma``). Adding that module is the whole registration: :func:`benchmarks`
+finds it. Modules whose name starts with ``_`` and modules without ``run`` (``common``) are
+helpers. Module top levels must not import torch (``megatron-ext --help`` stays fast); import it
+in ``run``.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import pkgutil
+from types import ModuleType
 
-BENCHMARKS: dict[str, str] = {
-    "optimizers": "megatron_ext.bench.optimizers",
-    "layerwise": "megatron_ext.bench.layerwise",
-    "soma": "megatron_ext.bench.soma",
-}
+__all__ = ["benchmarks"]
 
 
-def add_bench_parsers(sub: argparse._SubParsersAction) -> None:
-    for name, module_name in BENCHMARKS.items():
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.DESCRIPTION, description=module.DESCRIPTION)
-        module.add_arguments(p)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    return importlib.import_module(BENCHMARKS[args.bench_name]).run(args)
+def benchmarks() -> dict[str, ModuleType]:
+    """Every benchmark module by name, sorted."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.ispkg:
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "run"):
+            found[info.name] = module
+    return found

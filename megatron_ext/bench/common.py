@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -39,10 +38,10 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def write_json(report: dict[str, Any], path: str | None) -> None:
-    """Write a benchmark's report to ``path`` (when given, atomically) and say so."""
+    """Write a benchmark's report to ``path`` when given (the one atomic JSON writer) and say
+    so."""
     if path:
-        from megatron_ext.atomic import atomic_path
+        from megatron_ext.atomic import write_json as write_json_atomic
 
-        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json_atomic(path, report)
         print(f"wrote {path}")

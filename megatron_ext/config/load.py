@@ -1,7 +1,8 @@
 """Load a recipe: YAML -> nested dict -> ``key=value`` overrides -> typed, validated ``Recipe``.
 
 Every mistake becomes one :class:`ConfigError` naming the key, what is wrong and the fix
-(with a "did you mean" for misspelt keys).
+(with a "did you mean" for misspelt keys). The shared sections are ``Recipe``'s fields; the
+registered trainers' own sections (``soma:``) come from the trainer registry.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +19,23 @@ import yaml
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.run.trainers import trainer_sections
 
 
 def load_recipe(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None
+    path: str | Path, overrides: Sequence[str] = (), world_size: int | None = None
 ) -> Recipe:
-    """Read ``path`` (a file, or the name of a shipped recipe), apply overrides, validate."""
-    raw = read_yaml(resolve_recipe_path(path))
-    raw = apply_overrides(raw, overrides)
-    recipe = recipe_from_dict(raw)
+    """Read ``path`` (a file, or the name of a shipped recipe), apply overrides, validate
+    (:meth:`Recipe.check`, with the layout rules when ``world_size`` is given)."""
+    recipe = read_recipe(path, overrides)
     recipe.check(world_size)
     return recipe
+
+
+def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Like :func:`load_recipe` but field checks only (keys, types, ranges): for a caller that
+    runs ``Recipe.check`` itself once it knows the world size (the launcher)."""
+    return recipe_from_dict(apply_overrides(read_yaml(resolve_recipe_path(path)), overrides))
 
 
 def shipped_recipes_dir() -> Path:
@@ -66,7 +74,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` strings to the nested dict (values parsed as YAML scalars)."""
     out = _deepcopy(raw)
     for item in overrides:
@@ -90,12 +98,18 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
-    """Build a typed ``Recipe``; unknown keys, wrong types and out-of-range values raise."""
-    return _build(Recipe, raw, prefix="")
+    """Build a typed ``Recipe``; unknown keys, wrong types and out-of-range values raise.
 
-
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    return dataclasses.asdict(recipe)
+    Every registered trainer's section is built (from its defaults when absent), whichever
+    trainer the recipe names, as the shared sections are."""
+    sections = trainer_sections()
+    shared = {k: v for k, v in raw.items() if k not in sections}
+    recipe = _build(Recipe, shared, prefix="", more_keys=tuple(sections))
+    recipe.sections = {
+        name: _build(config, raw.get(name, {}), prefix=f"{name}.")
+        for name, config in sections.items()
+    }
+    return recipe
 
 
 def _deepcopy(d: Any) -> Any:
@@ -106,19 +120,26 @@ def _deepcopy(d: Any) -> Any:
     return d
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, more_keys: tuple[str, ...] = ()) -> Any:
+    """``cls`` from the mapping ``raw``. ``more_keys``: other valid keys at this level (the
+    trainers' sections, built by the caller), named in the unknown-key message."""
     where = prefix.rstrip(".") or "recipe"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__} {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("trainer_sections")}
     hints = typing.get_type_hints(cls)
+    valid = [*fields, *more_keys]
+    renamed = getattr(cls, "RENAMED", {})
     for key in raw:
+        if key not in fields and key in renamed:
+            new = " or ".join(f"{prefix}{n}" for n in renamed[key])
+            raise ConfigError(f"{prefix}{key} was renamed: use {new}")
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
             hint = (
                 f"; did you mean {prefix}{close[0]!r}?"
                 if close
-                else (f"; valid keys: {', '.join(fields)}")
+                else (f"; valid keys: {', '.join(valid)}")
             )
             raise ConfigError(f"unknown key {prefix}{key!r}{hint}")
     kwargs = {}
@@ -194,6 +215,7 @@ def _check_range(key: str, value: Any, meta: Any) -> None:
         ("ge", lambda v, b: v >= b, ">="),
         ("gt", lambda v, b: v > b, ">"),
         ("le", lambda v, b: v <= b, "<="),
+        ("lt", lambda v, b: v < b, "<"),
     ):
         b = meta.get(bound)
         if b is not None and isinstance(value, (int, float)) and not ok(value, b):

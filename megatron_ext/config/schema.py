@@ -3,8 +3,9 @@
 Field names follow megatron-core where a counterpart exists (``TransformerConfig``,
 ``OptimizerConfig``, ``DistributedDataParallelConfig``, ``OptimizerParamScheduler``).  Each field
 may carry validation metadata (``ge``/``gt``/``le`` bounds, ``choices``; :func:`.fields.spec`)
-read by :mod:`megatron_ext.config.load`; cross-field rules live in :meth:`Recipe.check`. The
-``soma:`` section is in :mod:`.soma`.
+read by :mod:`megatron_ext.config.load`; cross-field rules live in :meth:`Recipe.check`.
+A trainer's own section (``soma:``) and rules are declared by the trainer and composed here
+through the trainer registry (:mod:`megatron_ext.run.trainers`).
 
 This module must not import torch: the launcher validates recipes before any process starts.
 """
@@ -12,17 +13,17 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from megatron_ext.config.fields import spec
-from megatron_ext.config.soma import SomaConfig
+from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 if TYPE_CHECKING:
     from megatron_ext.schedules.lr import LRSchedule
 
 
-TRAINERS = ("gpt", "soma", "dipaco")
-PRECISIONS = ("fp32", "bf16")
+Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 OPTIMIZERS = ("adamw", "lion", "muon", "mop", "kl_soap")
 
 
@@ -177,7 +178,7 @@ class LaunchConfig:
 class Recipe:
     """A whole run: the object every trainer receives."""
 
-    trainer: str = spec("gpt", choices=TRAINERS)
+    trainer: str = spec("gpt", help="a registered trainer (megatron_ext.run.trainers)")
     run_dir: str = spec("runs/default", help="logs, plots, checkpoints, summary.json")
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -187,7 +188,20 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    soma: SomaConfig = field(default_factory=SomaConfig)
+    # The registered trainers' own sections by name (``soma`` -> SomaConfig), each a top-level
+    # YAML section; read one with :meth:`section`.
+    sections: dict[str, Any] = field(default_factory=dict, metadata={"trainer_sections": True})
+
+    def __post_init__(self) -> None:
+        for name, config in trainer_sections().items():
+            self.sections.setdefault(name, config())
+
+    def section[T](self, kind: type[T]) -> T:
+        """This recipe's trainer section of type ``kind``, e.g. ``recipe.section(SomaConfig)``."""
+        for value in self.sections.values():
+            if isinstance(value, kind):
+                return value
+        raise KeyError(f"no registered trainer declares a {kind.__name__} section")
 
     def lr_schedule(self) -> LRSchedule:
         """The learning-rate schedule this recipe describes (``training.lr_decay_steps=None`` =
@@ -206,9 +220,11 @@ class Recipe:
         )
 
     def check(self, world_size: int | None = None) -> None:
-        """Cross-field rules; raises ``ConfigError``. ``world_size`` adds the layout checks."""
+        """Cross-field rules of the shared sections, then the trainer's own (its registered
+        ``check``); raises ``ConfigError``. ``world_size`` adds the layout checks."""
         from megatron_ext.errors import ConfigError
 
+        trainer = get_trainer(self.trainer)  # an unregistered name stops here, first
         m, t, p = self.model, self.training, self.parallel
         if m.hidden_size % m.num_attention_heads:
             raise ConfigError(
@@ -257,11 +273,6 @@ class Recipe:
                 "training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
                 "(the length of the final decay window)"
             )
-        if self.trainer == "gpt" and not self.data.path:
-            raise ConfigError(
-                "data.path is empty: set it to an indexed-dataset prefix "
-                "(build one with `megatron-ext data build`)"
-            )
         if self.data.tokenizer == "sentencepiece" and not self.data.tokenizer_model:
             raise ConfigError(
                 "data.tokenizer=sentencepiece needs data.tokenizer_model "
@@ -272,90 +283,4 @@ class Recipe:
                 f"optimizer.tp_mode=distributed is Muon's Newton-Schulz iteration; "
                 f"optimizer.name={self.optimizer.name} supports tp_mode=duplicated or blockwise"
             )
-        if self.trainer == "soma":
-            self._check_soma()
-        if self.trainer == "gpt":
-            # The schedule checks its own consistency (e.g. the WSD window must fit after the
-            # warmup): build it once here so a bad schedule fails before any process starts.
-            self.lr_schedule()
-        if world_size is not None:
-            self.check_layout(world_size)
-
-    def _check_soma(self) -> None:
-        from megatron_ext.errors import ConfigError
-
-        s = self.soma
-        if s.eval_topk is not None and s.eval_topk > s.num_experts:
-            raise ConfigError(
-                f"soma.eval_topk={s.eval_topk} exceeds soma.num_experts={s.num_experts}: "
-                f"an evaluation window can be routed to at most N experts"
-            )
-        if s.route_bytes + s.score_bytes > s.window_bytes - 1:
-            raise ConfigError(
-                f"soma.route_bytes + soma.score_bytes = {s.route_bytes + s.score_bytes} exceeds "
-                f"the {s.window_bytes - 1} targets of a soma.window_bytes={s.window_bytes} window"
-            )
-        if s.seq_length > s.window_bytes - 1:
-            raise ConfigError(
-                f"soma.seq_length={s.seq_length} exceeds the {s.window_bytes - 1} targets of a "
-                f"soma.window_bytes={s.window_bytes} window"
-            )
-        for name in ("lr", "eps"):
-            if getattr(s, name) < s.lr_floor:
-                raise ConfigError(
-                    f"soma.{name}={getattr(s, name)} is below soma.lr_floor={s.lr_floor}"
-                )
-        if s.loss_mode == "summed" and s.distribution == "ddpp":
-            raise ConfigError(
-                "soma.loss_mode=summed needs soma.distribution=fso (the summed finite difference "
-                "runs over the experts a rank holds)"
-            )
-        if not self.data.source:
-            raise ConfigError(
-                "trainer=soma needs data.source (text files, folders or 'python-stdlib')"
-            )
-
-    def model_parallel_size(self) -> int:
-        p = self.parallel
-        return (
-            p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-        )
-
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size()
-
-    def check_layout(self, world_size: int) -> None:
-        """World size against the parallel layout and the batch sizes."""
-        from megatron_ext.errors import ConfigError
-
-        if self.trainer == "soma":
-            s = self.soma
-            if s.distribution == "fso" and s.num_experts < world_size:
-                raise ConfigError(
-                    f"soma.distribution=fso gives each rank its own experts, but "
-                    f"soma.num_experts={s.num_experts} < {world_size} ranks: use at most "
-                    f"{s.num_experts} ranks, more experts, or soma.distribution=ddpp"
-                )
-            return
-        p, t = self.parallel, self.training
-        mp = self.model_parallel_size()
-        if world_size % mp:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by tp*pp*cp = "
-                f"{p.tensor_model_parallel_size}*{p.pipeline_model_parallel_size}*"
-                f"{p.context_parallel_size} = {mp}: change the rank count or the parallel sizes"
-            )
-        dp = world_size // mp
-        if self.model.num_moe_experts:
-            edp = dp * p.context_parallel_size
-            if edp % p.expert_model_parallel_size:
-                raise ConfigError(
-                    f"data-parallel size {dp} (x cp) is not divisible by "
-                    f"parallel.expert_model_parallel_size={p.expert_model_parallel_size}"
-                )
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            raise ConfigError(
-                f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                f"micro_batch_size*dp = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: "
-                f"use a multiple of {t.micro_batch_size * dp}"
-            )
+        trainer.check(self, world_size)

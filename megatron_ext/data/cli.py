@@ -1,7 +1,8 @@
 """``megatron-ext data build|tokenizer``: the command-line side of :mod:`megatron_ext.data`.
 
 Inputs are checked before torch and megatron-core are imported, so a typo fails in a blink;
-``launch/cli.py`` turns the ``ConfigError`` into one line and exit code 2.
+``launch/cli.py`` turns the ``ConfigError`` into one line and exit code 2. Registered as the
+``data`` command (:mod:`megatron_ext.run.commands`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,30 @@ import time
 
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
 from megatron_ext.errors import ConfigError
+from megatron_ext.run.commands import Command, register_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``build`` and ``tokenizer``, each with its options."""
+    dsub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    b = dsub.add_parser(
+        "build",
+        help="turn .txt/.jsonl files into a megatron-core indexed dataset (<output>.bin/.idx)",
+    )
+    b.add_argument(
+        "inputs",
+        nargs="+",
+        help=".txt/.jsonl files or folders; 'python-stdlib' = stdlib docstrings",
+    )
+    b.add_argument("--output", required=True, help="output prefix")
+    b.add_argument("--tokenizer", choices=("byte", "sentencepiece"), default="byte")
+    b.add_argument("--tokenizer-model", default="", help="SentencePiece .model file")
+    b.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
+    t = dsub.add_parser("tokenizer", help="train a SentencePiece model on local text")
+    t.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders, or 'python-stdlib'")
+    t.add_argument("--output", required=True, help="model prefix (<output>.model)")
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
 
 
 def data_main(args: argparse.Namespace) -> int:
@@ -55,3 +80,14 @@ def _tokenizer(args: argparse.Namespace) -> int:
 
 def _mb(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:.2f} MB"
+
+
+register_command(
+    Command(
+        name="data",
+        usage="build|tokenizer ...",
+        help="build indexed datasets, train tokenizers",
+        add_arguments=add_arguments,
+        run=data_main,
+    )
+)

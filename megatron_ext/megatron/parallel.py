@@ -1,66 +1,34 @@
-"""Process-group setup: torch.distributed, megatron-core ``parallel_state`` and RNG seeds."""
+"""megatron-core's model-parallel groups and RNG streams, on top of the run layer's default group.
+
+torch.distributed itself (rank environment, backend, device) is joined by
+:func:`megatron_ext.run.distributed.init_process_group`; this module adds what megatron-core needs
+on top: its CPU compatibility, ``parallel_state``'s tensor/pipeline/context/expert groups and the
+seeds of its RNG tracker. Teardown is registered with the run layer.
+"""
 
 from __future__ import annotations
 
-import os
 import random
-from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_ext.config.schema import ParallelConfig
 from megatron_ext.megatron.cpu_compat import apply_cpu_compat
+from megatron_ext.run.distributed import DistEnv, init_process_group, on_teardown
 
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits: global rank/size, data-parallel rank/size, device."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    dp_rank: int
-    dp_size: int
-    device: torch.device
-    backend: str
-
-
-def resolve_backend(parallel: ParallelConfig) -> str:
-    cuda = torch.cuda.is_available()
-    if parallel.backend == "auto":
-        return "nccl" if cuda else "gloo"
-    if parallel.backend == "nccl" and not cuda:
-        raise RuntimeError(
-            "parallel.backend=nccl needs CUDA GPUs; this host has none "
-            "(use parallel.backend=gloo or auto)"
-        )
-    return parallel.backend
+# A slow rank (dataset build, checkpoint write) must not time the others out.
+TIMEOUT = timedelta(minutes=10)
 
 
 def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 29500) -> DistEnv:
-    """Initialise torch.distributed from the environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``... set by torchrun or exported from MPI/SLURM variables), then
+    """The default group (``parallel.backend``; this rank's GPU when CUDA is present), then
     megatron-core's model-parallel groups and the RNG streams."""
-    from megatron_ext.launch.rank_env import detect_rank_env, export_torch_env
-
-    env = detect_rank_env(os.environ)
-    export_torch_env(env, os.environ, default_port=master_port)
+    env = init_process_group(parallel.backend, master_port=master_port, timeout=TIMEOUT)
     apply_cpu_compat()
-    backend = resolve_backend(parallel)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=10)
-        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -68,16 +36,9 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 295
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
         )
+        on_teardown(parallel_state.destroy_model_parallel)
     set_seeds(seed)
-    return DistEnv(
-        rank=env.rank,
-        world_size=env.world_size,
-        local_rank=env.local_rank,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        device=device,
-        backend=backend,
-    )
+    return env
 
 
 def set_seeds(seed: int) -> None:
@@ -89,10 +50,3 @@ def set_seeds(seed: int) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_distributed() -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""``megatron-ext soma eval|generate``: use a trained SOMA run (rank-free, one process)."""
+"""``megatron-ext soma eval|generate|variance``: use a trained SOMA run (rank-free, one
+process), or measure the estimator's variance. Registered as the ``soma`` command."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_ext.run.commands import Command, register_command
 
-def add_soma_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("soma", help="evaluate or sample a trained SOMA run")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``eval``, ``variance`` and ``generate``, each with its options."""
     ssub = p.add_subparsers(dest="soma_command", metavar="ACTION", required=True)
     e = ssub.add_parser("eval", help="routed top-k test loss (nats/byte) of a trained run")
     e.add_argument("recipe", help="the run's recipe (path or shipped name)")
@@ -35,6 +38,7 @@ def add_soma_parser(sub: argparse._SubParsersAction) -> None:
 def soma_main(args: argparse.Namespace) -> int:
     from megatron_ext.config import load_recipe
     from megatron_ext.errors import ConfigError
+    from megatron_ext.soma.recipe import SomaConfig
 
     if args.soma_command == "variance":
         from megatron_ext.soma.variance import measure_paper_claims
@@ -50,7 +54,7 @@ def soma_main(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.trainer != "soma":
         raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not soma")
-    s = recipe.soma
+    s = recipe.section(SomaConfig)
     k = args.k if args.k is not None else s.topk()
     if not 1 <= k <= s.num_experts:
         raise ConfigError(f"--k={k} must be between 1 and soma.num_experts={s.num_experts}")
@@ -99,3 +103,16 @@ def soma_main(args: argparse.Namespace) -> int:
     print(f"[experts {chosen}]", file=sys.stderr)
     sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
     return 0
+
+
+register_command(
+    Command(
+        name="soma",
+        usage="eval|generate|variance",
+        help="use a trained SOMA run; the estimator's variance",
+        description="Evaluate or sample a trained SOMA run, or measure the SPSA estimator's "
+        "variance.",
+        add_arguments=add_arguments,
+        run=soma_main,
+    )
+)

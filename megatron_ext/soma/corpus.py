@@ -25,6 +25,7 @@ from megatron_ext.soma.data import (
     split_holdout,
     window_texts,
 )
+from megatron_ext.soma.recipe import SomaConfig
 from megatron_ext.soma.router import Router, RouterConfig, fit_router
 
 
@@ -41,7 +42,7 @@ class SomaCorpus:
 
 
 def router_path(recipe: Recipe) -> Path:
-    return Path(recipe.soma.router or Path(recipe.run_dir) / "router.pkl")
+    return Path(recipe.section(SomaConfig).router or Path(recipe.run_dir) / "router.pkl")
 
 
 def _assignment_path(recipe: Recipe) -> Path:
@@ -52,7 +53,7 @@ def prepare_corpus(
     recipe: Recipe, rank: int, barrier: Callable[[], None], log: Callable[[str], None]
 ) -> SomaCorpus:
     """Windows, hold-out, router (fit by rank 0 when missing, then loaded everywhere), shards."""
-    s, seed = recipe.soma, recipe.training.seed
+    s, seed = recipe.section(SomaConfig), recipe.training.seed
     ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
     pool, test = split_holdout(len(ws.windows), s.test_fraction, seed)
     check_expert_count(s.num_experts, len(pool))  # before spending time on a fit
@@ -99,7 +100,7 @@ def prepare_corpus(
 def test_windows(recipe: Recipe) -> tuple[np.ndarray, Router]:
     """The held-out windows (n_test, window_bytes) and the saved router, for evaluation: a
     missing router artifact is an error here (evaluation never fits one)."""
-    s = recipe.soma
+    s = recipe.section(SomaConfig)
     ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
     _, test = split_holdout(len(ws.windows), s.test_fraction, recipe.training.seed)
     return ws.windows[test], Router.load(router_path(recipe))

@@ -7,20 +7,20 @@ validation check of every expert and of the seed run) and ``<run_dir>/soma/curve
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from megatron_ext.atomic import atomic_path
+from megatron_ext.atomic import atomic_path, write_json
 from megatron_ext.config.schema import Recipe
+from megatron_ext.run.metrics import MetricsLogger
 from megatron_ext.soma.corpus import SomaCorpus
 from megatron_ext.soma.evaluate import routed_eval, unigram_entropy
 from megatron_ext.soma.layout import BodyLayout, ExpertShape
+from megatron_ext.soma.recipe import SomaConfig
 from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
-from megatron_ext.training.metrics import write_json_atomic
 
 
 def load_experts(run_dir: Path, n: int) -> list[torch.Tensor]:
@@ -30,7 +30,7 @@ def load_experts(run_dir: Path, n: int) -> list[torch.Tensor]:
 
 def evaluate_run(recipe: Recipe, corpus: SomaCorpus, emb: torch.Tensor, k: int) -> dict[str, Any]:
     """Routed top-k test loss, the seed body alone, and the unigram entropies (nats/byte)."""
-    s = recipe.soma
+    s = recipe.section(SomaConfig)
     run_dir = Path(recipe.run_dir)
     layout = BodyLayout.from_shape(
         ExpertShape(d_embed=s.d_embed, d_model=s.d_model, num_blocks=s.num_blocks)
@@ -68,8 +68,9 @@ def evaluate_run(recipe: Recipe, corpus: SomaCorpus, emb: torch.Tensor, k: int) 
     }
 
 
-def write_curves(run_dir: Path, num_experts: int) -> Path:
-    """curves.csv + curves.png from the history stored in every checkpoint."""
+def write_curves(run_dir: Path, num_experts: int, log: MetricsLogger) -> Path:
+    """curves.csv, and curves.png through the run's logger, from the history stored in every
+    checkpoint (under FSO the other ranks' experts are only there)."""
     rows = []
     for e in [SEED_EXPERT, *range(num_experts)]:
         for h in load_file(expert_path(run_dir, e))["state"]["history"]:
@@ -81,37 +82,30 @@ def write_curves(run_dir: Path, num_experts: int) -> Path:
         )
         w.writeheader()
         w.writerows(rows)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for name in dict.fromkeys(r["expert"] for r in rows):
-        pts = [(r["update"], r["val_loss"]) for r in rows if r["expert"] == name]
-        ax.plot(
-            *zip(*pts, strict=True), lw=1.2, label=f"{'expert ' if name != 'seed' else ''}{name}"
-        )
-    ax.set_xlabel("update (seed run, then each expert from 0)")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    with atomic_path(out.with_suffix(".png")) as tmp_png:
-        fig.savefig(tmp_png)
-    plt.close(fig)
+    series = {
+        ("seed" if name == "seed" else f"expert {name}"): [
+            (r["update"], r["val_loss"]) for r in rows if r["expert"] == name
+        ]
+        for name in dict.fromkeys(r["expert"] for r in rows)
+    }
+    log.plot(
+        "soma/curves.png",
+        series,
+        xlabel="update (seed run, then each expert from 0)",
+        ylabel="validation loss (nats/byte)",
+    )
     return out
 
 
 def write_run_report(
-    recipe: Recipe, corpus: SomaCorpus, emb: torch.Tensor, log: Callable[[str], None]
+    recipe: Recipe, corpus: SomaCorpus, emb: torch.Tensor, log: MetricsLogger
 ) -> dict[str, Any]:
-    run_dir = Path(recipe.run_dir)
-    summary = evaluate_run(recipe, corpus, emb, recipe.soma.topk())
-    write_curves(run_dir, recipe.soma.num_experts)
-    write_json_atomic(run_dir / "summary.json", summary)
-    log(
+    """Rank 0: the routed evaluation into ``summary.json``, the curves, and the result line."""
+    s, run_dir = recipe.section(SomaConfig), Path(recipe.run_dir)
+    summary = evaluate_run(recipe, corpus, emb, s.topk())
+    write_curves(run_dir, s.num_experts, log)
+    write_json(run_dir / "summary.json", summary)
+    log.info(
         f"test: routed top-{summary['k']} mixture {summary['test_nats_per_byte']:.4f} nats/byte "
         f"(seed body alone {summary['seed_only_test_nats_per_byte']:.4f}, unigram entropy "
         f"{summary['unigram_entropy_test_nats_per_byte']:.4f}) over {summary['test_windows']} "

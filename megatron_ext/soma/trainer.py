@@ -12,12 +12,13 @@ Readable top to bottom:
    ``soma/curves.csv`` and ``soma/curves.png``.
 
 Checkpoints (per expert, atomic) are written every ``checkpoint.save_interval`` updates and at the
-end of each phase; a restarted run continues from them exactly.
+end of each phase; a restarted run continues from them exactly. Every validation check is one
+record of the run's metrics logger (log line, ``metrics.jsonl``, TensorBoard), written by the
+rank that writes that expert's checkpoint.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -27,9 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.config.schema import Recipe
+from megatron_ext.run.distributed import init_process_group
+from megatron_ext.run.metrics import MetricsLogger
 from megatron_ext.soma.corpus import SomaCorpus, prepare_corpus
 from megatron_ext.soma.data import ExpertShard
 from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
+from megatron_ext.soma.recipe import SomaConfig
 from megatron_ext.soma.state import (
     SEED_EXPERT,
     ExpertState,
@@ -41,14 +45,20 @@ from megatron_ext.soma.update import UpdateContext, head_update, spsa_update, va
 from megatron_ext.zo.directions import DirectionSplit
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
 
+__all__ = ["expert_shape", "train"]
+
+# The router fit and the routed evaluation run on rank 0 alone while the others wait.
+TIMEOUT = timedelta(minutes=30)
+SCALARS = ("train_loss", "val_loss", "lr", "eps")  # TensorBoard: <seed|expert_NNNN>/<name>
+
 
 def expert_shape(recipe: Recipe) -> ExpertShape:
-    s = recipe.soma
+    s = recipe.section(SomaConfig)
     return ExpertShape(d_embed=s.d_embed, d_model=s.d_model, num_blocks=s.num_blocks)
 
 
 def new_state(recipe: Recipe, expert: int, theta: torch.Tensor) -> ExpertState:
-    s = recipe.soma
+    s = recipe.section(SomaConfig)
     plateau = PlateauHalving(
         lr=s.lr,
         eps=s.eps,
@@ -84,15 +94,18 @@ def train_phase(
     shards: Sequence[ExpertShard],
     total_updates: int,
     save: Callable[[], None],
-    log: Callable[[str], None],
+    log: MetricsLogger,
+    writer: bool,
     on_update: Callable[[int], None] | None = None,
 ) -> None:
     """Run ``states`` (all at the same update counter) up to ``total_updates``.
 
     ``on_update(u)`` runs after each update (the seed run's head step). Validation (and the
-    plateau check) every ``soma.eval_interval`` updates; ``save()`` every
-    ``checkpoint.save_interval`` updates and at the end."""
-    s, every = recipe.soma, recipe.checkpoint.save_interval
+    plateau check) every ``soma.eval_interval`` updates, each check one record of ``log``;
+    ``save()`` every ``checkpoint.save_interval`` updates and at the end. ``writer``: this rank
+    writes these states' checkpoints and records (another rank holding the same states
+    echoes its lines only)."""
+    s, every = recipe.section(SomaConfig), recipe.checkpoint.save_interval
     if not states:
         return
     start = {st.update for st in states}
@@ -107,29 +120,57 @@ def train_phase(
         if (u + 1) % s.eval_interval == 0 or u + 1 == total_updates:
             rate = tokens * len(states) / (time.perf_counter() - t0)
             for st, shard, loss in zip(states, shards, losses, strict=True):
-                val = validation_loss(ctx, st.theta, shard)
-                st.plateau.observe(st.update, val)
-                st.history.append(
-                    {
-                        "update": st.update,
-                        "train_loss": loss,
-                        "val_loss": val,
-                        "lr": st.plateau.lr,
-                        "eps": st.plateau.eps,
-                    }
-                )
-                name = "seed" if st.expert == SEED_EXPERT else f"expert {st.expert}"
-                log(
-                    f"{name} update {st.update}/{total_updates} train {loss:.4f} "
-                    f"val {val:.4f} nats/byte lr {st.plateau.lr:.2e} eps {st.plateau.eps:.2e} "
-                    f"({rate / 1e3:.1f} K perturbed tokens/s)"
-                )
-        if every and (u + 1) % every == 0 and u + 1 < total_updates:
+                _validate(ctx, st, shard, loss, rate, total_updates, log, writer)
+        if writer and every and (u + 1) % every == 0 and u + 1 < total_updates:
             save()
-    save()
+    if writer:
+        save()
 
 
-def _seed_run(recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int, log) -> None:
+def _validate(
+    ctx: UpdateContext,
+    st: ExpertState,
+    shard: ExpertShard,
+    train_loss: float,
+    rate: float,
+    total_updates: int,
+    log: MetricsLogger,
+    writer: bool,
+) -> None:
+    """Validation loss -> plateau rule -> the expert's history (checkpointed) and one record.
+    ``rate``: perturbed tokens per second of this phase so far."""
+    val = validation_loss(ctx, st.theta, shard)
+    st.plateau.observe(st.update, val)
+    entry = {
+        "update": st.update,
+        "train_loss": train_loss,
+        "val_loss": val,
+        "lr": st.plateau.lr,
+        "eps": st.plateau.eps,
+    }
+    st.history.append(entry)
+    seed = st.expert == SEED_EXPERT
+    name = "seed" if seed else f"expert {st.expert}"
+    log.record(
+        st.update,
+        {
+            "step": st.update,
+            "expert": "seed" if seed else st.expert,
+            **entry,
+            "perturbed_tokens_per_s": rate,
+        },
+        line=f"{name} update {st.update}/{total_updates} train {train_loss:.4f} "
+        f"val {val:.4f} nats/byte lr {st.plateau.lr:.2e} eps {st.plateau.eps:.2e} "
+        f"({rate / 1e3:.1f} K perturbed tokens/s)",
+        scalars=SCALARS,
+        group="seed" if seed else f"expert_{st.expert:04d}",
+        persist=writer,
+    )
+
+
+def _seed_run(
+    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int, log: MetricsLogger
+) -> None:
     """Phase 2. Leaves the trained E in ``ctx.emb`` and the seed body in ``seed.pt``."""
     gen = torch.Generator().manual_seed(recipe.training.seed)
     shape = expert_shape(recipe)
@@ -144,11 +185,10 @@ def _seed_run(recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int,
     path = expert_path(Path(recipe.run_dir), SEED_EXPERT)
 
     def save() -> None:
-        if rank == 0:  # every rank holds the same seed state
-            save_atomic(
-                {"state": state.state_dict(), "emb": ctx.emb, "head_adam": head_adam.state_dict()},
-                path,
-            )
+        save_atomic(
+            {"state": state.state_dict(), "emb": ctx.emb, "head_adam": head_adam.state_dict()},
+            path,
+        )
 
     tied = shape.d_model == shape.d_embed
 
@@ -161,17 +201,19 @@ def _seed_run(recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int,
         ctx,
         [state],
         [corpus.seed_shard],
-        recipe.soma.seed_updates,
+        recipe.section(SomaConfig).seed_updates,
         save,
         log,
-        head_step,
+        writer=rank == 0,  # every rank holds the same seed state
+        on_update=head_step,
     )
 
 
 def _expert_run(
-    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, experts: list[int], log
+    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, experts: list[int], log: MetricsLogger
 ) -> None:
     """Phase 3 for ``experts`` (this rank's, or all of them under DDPP)."""
+    s = recipe.section(SomaConfig)
     seed = load_file(expert_path(Path(recipe.run_dir), SEED_EXPERT))
     ctx.emb.copy_(seed["emb"])
     states = []
@@ -180,14 +222,11 @@ def _expert_run(
         _resume(recipe, st)
         states.append(st)
     shards = [corpus.shards[e] for e in experts]
-    writer = ctx.split.rank == 0 or recipe.soma.distribution == "fso"
+    writer = ctx.split.rank == 0 or s.distribution == "fso"
 
     def save() -> None:
-        if writer:
-            for st in states:
-                save_atomic(
-                    {"state": st.state_dict()}, expert_path(Path(recipe.run_dir), st.expert)
-                )
+        for st in states:
+            save_atomic({"state": st.state_dict()}, expert_path(Path(recipe.run_dir), st.expert))
 
     # Experts sit at different counters only if a crash hit between two expert files: each group
     # at one counter resumes on its own.
@@ -198,32 +237,46 @@ def _expert_run(
             ctx,
             [states[i] for i in group],
             [shards[i] for i in group],
-            recipe.soma.expert_updates,
+            s.expert_updates,
             save,
             log,
+            writer,
         )
 
 
-def train_soma(recipe: Recipe) -> None:
+def train(recipe: Recipe) -> None:
     """Per-rank entry point (``trainer: soma``)."""
-    from megatron_ext.launch.rank_env import detect_rank_env, export_torch_env
-
-    env = detect_rank_env(os.environ)
-    if env.world_size > 1 and not dist.is_initialized():
-        export_torch_env(env, os.environ, default_port=recipe.launch.master_port)
-        dist.init_process_group(
-            "gloo", rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30)
-        )
+    s = recipe.section(SomaConfig)
+    # CPU tensors and gloo; one process needs no group (FSO never communicates while training).
+    env = init_process_group(
+        "gloo",
+        master_port=recipe.launch.master_port,
+        timeout=TIMEOUT,
+        device="cpu",
+        single_rank_group=False,
+    )
     rank, world = env.rank, env.world_size
     barrier = dist.barrier if world > 1 else (lambda: None)
-    tag = f"[soma rank {rank}]" if world > 1 else "[soma]"
+    log = MetricsLogger(
+        Path(recipe.run_dir),
+        echo=True,  # each rank reports the experts it trains
+        write=rank == 0 or s.distribution == "fso",
+        tensorboard=recipe.logging.tensorboard,
+        file="metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl",
+        prefix=f"[soma rank {rank}] " if world > 1 else "[soma] ",
+    )
+    try:
+        _train(recipe, rank, world, barrier, log)
+    finally:
+        log.close()
 
-    def log(msg: str) -> None:
-        print(f"{tag} {msg}", flush=True)
 
+def _train(
+    recipe: Recipe, rank: int, world: int, barrier: Callable[[], None], log: MetricsLogger
+) -> None:
     torch.manual_seed(recipe.training.seed)
-    corpus = prepare_corpus(recipe, rank, barrier, log)
-    s = recipe.soma
+    corpus = prepare_corpus(recipe, rank, barrier, log.info)
+    s = recipe.section(SomaConfig)
     shape = expert_shape(recipe)
     layout = BodyLayout.from_shape(shape)
     ctx = UpdateContext(
@@ -235,7 +288,7 @@ def train_soma(recipe: Recipe) -> None:
         split=DirectionSplit(s.n_pert, rank, world),
     )
     if rank == 0:
-        log(
+        log.info(
             f"{len(corpus.windows)} windows of {s.window_bytes} bytes "
             f"({len(corpus.test)} held out); body {layout.numel} parameters, "
             f"n_pert={s.n_pert} B={s.batch_size} T={s.seq_length} A={s.accumulation}"

@@ -1,17 +1,18 @@
 """One SPSA update of one or more experts (the inner step of the SOMA trainer).
 
 Per accumulation batch ``a`` and expert ``e`` (all counters are part of the keys, so nothing
-random is stored):
+random is stored), the shared zero-order step (:func:`megatron_ext.zo.step.spsa_step`) runs on:
 
 1. ``tokens = sample_batch(shard_e.train, key=(seed, e+1, update, a))``  — (B, T+1) bytes;
 2. ``z_j = probe_matrix(seed, e+1, update, a, j)`` for this rank's directions ``j``;
-3. all ``2·|j|`` perturbed bodies ``θ ± ε z_j`` in ONE batched forward on the shared batch;
-4. ``d_j = L(θ+εz_j) − L(θ−εz_j)``, gathered over ranks in DDPP (scalars only);
-5. ``ĝ_a = (1/n)·Σ_j d_j/(2ε)·z_j`` (``summed`` mode: ``d_j`` is the sum over the rank's experts
-   of their differences along the joint probe ``(z_{e,j})_e``).
+3. the loss of all ``2·|j|`` perturbed bodies ``θ ± ε z_j`` in ONE batched forward on the
+   shared batch;
 
-Then ``ĝ = mean_a ĝ_a`` goes through Adam with coupled weight decay. Expert id ``e+1`` in the
-keys leaves 0 for the seed run (``e = -1``).
+which gathers the differences over ranks in DDPP (scalars only) and returns
+``ĝ_a = (1/n)·Σ_j d_j/(2ε)·z_j`` (``summed`` mode: ``d_j`` is the sum over the rank's experts of
+their differences along the joint probe ``(z_{e,j})_e``). Then ``ĝ = mean_a ĝ_a`` goes through
+Adam with coupled weight decay. Expert id ``e+1`` in the keys leaves 0 for the seed run
+(``e = -1``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_ext.config.soma import SomaConfig
+from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.soma.data import ExpertShard, sample_batch
 from megatron_ext.soma.layout import BodyLayout
 from megatron_ext.soma.model import batched_loss, body_hidden, head_gradient
-from megatron_ext.soma.state import ExpertState
+from megatron_ext.soma.recipe import SomaConfig
+from megatron_ext.soma.state import SEED_EXPERT, ExpertState
 from megatron_ext.zo.directions import DirectionSplit
 from megatron_ext.zo.probes import probe_matrix
-from megatron_ext.zo.spsa import ZOAdam, loss_differences, perturb, spsa_estimate
+from megatron_ext.zo.spsa import ZOAdam
+from megatron_ext.zo.step import SPSABody, spsa_step
 
 
 @dataclass
@@ -58,47 +61,47 @@ def _batch(ctx: UpdateContext, shard: ExpertShard, expert: int, update: int, a: 
     return sample_batch(ctx.windows, shard.train, c.batch_size, c.seq_length, key)
 
 
-def _probes(ctx: UpdateContext, state: ExpertState, a: int, directions: range) -> torch.Tensor:
-    return probe_matrix(
-        ctx.seed, key_id(state.expert), state.update, a, directions, ctx.layout.gain_mask
-    )
+def _body(ctx: UpdateContext, state: ExpertState, shard: ExpertShard, a: int) -> SPSABody:
+    """Expert ``state``'s part of accumulation batch ``a`` of its next update."""
+    tokens = _batch(ctx, shard, state.expert, state.update, a)
 
+    def probes(directions: range) -> torch.Tensor:
+        return probe_matrix(
+            ctx.seed, key_id(state.expert), state.update, a, directions, ctx.layout.gain_mask
+        )
 
-def _local_differences(
-    ctx: UpdateContext, state: ExpertState, tokens: torch.Tensor, z: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """(len(local),) loss differences along this rank's probes ``z``, and their mean loss."""
-    if len(z) == 0:
-        return torch.zeros(0), float("nan")
-    losses = batched_loss(perturb(state.theta, z, state.plateau.eps), ctx.emb, tokens, ctx.layout)
-    return loss_differences(losses), float(losses.mean())
+    def loss(thetas: torch.Tensor) -> torch.Tensor:
+        return batched_loss(thetas, ctx.emb, tokens, ctx.layout)
+
+    return SPSABody(state.theta, state.plateau.eps, probes, loss)
 
 
 def spsa_update(
     ctx: UpdateContext, states: Sequence[ExpertState], shards: Sequence[ExpertShard]
 ) -> list[float]:
     """Advance every expert in ``states`` by one update; return their mean perturbed losses
-    (≈ the training loss at θ, to second order in ε), nats/byte."""
+    (≈ the training loss at θ, to second order in ε), nats/byte. Raises
+    :class:`TrainingDivergedError` before any state changes when a loss difference is not
+    finite."""
     c = ctx.cfg
-    all_dirs = range(c.n_pert)
     grads = [torch.zeros_like(s.theta) for s in states]
     mean_losses = [0.0 for _ in states]
-    local = ctx.split.local()
     for a in range(c.accumulation):
-        diffs, probes = [], []
-        for i, (state, shard) in enumerate(zip(states, shards, strict=True)):
-            tokens = _batch(ctx, shard, state.expert, state.update, a)
-            z = _probes(ctx, state, a, local)
-            part, loss = _local_differences(ctx, state, tokens, z)
-            diffs.append(ctx.split.gather(part))
-            # One rank holding every direction reuses its probes; DDPP regenerates the others.
-            probes.append(z if local == all_dirs else _probes(ctx, state, a, all_dirs))
-            mean_losses[i] += loss / c.accumulation
-        if c.loss_mode == "summed":
-            total = torch.stack(diffs).sum(0)
-            diffs = [total for _ in states]
-        for i, state in enumerate(states):
-            grads[i] += spsa_estimate(diffs[i], probes[i], state.plateau.eps)
+        bodies = [_body(ctx, st, shard, a) for st, shard in zip(states, shards, strict=True)]
+        results = spsa_step(bodies, ctx.split, summed=c.loss_mode == "summed")
+        for i, (state, result) in enumerate(zip(states, results, strict=True)):
+            if not bool(torch.isfinite(result.diffs).all()):
+                name = "seed run" if state.expert == SEED_EXPERT else f"expert {state.expert}"
+                raise TrainingDivergedError(
+                    f"{name}, update {state.update + 1}: the SPSA loss differences are not "
+                    f"finite (mean perturbed loss {result.mean_loss}); stopping without "
+                    "checkpointing this state. Lower soma.lr or soma.eps, or resume from the "
+                    "last checkpoint (checkpoint.load=auto)",
+                    # a split estimate is gathered: every rank sees the same differences
+                    on_every_rank=ctx.split.world > 1,
+                )
+            grads[i] += result.grad
+            mean_losses[i] += result.mean_loss / c.accumulation
     for state, g in zip(states, grads, strict=True):
         g /= c.accumulation
         state.adam.step(state.theta, g, state.plateau.lr, c.weight_decay)

@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-import megatron_ext.training.checkpoint as ckpt
+import megatron_ext.gpt.checkpoint as ckpt
 from megatron_ext.launch.cli import main
 
 _real_save = ckpt.dist_checkpointing.save

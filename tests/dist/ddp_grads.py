@@ -19,7 +19,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.megatron.model import build_gpt_model
-from megatron_ext.megatron.parallel import destroy_distributed, init_distributed
+from megatron_ext.megatron.parallel import init_distributed
+from megatron_ext.run.distributed import destroy_process_groups
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 
@@ -28,8 +29,11 @@ def global_name(name: str) -> str:
     """Local expert index -> global expert index (experts are split evenly over EP ranks)."""
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     local = 4 // parallel_state.get_expert_model_parallel_world_size()
-    return re.sub(r"local_experts\.(\d+)\.",
-                  lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.", name)
+    return re.sub(
+        r"local_experts\.(\d+)\.",
+        lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.",
+        name,
+    )
 
 
 def reinit_by_global_name(module: torch.nn.Module) -> None:
@@ -44,11 +48,19 @@ def main(out: str, kind: str) -> None:
     torch.set_num_threads(1)
     # moe_ep2 on one rank is the unsplit reference (EP=1) with the same global-name init.
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    parallel = ParallelConfig(expert_model_parallel_size=2 if kind == "moe_ep2" and world > 1 else 1)
+    parallel = ParallelConfig(
+        expert_model_parallel_size=2 if kind == "moe_ep2" and world > 1 else 1
+    )
     env = init_distributed(parallel, seed=7, master_port=int(os.environ.get("MASTER_PORT", 29501)))
-    model_cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                            num_query_groups=2, ffn_hidden_size=64, vocab_size=VOCAB,
-                            make_vocab_size_divisible_by=1)
+    model_cfg = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=1,
+    )
     if kind in ("moe", "moe_ep2"):
         model_cfg.num_moe_experts = 4
         model_cfg.moe_router_topk = 2
@@ -59,25 +71,39 @@ def main(out: str, kind: str) -> None:
     if kind == "moe_ep2":
         reinit_by_global_name(module)
     model = DistributedDataParallel(
-        module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+        module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module
+    )
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-    per_rank = GLOBAL_BATCH // env.dp_size
-    mine = tokens[env.dp_rank * per_rank:(env.dp_rank + 1) * per_rank]
+    per_rank = GLOBAL_BATCH // parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     position_ids = torch.arange(SEQ).expand(per_rank, SEQ)
     losses = model(mine[:, :-1], position_ids, None, labels=mine[:, 1:])
     losses.mean().backward()
     model.finish_grad_sync()
     if kind == "moe_ep2":
         grads = {global_name(n): p.main_grad.clone() for n, p in model.module.named_parameters()}
-        torch.save({"grads": grads, "world": env.world_size,
-                    "dp": parallel_state.get_data_parallel_world_size()}, f"{out}.rank{env.rank}")
+        torch.save(
+            {
+                "grads": grads,
+                "world": env.world_size,
+                "dp": parallel_state.get_data_parallel_world_size(),
+            },
+            f"{out}.rank{env.rank}",
+        )
     elif env.rank == 0:
         grads = {n: p.main_grad.clone() for n, p in model.module.named_parameters()}
-        torch.save({"grads": grads, "world": env.world_size,
-                    "dp": parallel_state.get_data_parallel_world_size()}, out)
-    destroy_distributed()
+        torch.save(
+            {
+                "grads": grads,
+                "world": env.world_size,
+                "dp": parallel_state.get_data_parallel_world_size(),
+            },
+            out,
+        )
+    destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 import torch
 from megatron.core import parallel_state
 
-from megatron_ext.training.checkpoint import verify_replicas
+from megatron_ext.gpt.checkpoint import verify_replicas
 
 
 def main(out: str) -> None:

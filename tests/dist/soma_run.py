@@ -18,10 +18,25 @@ def main() -> None:
     calls: list[str] = []
     names = [
         n
-        for n in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-                  "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "barrier",
-                  "send", "recv", "isend", "irecv", "all_to_all", "all_to_all_single", "scatter",
-                  "gather")
+        for n in (
+            "all_reduce",
+            "all_gather",
+            "all_gather_into_tensor",
+            "all_gather_object",
+            "broadcast",
+            "broadcast_object_list",
+            "reduce",
+            "reduce_scatter",
+            "barrier",
+            "send",
+            "recv",
+            "isend",
+            "irecv",
+            "all_to_all",
+            "all_to_all_single",
+            "scatter",
+            "gather",
+        )
         if hasattr(dist, n)
     ]
     originals = {n: getattr(dist, n) for n in names}
@@ -45,7 +60,7 @@ def main() -> None:
 
     trainer._expert_run = counted
     recipe = load_recipe(recipe_path, overrides, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    trainer.train_soma(recipe)
+    trainer.train(recipe)
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{count_file}.{rank}", "w") as f:
         json.dump(calls, f)

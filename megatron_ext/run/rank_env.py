@@ -10,7 +10,8 @@ Also here: SLURM's compact host lists (``gpu[001-004,007],cpu01``) and task coun
 (``2(x3),1``), expanded in pure Python because ``scontrol`` is not on every compute node or
 inside every container.
 
-No torch import: the launcher uses this module before any process starts.
+No torch import: the launcher uses this module (the SLURM lists) before any process starts;
+:mod:`megatron_ext.run.distributed` uses the rest on every rank.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""GPT checkpoints with megatron-core ``dist_checkpointing``, written atomically.
+"""GPT checkpoints with megatron-core ``dist_checkpointing``, written atomically, and the policy
+of when to write them (:class:`Checkpointer`).
 
 Layout under ``<run_dir>/checkpoints``::
 
@@ -21,6 +22,7 @@ import os
 import random
 import shutil
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +32,48 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
+from megatron_ext.errors import ConfigError
 
 LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class Checkpointer:
+    """The ``checkpoint:`` section at work: where checkpoints go, when one is written, which
+    one a run resumes from. The loop asks :meth:`should_save` after every step."""
+
+    ckpt_dir: Path
+    config: CheckpointConfig
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        """Every ``save_interval`` completed steps (0: never), and at ``last_step`` when
+        ``save_at_end``."""
+        every = self.config.save_interval
+        return bool(every and step % every == 0) or (step == last_step and self.config.save_at_end)
+
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any]
+    ) -> Path:
+        """Checkpoint ``step`` (collective: every rank calls it); keeps the newest ``keep_last``."""
+        return save_checkpoint(
+            self.ckpt_dir, step, model, optimizer, loop_state, self.config.keep_last
+        )
+
+    def resume(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+        """Load ``checkpoint.load`` ('auto': the newest checkpoint in ``ckpt_dir``, if any;
+        'none'; or a directory) into model and optimizer; returns its loop state, or None
+        when there is nothing to resume."""
+        choice = self.config.load
+        if choice == "none":
+            return None
+        path = latest_checkpoint(self.ckpt_dir) if choice == "auto" else Path(choice)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise ConfigError(f"checkpoint.load={choice!r}: no such checkpoint directory")
+        return load_checkpoint(path, model, optimizer)
 
 
 def _name(step: int) -> str:

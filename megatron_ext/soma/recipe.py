@@ -1,4 +1,4 @@
-"""The ``soma:`` section of a recipe (the SOMA trainer's settings).
+"""SOMA's part of a recipe: the ``soma:`` section, its cross-field rules, the registration.
 
 No torch import: the launcher validates recipes before any process starts.
 """
@@ -6,10 +6,16 @@ No torch import: the launcher validates recipes before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_ext.config.fields import spec
+from megatron_ext.errors import ConfigError
+from megatron_ext.run.trainers import TrainerSpec, register_trainer
 
-__all__ = ["SomaConfig"]
+if TYPE_CHECKING:
+    from megatron_ext.config.schema import Recipe
+
+__all__ = ["SomaConfig", "check_soma"]
 
 
 @dataclass
@@ -64,3 +70,50 @@ class SomaConfig:
 
     def topk(self) -> int:
         return self.eval_topk if self.eval_topk is not None else min(4, self.num_experts)
+
+
+def check_soma(recipe: Recipe, world_size: int | None) -> None:
+    """The ``soma:`` section against itself, the corpus and (given) the job size."""
+    s = recipe.section(SomaConfig)
+    if s.eval_topk is not None and s.eval_topk > s.num_experts:
+        raise ConfigError(
+            f"soma.eval_topk={s.eval_topk} exceeds soma.num_experts={s.num_experts}: "
+            f"an evaluation window can be routed to at most N experts"
+        )
+    if s.route_bytes + s.score_bytes > s.window_bytes - 1:
+        raise ConfigError(
+            f"soma.route_bytes + soma.score_bytes = {s.route_bytes + s.score_bytes} exceeds "
+            f"the {s.window_bytes - 1} targets of a soma.window_bytes={s.window_bytes} window"
+        )
+    if s.seq_length > s.window_bytes - 1:
+        raise ConfigError(
+            f"soma.seq_length={s.seq_length} exceeds the {s.window_bytes - 1} targets of a "
+            f"soma.window_bytes={s.window_bytes} window"
+        )
+    for name in ("lr", "eps"):
+        if getattr(s, name) < s.lr_floor:
+            raise ConfigError(f"soma.{name}={getattr(s, name)} is below soma.lr_floor={s.lr_floor}")
+    if s.loss_mode == "summed" and s.distribution == "ddpp":
+        raise ConfigError(
+            "soma.loss_mode=summed needs soma.distribution=fso (the summed finite difference "
+            "runs over the experts a rank holds)"
+        )
+    if not recipe.data.source:
+        raise ConfigError("trainer=soma needs data.source (text files, folders or 'python-stdlib')")
+    if world_size is not None and s.distribution == "fso" and s.num_experts < world_size:
+        raise ConfigError(
+            f"soma.distribution=fso gives each rank its own experts, but "
+            f"soma.num_experts={s.num_experts} < {world_size} ranks: use at most "
+            f"{s.num_experts} ranks, more experts, or soma.distribution=ddpp"
+        )
+
+
+register_trainer(
+    TrainerSpec(
+        name="soma",
+        train="megatron_ext.soma.trainer:train",
+        check=check_soma,
+        section="soma",
+        config=SomaConfig,
+    )
+)

@@ -1,0 +1,150 @@
+"""What the GPT trainer reports: each step's figures, its log line, and ``summary.json``.
+
+The figures of a step are one :class:`StepRecord`; :func:`record_step` hands it to the run's
+:class:`~megatron_ext.run.metrics.MetricsLogger` (log line, ``metrics.jsonl``, TensorBoard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from megatron_ext.atomic import write_json
+from megatron_ext.run.metrics import MetricsLogger, read_jsonl
+
+if TYPE_CHECKING:
+    from megatron_ext.gpt.setup import GPTRun
+
+__all__ = ["StepRecord", "format_line", "record_step", "summarize"]
+
+# The figures TensorBoard shows, under train/<name>.
+SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_rank",
+    "tflops_per_rank",
+    "global_batch",
+)
+
+
+@dataclass
+class StepRecord:
+    """The figures of one optimizer step (one line of ``metrics.jsonl``, in this order)."""
+
+    step: int  # completed optimizer steps
+    consumed_tokens: int
+    global_batch: int  # sequences
+    lr: float
+    loss: float  # nats/token, mean over the global batch
+    grad_norm: float  # before clipping
+    tokens_per_s: float
+    tokens_per_s_per_rank: float
+    tflops_per_rank: float
+    elapsed_s: float
+    eta_s: float
+    step_time_s: float
+
+
+def record_step(
+    log: MetricsLogger,
+    run: GPTRun,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    step_time_s: float,
+) -> StepRecord:
+    """Build completed step ``step``'s record (``step_time_s``: its wall time) and log it."""
+    t = run.recipe.training
+    step_tokens = t.global_batch_size * t.seq_length
+    elapsed = log.elapsed()
+    eta = elapsed / max(step - run.start_step, 1) * (t.steps - step)
+    tps = step_tokens / max(step_time_s, 1e-9)
+    world = run.env.world_size
+    rec = StepRecord(
+        step=step,
+        consumed_tokens=step * step_tokens,
+        global_batch=t.global_batch_size,
+        lr=run.schedule.lr_at(step - 1),
+        loss=loss,
+        grad_norm=grad_norm,
+        tokens_per_s=tps,
+        tokens_per_s_per_rank=tps / world,
+        tflops_per_rank=tps / world * run.flops_per_token / 1e12,
+        elapsed_s=elapsed,
+        eta_s=eta,
+        step_time_s=step_time_s,
+    )
+    log.record(step, asdict(rec), line=format_line(rec, t.steps), scalars=SCALARS)
+    return rec
+
+
+def _fmt_count(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def _fmt_time(seconds: float) -> str:
+    s = int(max(0.0, seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def format_line(r: StepRecord, total_steps: int) -> str:
+    """The log line (README, "Reading the log line")."""
+    width = len(str(total_steps))
+    return (
+        f"step {r.step:>{width}}/{total_steps} | tokens {_fmt_count(r.consumed_tokens)}"
+        f" | gbs {r.global_batch} | lr {r.lr:.3e} | loss {r.loss:.4f}"
+        f" | gnorm {r.grad_norm:.3f} | tok/s {_fmt_count(r.tokens_per_s)}"
+        f" ({_fmt_count(r.tokens_per_s_per_rank)}/rank)"
+        f" | TFLOP/s/rank {r.tflops_per_rank:.4f}"
+        f" | elapsed {_fmt_time(r.elapsed_s)} | eta {_fmt_time(r.eta_s)}"
+    )
+
+
+def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
+    """The run's summary; rank 0 writes it to ``summary.json`` and plots ``loss.png`` from
+    ``metrics.jsonl`` (every step recorded there, resumed runs included)."""
+    recs = log.records
+    # Throughput over steady-state steps (the first includes start-up work).
+    timed = recs[1:] or recs
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed)
+    seconds = sum(r["step_time_s"] for r in timed)
+    world = run.env.world_size
+    summary = {
+        "trainer": "gpt",
+        "steps": run.recipe.training.steps,
+        "start_step": run.start_step,
+        "world_size": world,
+        "backend": run.env.backend,
+        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "optimizer": run.recipe.optimizer.name,
+        "precision": run.recipe.training.precision,
+        "first_loss": recs[0]["loss"] if recs else None,
+        "last_loss": recs[-1]["loss"] if recs else None,
+        "losses": [r["loss"] for r in recs],
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "tokens_per_s_per_rank": tokens / seconds / world if seconds else None,
+        "tflops_per_rank": (
+            tokens / seconds / world * run.flops_per_token / 1e12 if seconds else None
+        ),
+        "elapsed_s": recs[-1]["elapsed_s"] if recs else 0.0,
+        # rank 0's gradient reduce-scatter payload this run (layer-wise optimizer only)
+        "grad_sync_bytes": run.optimizer.grad_sync_bytes(),
+    }
+    if run.env.rank == 0:
+        write_json(run.run_dir / "summary.json", summary)
+        metrics = run.run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            by_step = {r["step"]: r["loss"] for r in read_jsonl(metrics)}  # a resume rewrites
+            log.plot(
+                "loss.png",
+                {"": sorted(by_step.items())},
+                xlabel="step",
+                ylabel="training loss (nats/token)",
+                title=run.run_dir.name,
+            )
+    return summary

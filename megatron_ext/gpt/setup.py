@@ -1,0 +1,142 @@
+"""Everything the GPT loop needs, built once: process groups, data, model + DDP, optimizer,
+schedule (:func:`setup` -> :class:`GPTRun`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+from megatron_ext.config.schema import Recipe
+from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
+from megatron_ext.gpt.flops import gpt_train_flops_per_token
+from megatron_ext.megatron.ddp import DistributedDataParallel
+from megatron_ext.megatron.model import build_gpt_model
+from megatron_ext.megatron.optimizer import MegatronExtOptimizer
+from megatron_ext.megatron.optimizer_factories import inner_factory, megatron_optimizer_config
+from megatron_ext.megatron.parallel import init_distributed
+from megatron_ext.run.distributed import DistEnv
+from megatron_ext.schedules.lr import LRSchedule
+
+__all__ = ["GPTRun", "ensure_dataset", "setup"]
+
+
+@dataclass
+class GPTRun:
+    """Everything the loop needs. ``dp_rank``/``dp_size``: this rank's place in the
+    data-parallel group (megatron-core's ``parallel_state``, read once here)."""
+
+    recipe: Recipe
+    env: DistEnv
+    dp_rank: int
+    dp_size: int
+    model: DistributedDataParallel
+    optimizer: MegatronExtOptimizer
+    schedule: LRSchedule
+    train_data: Any
+    num_microbatches: int
+    flops_per_token: float  # training FLOPs per token (gpt.flops)
+    run_dir: Path
+    start_step: int = 0
+
+
+def setup(recipe: Recipe) -> GPTRun:
+    """Join the process groups and build data, model, optimizer and schedule (the recipe was
+    checked at this world size by the entry point)."""
+    env = init_distributed(recipe.parallel, recipe.training.seed, recipe.launch.master_port)
+    t = recipe.training
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
+    ensure_dataset(recipe, tokenizer, env)
+    train_data, _, _ = build_gpt_datasets(
+        recipe.data.path,
+        tokenizer,
+        seq_length=t.seq_length,
+        split=recipe.data.split,
+        seed=t.seed,
+        num_samples=(t.steps * t.global_batch_size, None, None),
+    )
+
+    module = build_gpt_model(
+        recipe.model,
+        recipe.parallel,
+        t.precision,
+        vocab_size=tokenizer.vocab_size,
+        seq_length=t.seq_length,
+    )
+    config = module.config
+    model = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+        module,
+    )
+    # megatron-core's schedule finalises grads (DP all-reduce, MoE expert-bias update) via this.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+
+    optimizer = MegatronExtOptimizer(
+        list(model.module.named_parameters()),
+        inner_factory(recipe.optimizer),
+        megatron_optimizer_config(recipe.optimizer, t.precision == "bf16"),
+    )
+    optimizer.overlap_param_sync_with_forward(model.module)
+    optimizer.take_over_grad_sync(model)  # layer-wise: reduce-scatter-v instead of all-reduce
+
+    flops = gpt_train_flops_per_token(
+        recipe.model, t.seq_length, module.vocab_size, config.ffn_hidden_size, config.kv_channels
+    )
+    return GPTRun(
+        recipe=recipe,
+        env=env,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=dp_size,
+        model=model,
+        optimizer=optimizer,
+        schedule=recipe.lr_schedule(),
+        train_data=train_data,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
+        flops_per_token=flops,
+        run_dir=Path(recipe.run_dir),
+    )
+
+
+def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
+    """Build ``data.path`` from ``data.source`` on rank 0 when it does not exist yet.
+
+    Rank 0's outcome is shared with every rank, so a failed build stops all of them (with rank
+    0's message) instead of leaving the others waiting at a barrier.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = recipe.data.path
+    if not recipe.data.source:
+        return
+    # Only rank 0 looks at the files: other ranks checking too could see the dataset appear
+    # half-way and skip the collective below.
+    error: Exception | None = None
+    if env.rank == 0 and not IndexedDataset.exists(prefix):
+        try:
+            Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+            stats = build_indexed_dataset(recipe.data.source, prefix, tokenizer)
+            print(
+                f"built {prefix}: {stats.documents:,} documents, {stats.tokens:,} tokens "
+                f"in {stats.seconds:.1f} s",
+                flush=True,
+            )
+        except Exception as exc:  # re-raised below, after telling the other ranks
+            error = exc
+    ok = torch.tensor([0.0 if error else 1.0], device=env.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise RuntimeError(f"rank 0 failed to build the dataset {prefix} (see its message)")

@@ -1,0 +1,76 @@
+"""One GPT optimizer step: this rank's micro-batches through megatron-core's forward/backward
+schedule, the optimizer step at the scheduled LR, and the global batch's mean loss."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+if TYPE_CHECKING:
+    from megatron_ext.gpt.setup import GPTRun
+
+__all__ = ["forward_step", "microbatches", "train_step"]
+
+
+def microbatches(run: GPTRun, step: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch ``step``: sample ``i`` of the global batch is
+    ``train_data[step * gbs + i]``; data-parallel rank r takes the r-th contiguous slice.
+    Each value is (micro_batch_size, seq_length)."""
+    t = run.recipe.training
+    per_rank = t.global_batch_size // run.dp_size
+    first = step * t.global_batch_size + run.dp_rank * per_rank
+    for m in range(run.num_microbatches):
+        start = first + m * t.micro_batch_size
+        samples = [run.train_data[start + i] for i in range(t.micro_batch_size)]
+        yield {
+            key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(run.env.device)
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+
+
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """One micro-batch forward: per-token losses [b, s] and the masked-mean loss function."""
+    batch = next(data_iterator)
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
+
+    def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        # clone: the schedule divides the returned loss by the micro-batch count in place
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return losses, loss_func
+
+
+def train_step(run: GPTRun, step: int) -> tuple[float, float, bool]:
+    """One optimizer step; returns (mean loss over the global batch in nats/token, global grad
+    norm before clipping, success)."""
+    run.model.zero_grad_buffer()
+    run.optimizer.zero_grad()
+    t = run.recipe.training
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=microbatches(run, step),
+        model=[run.model],
+        num_microbatches=run.num_microbatches,
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        forward_only=False,
+    )
+    lr = run.schedule.lr_at(step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    success, grad_norm, _ = run.optimizer.step()
+    loss = torch.zeros(1, dtype=torch.float64, device=run.env.device)
+    if parallel_state.is_pipeline_last_stage():
+        loss += sum(float(o["lm loss"]) for o in outputs) / run.num_microbatches
+    # Mean over data-parallel replicas; the last pipeline stage holds it, broadcast to the rest.
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    loss /= run.dp_size
+    dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(loss), float(grad_norm), success

@@ -1,0 +1,75 @@
+"""The GPT trainer's loop (``trainer: gpt``): megatron-core GPTModel + DDP + megatron-ext's
+optimizer adapter.
+
+Read top to bottom: set up (:mod:`.setup`), resume, then per step -- forward/backward through
+megatron-core's schedule, optimizer step (:mod:`.step`) -> stop on a non-finite loss -> record
+(the logger decides when to print) -> checkpoint (the checkpointer decides when).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from megatron_ext.config.schema import Recipe
+from megatron_ext.errors import TrainingDivergedError
+from megatron_ext.gpt.checkpoint import Checkpointer
+from megatron_ext.gpt.report import record_step, summarize
+from megatron_ext.gpt.setup import setup
+from megatron_ext.gpt.step import train_step
+from megatron_ext.run.metrics import MetricsLogger
+
+__all__ = ["train"]
+
+
+def train(recipe: Recipe) -> dict[str, Any]:
+    """Per-rank entry point: train ``recipe`` to ``training.steps``, resuming from the newest
+    checkpoint (``checkpoint.load``). Returns the run summary (rank 0 also writes
+    ``run_dir/summary.json``); raises :class:`TrainingDivergedError` on a non-finite loss."""
+    run = setup(recipe)
+    t, rank0 = recipe.training, run.env.rank == 0
+    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint)
+    loop_state = checkpointer.resume(run.model, run.optimizer)
+    run.start_step = int(loop_state["step"]) if loop_state else 0
+    if run.start_step >= t.steps:
+        if rank0:
+            print(
+                f"{run.run_dir}: already trained to step {run.start_step} of {t.steps}; "
+                f"raise training.steps to continue, or delete {run.run_dir} to start over",
+                flush=True,
+            )
+        return {}
+    log = MetricsLogger(
+        run.run_dir,
+        echo=rank0,
+        write=rank0,
+        tensorboard=recipe.logging.tensorboard,
+        log_interval=recipe.logging.log_interval,
+        last_step=t.steps,
+        start_step=run.start_step,
+        progress_bar=recipe.logging.progress_bar,
+    )
+    log.info(
+        f"megatron-ext gpt | world {run.env.world_size} ({run.env.backend}) | "
+        f"params {sum(p.numel() for p in run.model.parameters()):,} | "
+        f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}"
+    )
+    try:
+        for step in range(run.start_step, t.steps):
+            t0 = time.perf_counter()
+            loss, grad_norm, success = train_step(run, step)
+            step_time, done = time.perf_counter() - t0, step + 1
+            if not math.isfinite(loss) or not success:
+                raise TrainingDivergedError(
+                    f"step {done}: training loss is {loss} (grad norm {grad_norm}); "
+                    f"stopping without checkpointing this state. Lower optimizer.lr, enable "
+                    f"optimizer.clip_grad, or resume from {checkpointer.ckpt_dir}"
+                )
+            record_step(log, run, done, loss, grad_norm, step_time)
+            if checkpointer.should_save(done, t.steps):
+                loop = {"step": done, "consumed_samples": done * t.global_batch_size}
+                checkpointer.save(done, run.model, run.optimizer, loop)
+    finally:
+        log.close()
+    return summarize(run, log)

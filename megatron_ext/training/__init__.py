@@ -1,1 +1,0 @@
-"""Trainers and their shared pieces: the GPT loop, metrics/logging, checkpointing."""
