@@ -15,11 +15,13 @@ import torch
 import yaml
 
 from megatron_ext.config import load_recipe
-from megatron_ext.errors import ConfigError
+from megatron_ext.errors import ConfigError, TrainingDivergedError
+from megatron_ext.run.metrics import read_jsonl
 from megatron_ext.soma.recipe import SomaConfig
 from tests.conftest import ROOT, run_torchrun
 
 SCRIPT = ROOT / "tests" / "dist" / "soma_run.py"
+METRICS = ("metrics.jsonl", "metrics.rank1.jsonl")  # rank 0's, rank 1's
 
 TINY = {
     "trainer": "soma",
@@ -136,6 +138,57 @@ def test_fso_is_silent_and_ddpp_is_bit_identical(tmp_path, corpus):
             assert calls == [[], []], calls
         else:  # the counter does see traffic: one scalar all-gather per expert and batch
             assert all(c and set(c) == {"all_gather"} for c in calls), calls
+        # Each validation check is written once, by the rank that writes the expert's file:
+        # under FSO rank 1 writes its own expert's records, under DDPP rank 0 writes them all.
+        run = tmp_path / mode
+        rows = {r: read_jsonl(run / f) for r, f in enumerate(METRICS) if (run / f).is_file()}
+        experts = {r: sorted({row["expert"] for row in got}, key=str) for r, got in rows.items()}
+        assert experts == ({0: [0, "seed"], 1: [1]} if mode == "fso" else {0: [0, 1, "seed"]})
+
+
+def test_validation_checks_are_the_runs_metrics_records(tmp_path, corpus):
+    """One process: metrics.jsonl holds every validation check, the same figures as the
+    experts' checkpointed histories (what curves.csv is written from)."""
+    train_here(write_recipe(tmp_path, corpus, "records", expert_updates=4))
+    run = tmp_path / "records"
+    rows = read_jsonl(run / "metrics.jsonl")
+    expected = [
+        {"expert": "seed" if e < 0 else e, **h}
+        for e, history in zip([-1, 0, 1], histories(run, 2), strict=True)
+        for h in history
+    ]
+    key = lambda r: (str(r["expert"]), r["update"])  # noqa: E731
+    got = [
+        {k: v for k, v in r.items() if k not in ("step", "perturbed_tokens_per_s")} for r in rows
+    ]
+    assert sorted(got, key=key) == sorted(expected, key=key) and len(rows) == len(expected) == 6
+    assert all(r["step"] == r["update"] and r["perturbed_tokens_per_s"] > 0 for r in rows)
+    assert not (run / "metrics.rank1.jsonl").exists()
+
+
+def test_a_non_finite_loss_stops_the_run_before_checkpointing_it(tmp_path, corpus, monkeypatch):
+    """The seed run's 4th update sees NaN losses: TrainingDivergedError names it, and the
+    checkpoint written after update 2 is the newest (nothing of the diverged state is saved)."""
+    from megatron_ext.soma import update
+
+    calls = {"n": 0}
+    real = update.batched_loss
+
+    def nan_on_the_fourth_update(thetas, emb, tokens, layout):
+        losses = real(thetas, emb, tokens, layout)
+        if thetas.shape[0] > 1:  # a perturbed batch (validation scores one body)
+            calls["n"] += 1
+            if calls["n"] > 3 * TINY["soma"]["accumulation"]:
+                losses = losses * float("nan")
+        return losses
+
+    monkeypatch.setattr(update, "batched_loss", nan_on_the_fourth_update)
+    recipe = write_recipe(tmp_path, corpus, "nan")
+    with pytest.raises(TrainingDivergedError, match=r"seed run, update 4: the SPSA loss diff"):
+        train_here(recipe, "checkpoint.save_interval=2")
+    from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
+
+    assert load_file(expert_path(tmp_path / "nan", SEED_EXPERT))["state"]["update"] == 2
 
 
 def test_routed_eval_matches_direct_mixture(tmp_path, corpus):

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.zo.probes import probe_matrix, random_bits, second_moments, sparse_rademacher
+from megatron_ext.zo.probes import probe_matrix, probe_rows, second_moments
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam, loss_differences, perturb, spsa_estimate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,21 +45,29 @@ def py_bits(key: tuple[int, ...], i: int) -> int:
     return py_mix32(x ^ k0)
 
 
+def py_probe(key: tuple[int, ...], i: int, gain: bool) -> float:
+    """Coordinate ``i`` of the probe, from the documented use of the hash's two low bits."""
+    bits = py_bits(key, i)
+    sign = -1.0 if bits & 1 else 1.0
+    return sign if gain or (bits >> 1) & 1 else 0.0
+
+
 @pytest.mark.parametrize(
     "key", [(0,), (1, 2, 3), (7, 0, 123456, 3, 63), (2**64 - 1, 2**40 + 5), (-1, 5)]
 )
-def test_bits_equal_pure_python_hash(key):
+def test_probes_equal_pure_python_hash(key):
     n = 70_000
-    bits = random_bits(key, n)
-    assert bits.dtype == torch.int64 and bits.shape == (n,)
-    assert int(bits.min()) >= 0 and int(bits.max()) < 2**32
-    for i in (0, 1, 2, 31, 4095, 65_536, n - 1):
-        assert int(bits[i]) == py_bits(key, i), i
+    mask = _mask(n, 2_000)
+    rows = probe_rows([key, (3,)], mask)
+    assert rows.dtype == torch.float32 and rows.shape == (2, n)
+    for i in (0, 1, 2, 31, 1999, 2000, 4095, 65_536, n - 1):
+        assert float(rows[0, i]) == py_probe(key, i, bool(mask[i])), i
+        assert float(rows[1, i]) == py_probe((3,), i, bool(mask[i])), i
 
 
 def test_keys_outside_64_bits_rejected():
     with pytest.raises(ValueError, match="64 bits"):
-        random_bits((2**64,), 4)
+        probe_rows([(2**64,)], _mask(4, 0))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -68,7 +76,6 @@ def test_bits_identical_on_cuda():
     cpu = probe_matrix(1, 2, 3, 4, range(8), mask)
     gpu = probe_matrix(1, 2, 3, 4, range(8), mask.cuda())
     assert torch.equal(cpu, gpu.cpu())
-    assert torch.equal(random_bits((9, 9), 1000), random_bits((9, 9), 1000, device="cuda").cpu())
 
 
 def _mask(n: int, gains: int) -> torch.Tensor:
@@ -79,7 +86,7 @@ def _mask(n: int, gains: int) -> torch.Tensor:
 
 def test_probe_distribution_frequencies():
     n, gains = 1_000_000, 200_000
-    z = sparse_rademacher((11, 3, 5), _mask(n, gains))
+    (z,) = probe_rows([(11, 3, 5)], _mask(n, gains))
     assert z.dtype == torch.float32
     g, w = z[:gains], z[gains:]
     # Gains: ±1 with ½ each, never 0.
@@ -120,11 +127,11 @@ def test_probes_deterministic_and_keyed():
     a = probe_matrix(1, 2, 3, 4, [0, 1, 2], mask)
     assert torch.equal(a, probe_matrix(1, 2, 3, 4, [0, 1, 2], mask))
     for j in range(3):
-        assert torch.equal(a[j], sparse_rademacher((1, 2, 3, 4, j), mask))
+        assert torch.equal(a[j], probe_rows([(1, 2, 3, 4, j)], mask)[0])
     # Any counter changes the probe; so does the key length.
-    base = sparse_rademacher((1, 2, 3, 4, 0), mask)
+    base = probe_rows([(1, 2, 3, 4, 0)], mask)[0]
     for key in [(2, 2, 3, 4, 0), (1, 3, 3, 4, 0), (1, 2, 4, 4, 0), (1, 2, 3, 5, 0), (1, 2, 3, 4)]:
-        other = sparse_rademacher(key, mask)
+        other = probe_rows([key], mask)[0]
         assert (other != base).float().mean() > 0.4, key
     # A subset of directions gives the same rows (what a rank in DDPP regenerates).
     assert torch.equal(probe_matrix(1, 2, 3, 4, [2], mask)[0], a[2])

@@ -22,8 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from megatron_ext.run.precision import precision_dtype
 
 
 def have_transformer_engine() -> bool:
@@ -47,11 +46,7 @@ def transformer_config(
     model: ModelConfig, parallel: ParallelConfig, precision: str
 ) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA)."""
-    if precision not in DTYPES:
-        raise ConfigError(
-            f"training.precision={precision!r} is not supported by the GPT "
-            f"trainer yet; use one of {', '.join(DTYPES)}"
-        )
+    dtype = precision_dtype(precision)
     cuda = torch.cuda.is_available()
     swiglu = model.activation == "swiglu"
     ffn = model.ffn_hidden_size or (
@@ -80,8 +75,8 @@ def transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         bf16=precision == "bf16",
-        params_dtype=DTYPES[precision],
-        pipeline_dtype=DTYPES[precision],
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
         use_cpu_initialization=not cuda,
         bias_activation_fusion=False,

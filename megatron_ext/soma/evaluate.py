@@ -10,7 +10,6 @@ nats/byte. Windows are grouped by expert, so each expert runs once over all wind
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,7 +144,3 @@ def routed_throughput(
         )
     tokens = len(windows) * (route_bytes + score_bytes)
     return {"tokens_per_s": tokens / total_s, "routing_s": routing_s, "total_s": total_s}
-
-
-def perplexity(nats_per_byte: float) -> float:
-    return math.exp(nats_per_byte)

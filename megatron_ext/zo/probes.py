@@ -108,18 +108,6 @@ def _check_n(n: int) -> None:
         raise ValueError(f"a probe stream has at most 2^32 coordinates, asked for {n}")
 
 
-def random_bits(
-    key: Sequence[int], n: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """(n,) int64 in [0, 2^32): the hash of ``key`` at coordinates ``0..n-1``.
-
-    Identical on every device (integer arithmetic only, no intermediate reaches 2^63)."""
-    _check_n(n)
-    k0, k1 = key_words(key)
-    idx = torch.arange(n, dtype=torch.int64, device=device)
-    return _coordinate_bits(torch.tensor(k0, device=device), torch.tensor(k1, device=device), idx)
-
-
 def _rademacher_from_bits(
     bits: torch.Tensor, gain_mask: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -128,21 +116,14 @@ def _rademacher_from_bits(
     return (sign * keep).to(dtype)
 
 
-def sparse_rademacher(
-    key: Sequence[int], gain_mask: torch.Tensor, *, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """(n,) probe in {-1, 0, +1}, ``n = gain_mask.numel()``, on ``gain_mask``'s device.
-
-    ``gain_mask[j]`` true: ±1 with probability ½ each; false: 0 with probability ½, ±1 with ¼."""
-    bits = random_bits(key, gain_mask.numel(), device=gain_mask.device)
-    return _rademacher_from_bits(bits, gain_mask.reshape(-1), dtype)
-
-
 def probe_rows(
     keys: Sequence[Sequence[int]], gain_mask: torch.Tensor, *, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """(len(keys), n) probes, row ``i`` equal to ``sparse_rademacher(keys[i], gain_mask)``, all
-    hashed in one broadcast pass (no Python loop over rows or coordinates)."""
+    """(len(keys), n) probes in {-1, 0, +1}, row ``i`` the probe of key ``keys[i]`` at
+    coordinates ``0..n-1`` (``n = gain_mask.numel()``), on ``gain_mask``'s device: where
+    ``gain_mask`` is true ±1 with probability ½ each, elsewhere 0 with probability ½ and ±1 with
+    ¼. All rows are hashed in one broadcast pass (no Python loop over rows or coordinates);
+    identical on every device (integer arithmetic only, no intermediate reaches 2^63)."""
     n = gain_mask.numel()
     _check_n(n)
     device = gain_mask.device
@@ -164,8 +145,8 @@ def probe_matrix(
     *,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """(len(directions), n) probes of one update; row ``j`` is
-    ``sparse_rademacher((seed, expert, update, batch, directions[j]), gain_mask)``."""
+    """(len(directions), n) probes of one update; row ``j`` is the probe of key
+    ``(seed, expert, update, batch, directions[j])`` (:func:`probe_rows`)."""
     keys = [(seed, expert, update, batch, d) for d in directions]
     return probe_rows(keys, gain_mask, dtype=dtype)
 
