@@ -1,5 +1,5 @@
-"""The launcher: torchrun commands for one node, flags and SLURM; GPU detection; the real CLI's
---dry-run; and that none of it imports torch (rank detection: test_rank_env.py).
+"""The launcher: torchrun commands for one node, flags and SLURM; GPU detection (rank detection:
+test_rank_env.py; the real command line and its torch-free --dry-run: test_cli.py).
 
 Command building is tested through ``build_launch_command`` with a made-up environment and host,
 so no test depends on the machine it runs on or starts torchrun.
@@ -7,11 +7,6 @@ so no test depends on the machine it runs on or starts torchrun.
 
 from __future__ import annotations
 
-import os
-import shlex
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +26,6 @@ PY = "/opt/python/bin/python3"  # any interpreter path: the launcher must use th
 RANK_ENTRY = ["-m", "megatron_ext.launch.cli", "train"]
 CPU_HOST = HostInfo(gpus=0, cpus=8)
 GPU_HOST = HostInfo(gpus=8, cpus=96)
-MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
 
 def write_recipe(tmp_path: Path, **sections: dict) -> str:
@@ -311,123 +305,3 @@ def test_count_gpus_from_dev_files_then_nvidia_smi(tmp_path: Path) -> None:
     smi.chmod(0o755)
     assert count_gpus({}, empty, nvidia_smi=str(smi)) == 2
     assert count_gpus({}, empty, nvidia_smi=str(tmp_path / "missing")) == 0
-
-
-# --------------------------------------------------------------------------- real CLI
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables and without GPUs, plus ``extra``."""
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MASTER_"))
-    }
-    return {**base, "CUDA_VISIBLE_DEVICES": "", **extra}
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(MEGATRON_EXT), *args],
-        env=clean_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def parse_dry_run(stdout: str) -> tuple[dict[str, str], list[str]]:
-    *exports, command = stdout.strip().splitlines()
-    env = dict(shlex.split(line)[1].split("=", 1) for line in exports)
-    assert all(line.startswith("export ") for line in exports)
-    return env, shlex.split(command)
-
-
-def test_cli_dry_run_prints_the_command(tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, launch={"threads_per_rank": 2})
-    proc = run_cli("launch", recipe, "run_dir=my runs/x", "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    env, argv = parse_dry_run(proc.stdout)
-    assert env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    assert Path(argv[0]).name.startswith("python")
-    assert argv[1:] == [
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        *RANK_ENTRY,
-        recipe,
-        "run_dir=my runs/x",
-    ]  # quoted, so one argument
-
-
-def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
-    proc = run_cli(
-        "launch",
-        write_recipe(tmp_path),
-        "--dry-run",
-        env={**slurm_env(), "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
-    )
-    assert proc.returncode == 0, proc.stderr
-    _, argv = parse_dry_run(proc.stdout)
-    rdzv = argv[3 : argv.index("-m", 3)]
-    assert rdzv == [
-        "--nnodes",
-        "4",
-        "--node-rank",
-        "2",
-        "--nproc-per-node",
-        "8",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "gpu007:29611",
-        "--rdzv-id",
-        "4242",
-    ]
-
-
-def test_launcher_and_dry_run_never_import_torch(tmp_path: Path) -> None:
-    code = (
-        "import sys\n"
-        "import megatron_ext.launch.launcher, megatron_ext.run.rank_env\n"
-        "from megatron_ext.launch.cli import main\n"
-        f"assert main(['launch', {write_recipe(tmp_path)!r}, '--dry-run']) == 0\n"
-        "assert main(['launch', 'soma_tiny', '--dry-run']) == 0\n"  # every trainer's rules
-        "print('torch' in sys.modules)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env()
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "False"
-
-
-def test_run_passes_signals_on_and_returns_the_exit_code() -> None:
-    child = (
-        "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
-        "print('ready', os.getpgrp() == os.getpid(), flush=True)\n"
-        "time.sleep(30)\n"
-    )
-    parent = (
-        "import os, sys\n"
-        "from megatron_ext.launch.launcher import run_forwarding_signals\n"
-        f"sys.exit(run_forwarding_signals([sys.executable, '-c', {child!r}], os.environ))\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
-    try:
-        # the child leads its own process group, so a terminal's Ctrl-C reaches it only once
-        assert proc.stdout is not None and proc.stdout.readline().split() == ["ready", "True"]
-        proc.send_signal(signal.SIGTERM)  # to the launcher only: it must pass it on
-        assert proc.wait(timeout=20) == 7
-    finally:
-        proc.kill()
-
-    killed = (
-        "import sys\nfrom megatron_ext.launch.launcher import run_forwarding_signals\n"
-        "sys.exit(run_forwarding_signals([sys.executable, '-c', "
-        "'import os; os.kill(os.getpid(), 9)'], {}))\n"
-    )
-    assert subprocess.run([sys.executable, "-c", killed], timeout=20).returncode == 128 + 9
