@@ -38,14 +38,13 @@ layout gives the same results.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
 
+from .options import RefreshMode
 from .validation import check_choice
 
 __all__ = [
-    "RefreshMode",
     "cholesky_qr2",
     "column_major",
     "diagonal_in_basis",
@@ -59,7 +58,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RefreshMode = Literal["qr", "eigh", "cholesky_qr2"]
 
 # δ/λ_max of the shift in the power-iteration refresh: well above fp32 rounding of L·Q (~1e-7)
 # and far below the eigenvalue gaps that matter for the preconditioner.

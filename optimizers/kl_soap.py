@@ -25,27 +25,24 @@ from typing import Any
 
 import torch
 
-from megatron_ext.distributed.tensor_parallel import (
+from .kl_soap_math import (
+    COLUMN_MAJOR_KEYS,
+    STALE_REFRESH_EVERY,
+    STATE_KEYS,
+    KLSoapConfig,
+    KLSoapMatrices,
+    kl_soap_direction,
+)
+from .options import InverseRoot, RefreshMode, TPMode
+from .orthogonalized import default_max_batch_numel
+from .packing import StatePacker
+from .tensor_parallel import (
     ShardSplit,
-    TPMode,
     TPShardInfo,
     check_tp_mode,
     gather_shards,
     own_shard,
 )
-
-from .eigenbasis import RefreshMode
-from .kl_soap_math import (
-    COLUMN_MAJOR_KEYS,
-    STALE_REFRESH_EVERY,
-    STATE_KEYS,
-    InverseRoot,
-    KLSoapConfig,
-    KLSoapMatrices,
-    kl_soap_direction,
-)
-from .orthogonalized import default_max_batch_numel
-from .packing import StatePacker
 from .validation import check_range
 
 __all__ = ["LEGACY_STATE_KEYS", "KLSoap"]
@@ -70,11 +67,13 @@ class KLSoap(torch.optim.Optimizer):
         refresh_mode: ``qr``, ``eigh`` or ``cholesky_qr2``.
         inverse_root: ``eigenbasis`` or ``newton_schulz`` (see :mod:`.kl_soap_math`).
         root_iters: coupled Newton–Schulz iterations for ``inverse_root="newton_schulz"``.
+        root_damping: their damping relative to the factor's Frobenius norm (see
+            :mod:`.kl_soap_math`).
         stale_refresh: ablation: reference SOAP's stale refresh (see :mod:`.kl_soap_math`).
         tp_mode: for parameters in ``tp_shards``: ``duplicated`` (default; TP=1 update, full
             state on every TP rank) or ``blockwise`` (each shard its own matrix).
         tp_shards: tensor-parallel shards among ``params`` and their
-            :class:`~megatron_ext.distributed.tensor_parallel.TPShardInfo`.
+            :class:`~megatron_ext.optimizers.tensor_parallel.TPShardInfo`.
         max_batch_numel: largest stacked batch, in gradient elements; default
             :func:`~.orthogonalized.default_max_batch_numel`.
     """
@@ -98,6 +97,7 @@ class KLSoap(torch.optim.Optimizer):
         refresh_mode: RefreshMode = "qr",
         inverse_root: InverseRoot = "eigenbasis",
         root_iters: int = 25,
+        root_damping: float = 1e-4,
         stale_refresh: bool = False,
         tp_mode: TPMode = "duplicated",
         tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
@@ -123,6 +123,7 @@ class KLSoap(torch.optim.Optimizer):
             refresh_mode=refresh_mode,
             inverse_root=inverse_root,
             root_iters=root_iters,
+            root_damping=root_damping,
             stale_refresh=stale_refresh,
             tp_mode=tp_mode,
         )
@@ -157,6 +158,7 @@ class KLSoap(torch.optim.Optimizer):
             refresh_mode=group["refresh_mode"],
             inverse_root=group["inverse_root"],
             root_iters=group["root_iters"],
+            root_damping=group["root_damping"],
             stale_refresh=group["stale_refresh"],
         )
 

@@ -12,8 +12,12 @@ arXiv:2509.03378, with SOAP's Adam-in-the-eigenbasis, Vyas et al., 2024):
    the factors are the bias-corrected average of the terms so far (β_1 = 0: the first step's
    factor is its own term). ε is absolute (units of λ); Emerging-Optimizers clamps instead,
    ``max(λ, ε)^(−p)``, which differs from ``(λ + ε)^(−p)`` only where λ is within a few ε.
-   Alternatively (``inverse_root="newton_schulz"``) ``S^(−p) = (factor + εI)^(−p)`` from a coupled
-   Newton–Schulz iteration on the factor itself (:mod:`.matrix_roots`).
+   Alternatively (``inverse_root="newton_schulz"``) ``S^(−p) = (factor + δI)^(−p)`` from a coupled
+   Newton–Schulz iteration on the factor itself (:mod:`.matrix_roots`), damped by
+   ``δ = ε + root_damping·‖factor‖_F``: the relative term bounds the condition number by
+   1/root_damping (1e4), which fp32 Newton–Schulz needs to converge in ``root_iters`` steps —
+   zero-initialised factors of rectangular matrices are rank-deficient, and from the first
+   step's ``S = I/ε`` their eigenvalues span ~1e16.
 2. Every ``refresh_every`` steps: ``Q ← orth(L·Q)`` (:mod:`.eigenbasis`; ``eigh`` at the first
    refresh). Because the factors already hold this step's gradient, the basis never lags the
    gradient — with the per-step refresh this removes the loss spikes seen with stale bases.
@@ -55,9 +59,7 @@ The functions here work on one batch of same-shape matrices (:class:`KLSoapMatri
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -69,24 +71,23 @@ from .eigenbasis import (
     refresh_eigenbasis,
     take_rows,
 )
+from .kl_soap_spec import root_index
 from .matrix_roots import inverse_root_newton_schulz
+from .options import InverseRoot
 from .validation import check_betas, check_choice, check_range
 
 __all__ = [
     "STALE_REFRESH_EVERY",
     "STATE_KEYS",
-    "InverseRoot",
     "KLSoapConfig",
     "KLSoapMatrices",
     "accumulate_kl_factors",
     "adam_in_eigenbasis",
     "explicit_factors",
     "kl_soap_direction",
-    "kl_soap_flops",
     "refresh_bases",
 ]
 
-InverseRoot = Literal["eigenbasis", "newton_schulz"]
 
 STATE_KEYS = (
     "exp_avg",
@@ -115,6 +116,7 @@ class KLSoapConfig:
     refresh_mode: RefreshMode = "qr"
     inverse_root: InverseRoot = "eigenbasis"
     root_iters: int = 25
+    root_damping: float = 1e-4
     stale_refresh: bool = False
 
     def __post_init__(self) -> None:
@@ -131,6 +133,7 @@ class KLSoapConfig:
         check_choice("refresh_mode", self.refresh_mode, RefreshMode)
         check_choice("inverse_root", self.inverse_root, InverseRoot)
         check_range("root_iters", self.root_iters, low=1)
+        check_range("root_damping", self.root_damping, low=0.0)
         if not isinstance(self.stale_refresh, bool):
             raise ValueError(f"stale_refresh must be a bool, got {self.stale_refresh!r}")
         if self.inverse_root == "newton_schulz" and self.root_index is None:
@@ -149,8 +152,7 @@ class KLSoapConfig:
     @property
     def root_index(self) -> int | None:
         """r with ``factor_exponent = 1/r``, or None if there is no such integer."""
-        r = round(1.0 / self.factor_exponent)
-        return r if r >= 1 and math.isclose(1.0 / r, self.factor_exponent, rel_tol=1e-12) else None
+        return root_index(self.factor_exponent)
 
 
 @dataclass
@@ -199,19 +201,6 @@ def explicit_factors(s: KLSoapMatrices) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def kl_soap_flops(m: int, n: int) -> float:
-    """FLOPs (2 per multiply-add) of one step with a refresh by ``qr``, one ``m×n`` matrix.
-
-    ``Q_Lᵀ G``, ``G Q_R`` and ``G'`` for the factor updates, the two low-rank updates, per side a
-    triangular product (``k³``), ``geqrf`` and forming Q (``4/3·k³`` each), and the three
-    two-sided products of Adam in the eigenbasis.
-    """
-    two_sided = 2 * m * n * (m + n)
-    updates = two_sided + 2 * m * n * min(m, n) + two_sided
-    per_side = (1 + 4 / 3 + 4 / 3) * (m**3 + n**3)
-    return updates + per_side + 3 * two_sided
-
-
 def accumulate_kl_factors(
     grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig, step: int
 ) -> None:
@@ -226,10 +215,10 @@ def accumulate_kl_factors(
         assert root is not None
         factor_l, factor_r = explicit_factors(s)
         inv_r = inverse_root_newton_schulz(
-            factor_r, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
+            factor_r, root, eps=_root_eps(factor_r, cfg), num_iters=cfg.root_iters
         )
         inv_l = inverse_root_newton_schulz(
-            factor_l, root, eps=cfg.factor_eps, num_iters=cfg.root_iters
+            factor_l, root, eps=_root_eps(factor_l, cfg), num_iters=cfg.root_iters
         )
         factor_l.baddbmm_(torch.bmm(grad, inv_r), grad.mT, beta=decay, alpha=weight / n)
         factor_r.baddbmm_(grad.mT, torch.bmm(inv_l, grad), beta=decay, alpha=weight / m)
@@ -254,6 +243,12 @@ def accumulate_kl_factors(
     s.factor_basis_r.baddbmm_(
         qtg.mul_(d2_l.unsqueeze(-1)).mT, projected, beta=decay, alpha=weight / m
     )
+
+
+def _root_eps(factor: torch.Tensor, cfg: KLSoapConfig) -> torch.Tensor:
+    """``(B, 1, 1)`` damping ``ε + root_damping·‖factor‖_F`` of the Newton–Schulz roots."""
+    norm = torch.linalg.matrix_norm(factor, ord="fro", keepdim=True)
+    return norm.mul_(cfg.root_damping).add_(cfg.factor_eps)
 
 
 def refresh_bases(s: KLSoapMatrices, mode: RefreshMode, first: bool) -> None:

@@ -23,14 +23,15 @@ __all__ = ["inverse_root_newton_schulz"]
 
 
 def inverse_root_newton_schulz(
-    a: torch.Tensor, root: int, *, eps: float = 0.0, num_iters: int = 25
+    a: torch.Tensor, root: int, *, eps: float | torch.Tensor = 0.0, num_iters: int = 25
 ) -> torch.Tensor:
     """``(A + eps·I)^(−1/root)`` for a batch ``(B, k, k)`` of symmetric PSD matrices.
 
     Args:
         a: ``(..., k, k)`` symmetric positive semi-definite matrices.
         root: integer r ≥ 1 of the inverse root (1 gives the inverse).
-        eps: damping added to the diagonal; must make ``A + eps·I`` positive definite.
+        eps: damping added to the diagonal (a float, or a tensor broadcasting against
+            ``(..., 1, 1)``: one per matrix); must make ``A + eps·I`` positive definite.
         num_iters: iterations (see the module docstring for the count κ requires).
 
     Returns:

@@ -8,18 +8,17 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_ext.distributed.tensor_parallel import TPMode, TPShardInfo
-
 from .newton_schulz import newton_schulz
-from .orthogonalized import OrthogonalizedOptimizer, ScaleMode
+from .options import PolarPrecision, ScaleMode, TPMode
+from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout
+from .tensor_parallel import TPShardInfo
 from .validation import check_choice
 
-__all__ = ["MOP", "PolarPath", "PolarPrecision", "polar_factor"]
+__all__ = ["MOP", "PolarPath", "polar_factor"]
 
 logger = logging.getLogger(__name__)
 
-PolarPrecision = Literal["fp32", "fp64"]
 PolarPath = Literal["svd", "eigh", "newton_schulz"]
 
 # Steps of the last-resort Newton–Schulz fallback: polar_express reaches ~1e-3 by step 6 on

@@ -7,25 +7,19 @@ from typing import Any
 
 import torch
 
-from megatron_ext.distributed.tensor_parallel import (
-    DistributedIteration,
-    TPMode,
-    TPShardInfo,
-)
-
-from .newton_schulz import (
-    CoefficientSet,
-    GramReduce,
-    NSMethod,
-    NSPrecision,
+from .newton_schulz import GramReduce, newton_schulz, newton_schulz_iterate
+from .ns_schedule import (
     default_gram_restart,
     gram_is_cheaper,
-    newton_schulz,
-    newton_schulz_iterate,
     resolve_coefficients,
 )
-from .orthogonalized import OrthogonalizedOptimizer, ScaleMode
+from .options import CoefficientSet, NSMethod, NSPrecision, ScaleMode, TPMode
+from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout
+from .tensor_parallel import (
+    DistributedIteration,
+    TPShardInfo,
+)
 from .validation import check_choice, check_range
 
 __all__ = ["Muon"]
@@ -67,9 +61,9 @@ class Muon(OrthogonalizedOptimizer):
         tp_mode: for parameters in ``tp_shards``: ``duplicated`` (default; gather, TP=1 update),
             ``distributed`` (NS on shards with all-reduced Gram products; TP=1 update up to
             rounding) or ``blockwise`` (each shard alone; not the TP=1 algorithm). See
-            :mod:`megatron_ext.distributed.tensor_parallel`.
+            :mod:`.tensor_parallel`.
         tp_shards: tensor-parallel shards among ``params`` and their
-            :class:`~megatron_ext.distributed.tensor_parallel.TPShardInfo`.
+            :class:`~megatron_ext.optimizers.tensor_parallel.TPShardInfo`.
         max_batch_numel: largest stacked batch, in elements; default
             :func:`~.orthogonalized.default_max_batch_numel`.
     """

@@ -13,7 +13,7 @@
 
 Tensor parallelism: parameters listed in ``tp_shards`` (a :class:`TPShardInfo` per shard) are
 orthogonalised according to their group's ``tp_mode`` (see
-:mod:`megatron_ext.distributed.tensor_parallel`): ``blockwise`` treats each shard as its own
+:mod:`.tensor_parallel`): ``blockwise`` treats each shard as its own
 matrix; ``duplicated`` (and ``distributed``, where a subclass supports it) gives the TP=1 update,
 with the scale from the full matrix's shape. Shards that split the same way are still stacked,
 one collective per stacked batch.
@@ -25,11 +25,13 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
-from megatron_ext.distributed.tensor_parallel import (
+from .options import ScaleMode
+from .qkv import QKVLayout, qkv_views
+from .tensor_parallel import (
     DistributedIteration,
     ShardSplit,
     TPShardInfo,
@@ -37,20 +39,15 @@ from megatron_ext.distributed.tensor_parallel import (
     orthogonalize_distributed,
     orthogonalize_duplicated,
 )
-
-from .qkv import QKVLayout, qkv_views
 from .validation import check_choice, check_range
 
 __all__ = [
     "MatrixSlot",
     "OrthogonalizedOptimizer",
-    "ScaleMode",
     "default_max_batch_numel",
     "matrix_slots",
     "update_scale",
 ]
-
-ScaleMode = Literal["spectral", "shape", "unit_rms"]
 
 
 def default_max_batch_numel(device: torch.device) -> int:
@@ -246,7 +243,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
 
     def distributed_iteration(self, group: dict[str, Any]) -> DistributedIteration:
         """The iteration for ``tp_mode="distributed"`` (see
-        :func:`~megatron_ext.distributed.tensor_parallel.orthogonalize_distributed`)."""
+        :func:`~.tensor_parallel.orthogonalize_distributed`)."""
         raise NotImplementedError(f"{type(self).__name__} has no distributed TP mode")
 
     def _split(self, slot: MatrixSlot, p: torch.Tensor, group: dict[str, Any]) -> ShardSplit | None:

@@ -1,36 +1,21 @@
-"""Optimizers by name, with hyperparameters checked before anything is built."""
+"""Build an optimizer by its registered name, with its keyword hyperparameters checked first."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from .kl_soap import KLSoap
-from .lion import Lion
-from .mop import MOP
-from .muon import Muon
-from .validation import check_choice
+from .spec import optimizer_spec
 
-__all__ = ["OPTIMIZERS", "OptimizerName", "build_optimizer", "hyperparameter_names"]
-
-OptimizerName = Literal["adamw", "lion", "muon", "mop", "kl_soap"]
-
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "adamw": torch.optim.AdamW,
-    "lion": Lion,
-    "muon": Muon,
-    "mop": MOP,
-    "kl_soap": KLSoap,
-}
+__all__ = ["build_optimizer", "hyperparameter_names"]
 
 
 def hyperparameter_names(name: str) -> list[str]:
-    """Keyword hyperparameters that optimizer ``name`` accepts."""
-    check_choice("optimizer", name, OptimizerName)
-    signature = inspect.signature(OPTIMIZERS[name].__init__)
+    """Keyword hyperparameters that optimizer ``name`` accepts (from its signature)."""
+    signature = inspect.signature(optimizer_spec(name).optimizer_class().__init__)
     return [p for p in signature.parameters if p not in ("self", "params")]
 
 
@@ -39,7 +24,7 @@ def build_optimizer(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     hyperparameters: Mapping[str, Any] | None = None,
 ) -> torch.optim.Optimizer:
-    """Build optimizer ``name`` on ``params``.
+    """Build the optimizer registered as ``name`` on ``params``.
 
     Raises:
         ValueError: unknown optimizer name, unknown hyperparameter, or an invalid value; the
@@ -52,4 +37,4 @@ def build_optimizer(
         raise ValueError(
             f"optimizer {name!r} has no hyperparameter(s) {unknown}; valid ones are {valid}"
         )
-    return OPTIMIZERS[name](params, **hyperparameters)
+    return optimizer_spec(name).optimizer_class()(params, **hyperparameters)

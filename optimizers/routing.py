@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MATRIX_OPTIMIZERS", "route_parameter", "split_parameters", "weight_decay_groups"]
-
-MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")
+__all__ = ["route_parameter", "weight_decay_groups"]
 
 _ADAMW_NAME_PARTS = ("embedding", "output_layer", "conv1d", "norm", "router.weight")
 
@@ -39,7 +37,7 @@ def route_parameter(
     Args:
         name: full parameter name, e.g. ``decoder.layers.0.mlp.linear_fc1.weight``.
         shape: its shape.
-        matrix_optimizer: the optimizer for hidden matrices (``muon``, ``mop``, ``kl_soap``).
+        matrix_optimizer: the registered optimizer for hidden matrices (``muon``, ``lion``, ...).
         overrides: ``(glob, optimizer)`` pairs tried first, in order.
     """
     for pattern, optimizer in overrides:
@@ -51,24 +49,6 @@ def route_parameter(
     if any(part in name for part in _ADAMW_NAME_PARTS):
         return "adamw"
     return matrix_optimizer
-
-
-def split_parameters(
-    named_parameters: Iterable[tuple[str, torch.Tensor]],
-    *,
-    matrix_optimizer: str = "muon",
-    overrides: Sequence[tuple[str, str]] = (),
-) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Group trainable ``(name, param)`` pairs by their routed optimizer name (order kept)."""
-    routed: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, param in named_parameters:
-        if not param.requires_grad:
-            continue
-        opt = route_parameter(
-            name, tuple(param.shape), matrix_optimizer=matrix_optimizer, overrides=overrides
-        )
-        routed.setdefault(opt, []).append((name, param))
-    return routed
 
 
 def weight_decay_groups(

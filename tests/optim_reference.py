@@ -126,7 +126,10 @@ class KLSoapReference:
     weight_decay: float = 0.0
     refresh_every: int = 1
     stale: bool = False
-    exact_root: bool = False  # S^(−p) = (factor + εI)^(−p) instead of from the eigenbasis diagonal
+    # S^(−p) = (factor + δI)^(−p), δ = ε + root_damping·‖factor‖_F, instead of from the
+    # eigenbasis diagonal
+    exact_root: bool = False
+    root_damping: float = 1e-4
     mode: str = "qr"  # refresh: "qr" (one power-iteration step) or "eigh"
     t: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -143,7 +146,8 @@ class KLSoapReference:
 
     def _inv_root(self, factor: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         if self.exact_root:
-            return inverse_root_eigh(factor, round(1 / self.p), self.factor_eps)
+            damping = self.factor_eps + self.root_damping * torch.linalg.norm(factor).item()
+            return inverse_root_eigh(factor, round(1 / self.p), damping)
         lam = torch.diag(basis.T @ factor @ basis).clamp_min(0)
         return basis @ torch.diag((lam + self.factor_eps) ** (-self.p)) @ basis.T
 

@@ -134,6 +134,24 @@ def test_stdlib_corpus_is_bounded_deduplicated_and_reproducible(stdlib_docs: lis
     assert "Record of phased-in incompatible language changes" in stdlib_docs[0]  # __future__
 
 
+def test_python_docs_corpus_is_the_language_reference_in_paragraphs() -> None:
+    """``python-docs``: every paragraph of pydoc's topics, in sorted topic order, so the same
+    interpreter always gives the same corpus; English prose, not code."""
+    from pydoc_data.topics import topics
+
+    docs = list(iter_documents(["python-docs"]))
+    assert docs == list(iter_documents(["python-docs"]))
+    assert all(doc == doc.strip() and doc for doc in docs)
+    assert len(docs) > 1000  # paragraphs, enough for a document-wise train/valid split
+    joined = "\n\n".join(topics[name].strip() for name in sorted(topics))
+    # nothing but whitespace between paragraphs is lost
+    assert "".join(docs).replace("\n", "").replace(" ", "") == joined.replace("\n", "").replace(
+        " ", ""
+    )
+    words = " ".join(docs).split()
+    assert sum(w.lower() in ("the", "of", "is", "a", "to") for w in words) / len(words) > 0.1
+
+
 def test_txt_paragraphs_and_jsonl(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"First line\r\nsecond line\r\n\r\n \t\n\n  Two  \n\n\n")
     records = [{"body": "x\ny", "id": 1}, {"body": "  "}, {"body": "z"}]

@@ -9,15 +9,11 @@ import logging
 import pytest
 import torch
 
-from megatron_ext.optimizers import (
-    MOP,
-    Muon,
-    QKVLayout,
-    polar_factor,
-    qkv_views,
-    resolve_coefficients,
-)
 from megatron_ext.optimizers import mop as mop_module
+from megatron_ext.optimizers.mop import MOP, polar_factor
+from megatron_ext.optimizers.muon import Muon
+from megatron_ext.optimizers.ns_schedule import resolve_coefficients
+from megatron_ext.optimizers.qkv import QKVLayout, qkv_views
 
 from .optim_reference import MuonReference, polar_reference
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.optimizers import (
+from megatron_ext.optimizers.newton_schulz import newton_schulz
+from megatron_ext.optimizers.ns_schedule import (
     COEFFICIENT_SETS,
     gram_is_cheaper,
-    newton_schulz,
     newton_schulz_flops,
     resolve_coefficients,
 )

@@ -30,7 +30,7 @@ import torch
 
 from megatron_ext.optimizers import MOP, KLSoap, Lion, Muon
 from megatron_ext.optimizers.eigenbasis import column_major
-from megatron_ext.optimizers.newton_schulz import COEFFICIENT_SETS
+from megatron_ext.optimizers.ns_schedule import COEFFICIENT_SETS
 
 eo_soap = pytest.importorskip("emerging_optimizers.soap.soap")
 eo_muon = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers.muon")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.distributed.tensor_parallel import TPShardInfo, orthogonalize_distributed
 from megatron_ext.optimizers import (
     MOP,
     KLSoap,
@@ -29,6 +28,7 @@ from megatron_ext.optimizers import (
     resolve_coefficients,
 )
 from megatron_ext.optimizers.newton_schulz import newton_schulz_iterate
+from megatron_ext.optimizers.tensor_parallel import TPShardInfo, orthogonalize_distributed
 from tests.conftest import DIST, run_torchrun
 from tests.dist.tp_modes import (
     CONFIGS,

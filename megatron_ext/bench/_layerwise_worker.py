@@ -139,7 +139,7 @@ def main() -> None:
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             gather.stats = WireStats()
-            opt.grad_bytes = {"sent": 0, "received": 0}
+            opt.grad_wire = WireStats()
         # each rank's share of the fp32 gradient, scaled as DDP scales before its sum
         shares = {n: g / world for (n, _), g in zip(params, grads, strict=True)}
         sync()
@@ -187,8 +187,8 @@ def main() -> None:
         "not_owned_bytes": sum(nbytes.values()) - owned - replicated,
         "param_sync_bytes_sent": gather.stats.sent / args.steps,
         "param_sync_bytes_recv": gather.stats.received / args.steps,
-        "grad_sync_bytes_sent": opt.grad_bytes["sent"] / args.steps,
-        "grad_sync_bytes_recv": opt.grad_bytes["received"] / args.steps,
+        "grad_sync_bytes_sent": opt.grad_wire.sent / args.steps,
+        "grad_sync_bytes_recv": opt.grad_wire.received / args.steps,
         "plan_compute_flops": plan.compute,
         "plan_memory_bytes": plan.memory,
         "compute_imbalance": plan.compute_imbalance,

@@ -17,11 +17,12 @@ def spec(
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
+    lt: float | None = None,
     choices: tuple[Any, ...] | None = None,
     help: str = "",
 ) -> Any:
     """A dataclass field with validation metadata."""
-    meta = {"ge": ge, "gt": gt, "le": le, "choices": choices, "help": help}
+    meta = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "help": help}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
 Precision = Literal["fp32", "bf16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
-OPTIMIZERS = ("adamw", "lion", "muon", "mop", "kl_soap")
 
 
 @dataclass
@@ -67,37 +67,6 @@ class ModelConfig:
     moe_aux_loss_coeff: float = spec(0.0, ge=0.0)
     moe_token_dispatcher_type: str = spec("alltoall", choices=("alltoall", "allgather"))
     moe_grouped_gemm: bool = False
-
-
-@dataclass
-class OptimizerConfig:
-    """Optimizer hyperparameters (megatron-core ``OptimizerConfig`` names)."""
-
-    name: str = spec("adamw", choices=OPTIMIZERS)
-    lr: float = spec(3e-4, gt=0.0)
-    min_lr: float = spec(0.0, ge=0.0)
-    weight_decay: float = spec(0.1, ge=0.0)
-    adam_beta1: float = spec(0.9, ge=0.0, le=1.0)
-    adam_beta2: float = spec(0.95, ge=0.0, le=1.0)
-    adam_eps: float = spec(1e-8, gt=0.0)
-    clip_grad: float = spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")
-    # Matrix optimizers (muon, mop, kl_soap) take the hidden 2-D/3-D weights; AdamW takes the
-    # rest (embeddings, output layer, norms, biases). One LR schedule drives all of them, so the
-    # orthogonalised updates are scaled to AdamW's update RMS (extra_scale_factor 0.2).
-    momentum: float = spec(0.95, ge=0.0, le=1.0, help="muon/mop momentum")
-    ns_coefficients: str = spec(
-        "polar_express", choices=("polar_express", "quintic", "cubic", "quintic_cubic")
-    )
-    ns_steps: int = spec(5, ge=1, help="muon Newton-Schulz iterations")
-    extra_scale_factor: float = spec(0.2, gt=0.0, help="muon/mop: x sqrt(max(m,n)) scale")
-    kl_soap_refresh_mode: str = spec("qr", choices=("qr", "eigh", "cholesky_qr2"))
-    tp_mode: str = spec(
-        "duplicated",
-        choices=("blockwise", "duplicated", "distributed"),
-        help="matrix optimizers under tensor parallelism: duplicated = gather the shards, TP=1 "
-        "update; distributed = Muon's NS with all-reduced Gram products; blockwise = each shard "
-        "alone (not TP=1-equivalent)",
-    )
 
 
 @dataclass
@@ -278,9 +247,5 @@ class Recipe:
                 "data.tokenizer=sentencepiece needs data.tokenizer_model "
                 "(train one with `megatron-ext data tokenizer`)"
             )
-        if self.optimizer.tp_mode == "distributed" and self.optimizer.name in ("mop", "kl_soap"):
-            raise ConfigError(
-                f"optimizer.tp_mode=distributed is Muon's Newton-Schulz iteration; "
-                f"optimizer.name={self.optimizer.name} supports tp_mode=duplicated or blockwise"
-            )
+        self.optimizer.check()
         trainer.check(self, world_size)

@@ -8,6 +8,10 @@ Inputs, checked up front by :func:`resolve_inputs` (a bad one raises ``ConfigErr
   order; exact duplicates are dropped and the stream stops before the document that would pass
   :data:`STDLIB_MAX_BYTES`. The same interpreter build therefore always gives the same corpus
   (CPython 3.12: about 8k documents, 1.7 MB).
+- ``python-docs``: English prose of the Python Language Reference as shipped with the running
+  interpreter (``pydoc_data.topics``, the text ``help()`` shows: 79 topics, ~490 kB for
+  CPython 3.12), one document per paragraph, topics in sorted order. A real English text that
+  every Python installation carries, for runs that should not learn docstring boilerplate.
 - ``*.txt``: UTF-8 text, one document per paragraph (blank-line separated, surrounding
   whitespace stripped). Paragraphs rather than whole files so that even a single file gives the
   many documents that megatron-core's train/valid/test split (which splits by document) needs.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import ast
 import json
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,18 +35,20 @@ from typing import Literal
 from megatron_ext.errors import ConfigError
 
 PYTHON_STDLIB = "python-stdlib"
+PYTHON_DOCS = "python-docs"
+BUILTIN_SOURCES = (PYTHON_STDLIB, PYTHON_DOCS)
 STDLIB_MAX_BYTES = 4 * 2**20  # UTF-8 bytes; CPython 3.12's docstrings (1.7 MB) fit whole
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # stdlib folders that are not the library's own documentation
 _STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages"})
 _STATEMENT_NODES = (ast.stmt, ast.excepthandler, ast.match_case)
 
-SourceKind = Literal["python-stdlib", "txt", "jsonl"]
+SourceKind = Literal["python-stdlib", "python-docs", "txt", "jsonl"]
 
 
 @dataclass(frozen=True)
 class Source:
-    """One corpus file, or the stdlib (``path`` is None)."""
+    """One corpus file, or a corpus of the interpreter's own (``path`` is None)."""
 
     kind: SourceKind
     path: Path | None = None
@@ -58,8 +64,8 @@ def resolve_inputs(inputs: Sequence[str]) -> list[Source]:
         raise ConfigError(f"no inputs: give .txt/.jsonl files, folders, or {PYTHON_STDLIB!r}")
     sources: list[Source] = []
     for item in inputs:
-        if item == PYTHON_STDLIB:
-            sources.append(Source("python-stdlib"))
+        if item in BUILTIN_SOURCES:
+            sources.append(Source(item))  # type: ignore[arg-type]
             continue
         path = Path(item)
         if path.is_dir():
@@ -71,13 +77,13 @@ def resolve_inputs(inputs: Sequence[str]) -> list[Source]:
             if path.suffix not in TEXT_SUFFIXES:
                 raise ConfigError(
                     f"input {item!r} has an unsupported type {path.suffix!r}: use "
-                    f".txt or .jsonl files, folders of them, or {PYTHON_STDLIB!r}"
+                    f".txt or .jsonl files, folders of them, {PYTHON_STDLIB!r} or {PYTHON_DOCS!r}"
                 )
             sources.append(Source(_kind(path), path))
         else:
             raise ConfigError(
                 f"input {item!r} not found (expected a .txt/.jsonl file, a "
-                f"folder, or {PYTHON_STDLIB!r})"
+                f"folder, {PYTHON_STDLIB!r} or {PYTHON_DOCS!r})"
             )
     return sources
 
@@ -98,7 +104,9 @@ def iter_documents(inputs: Sequence[str], json_key: str = "text") -> Iterator[st
 def _documents(sources: list[Source], json_key: str, label: str) -> Iterator[str]:
     count = 0
     for source in sources:
-        if source.path is None:
+        if source.kind == "python-docs":
+            documents = python_docs_documents()
+        elif source.path is None:
             documents = python_stdlib_documents()
         elif source.kind == "txt":
             documents = txt_documents(source.path)
@@ -137,6 +145,15 @@ def python_stdlib_documents(max_bytes: int = STDLIB_MAX_BYTES) -> Iterator[str]:
             yield doc
 
 
+def python_docs_documents() -> Iterator[str]:
+    """Paragraphs of the interpreter's Language Reference topics (``pydoc_data.topics``),
+    topics in sorted order, paragraphs blank-line separated and stripped."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield from _paragraphs(topics[name].splitlines(keepends=True))
+
+
 def _docstrings(node: ast.AST) -> Iterator[str]:
     """Docstrings of ``node`` and everything nested in it, in source order."""
     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -151,8 +168,12 @@ def _docstrings(node: ast.AST) -> Iterator[str]:
 
 def txt_documents(path: Path) -> Iterator[str]:
     """Paragraphs of a UTF-8 text file (blank-line separated, stripped, empty ones skipped)."""
+    return _paragraphs(_utf8_lines(path))
+
+
+def _paragraphs(lines: Iterable[str]) -> Iterator[str]:
     paragraph: list[str] = []
-    for line in _utf8_lines(path):
+    for line in lines:
         if line.strip():
             paragraph.append(line)
         elif paragraph:

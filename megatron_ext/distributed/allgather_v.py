@@ -58,9 +58,6 @@ class Pending:
             self.done = True
         return self.buffer
 
-    def is_completed(self) -> bool:
-        return self.done
-
 
 @dataclass
 class WireStats:

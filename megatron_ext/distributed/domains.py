@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext.distributed.allgather_v import WireStats
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 
 
@@ -66,8 +67,12 @@ class LayerwiseDomains:
         return self._of[name].holds(name)
 
     @property
-    def grad_bytes(self) -> dict[str, int]:
-        return {k: sum(p.grad_bytes[k] for p in self.parts) for k in ("sent", "received")}
+    def grad_wire(self) -> WireStats:
+        """Gradient bytes over every domain (see :attr:`LayerwiseOptimizer.grad_wire`)."""
+        return WireStats(
+            sent=sum(p.grad_wire.sent for p in self.parts),
+            received=sum(p.grad_wire.received for p in self.parts),
+        )
 
     # -- torch.optim-like views and state --------------------------------------------------
     def all_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from megatron_ext.atomic import atomic_path
-from megatron_ext.distributed.allgather_v import AllGatherV, Pending
+from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
-from megatron_ext.optimizers import build_optimizer, route_parameter, weight_decay_groups
+from megatron_ext.optimizers.registry import build_optimizer
+from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
+from megatron_ext.optimizers.spec import optimizer_spec
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
-MATRIX_OPTIMIZERS = ("muon", "mop", "kl_soap")  # the ones whose update couples a matrix's entries
 # Attributes megatron-core reads from a parameter (tensor parallelism, tied weights, experts):
 # they travel with its fp32 master.
 PARAM_ATTRIBUTES = (
@@ -78,13 +79,13 @@ class LayerwiseOptimizer:
 
     Args:
         named_params: model parameters in forward order (replicated on every data-parallel rank).
-        matrix_optimizer: optimizer for hidden matrices (``muon``, ``mop``, ``kl_soap``) or
-            ``adamw``/``lion`` for everything.
+        matrix_optimizer: registered optimizer for hidden matrices (``muon``, ``mop``,
+            ``kl_soap``, ``lion``) or ``adamw`` for everything.
         hyperparameters: per optimizer name, its keyword hyperparameters.
         gather: the all-gather-v backend over this data-parallel group.
         bucket_numel: parameters per bucket, in elements (a bucket closes when it would exceed).
         tp_shards: tensor-parallel shards and their layout; the matrix optimizers update them in
-            their ``tp_mode`` (:mod:`megatron_ext.distributed.tensor_parallel`).
+            their ``tp_mode`` (:mod:`megatron_ext.optimizers.tensor_parallel`).
     """
 
     named_params: NamedParams
@@ -104,8 +105,17 @@ class LayerwiseOptimizer:
             )
             for n, p in self.named_params
         }
-        specs = [ParamSpec(n, tuple(p.shape), self.routes[n]) for n, p in self.named_params]
-        self.plan: OwnershipPlan = plan_ownership(specs, self.world)
+        # bf16 parameters get an fp32 master where they are updated: 4 bytes per element more
+        specs = [
+            ParamSpec(
+                n,
+                tuple(p.shape),
+                self.routes[n],
+                master_bytes_per_element=0 if p.dtype == torch.float32 else 4,
+            )
+            for n, p in self.named_params
+        ]
+        self.plan: OwnershipPlan = plan_ownership(specs, self.world, self.hyperparameters)
         self._params = dict(self.named_params)
         # fp32 masters only for the parameters this rank updates (owned or replicated).
         self.masters = {n: fp32_master(p) for n, p in self.named_params if self.holds(n)}
@@ -116,7 +126,7 @@ class LayerwiseOptimizer:
         self.replicated = [n for n, _ in self.named_params if self.plan.owner[n] == replicated]
         self.replicated_optimizers = self._optimizers_for(self.replicated)
         self.buckets = self._build_buckets()
-        self.grad_bytes = {"sent": 0, "received": 0}  # reduce_grads payload, cumulative
+        self.grad_wire = WireStats()  # reduce_grads payload, cumulative
 
     # -- construction ---------------------------------------------------------------------
     def _optimizers_for(self, members: Iterable[str]) -> dict[str, torch.optim.Optimizer]:
@@ -130,7 +140,8 @@ class LayerwiseOptimizer:
             groups = weight_decay_groups(named)
             hp = dict(self.hyperparameters.get(route) or {})
             shards = {p: self._tp[n] for n, p in named if n in self._tp}
-            if shards and route in MATRIX_OPTIMIZERS:  # AdamW/Lion are elementwise: shards are fine
+            # element-wise optimizers (AdamW, Lion) update shards as they are
+            if shards and optimizer_spec(route).couples_matrix_entries:
                 hp["tp_shards"] = shards
             optimizers[route] = build_optimizer(route, groups, hp)
         return optimizers
@@ -283,7 +294,7 @@ class LayerwiseOptimizer:
 
         Per rank and bucket it sends the bytes of the gradients it does not own and receives
         ``world − 1`` copies of the ones it owns; a ring all-reduce sends and receives
-        ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_bytes`."""
+        ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_wire`."""
         group = self.gather.group
         for name in self.replicated:
             torch.distributed.all_reduce(grads[name], group=group)
@@ -308,8 +319,8 @@ class LayerwiseOptimizer:
                     g.copy_(total[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
             size = send.element_size()
-            self.grad_bytes["sent"] += (send.numel() - mine) * size
-            self.grad_bytes["received"] += (self.world - 1) * mine * size
+            self.grad_wire.sent += (send.numel() - mine) * size
+            self.grad_wire.received += (self.world - 1) * mine * size
 
     # -- bookkeeping --------------------------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
@@ -317,9 +328,6 @@ class LayerwiseOptimizer:
         rank 0 for replicated parameters, so each gradient is counted exactly once."""
         owner = self.plan.owner[name]
         return owner == self.rank or (owner == OwnershipPlan.REPLICATED and self.rank == 0)
-
-    def owned_numel(self) -> int:
-        return sum(p.numel() for n, p in self.named_params if self.plan.owner[n] == self.rank)
 
     def master_bytes(self) -> int:
         """Bytes of the separate fp32 masters this rank keeps (0 for fp32 parameters)."""

@@ -13,29 +13,24 @@ guarantees a makespan within 4/3 of the optimum; with many parameters it is clos
 Small 1-D parameters (norm weights, biases) are *replicated*: every rank updates them, which costs
 a few element-wise FLOPs and saves communicating them.
 
-Cost model, per optimizer step of one parameter (FLOPs, 2 per multiply-add; m ≤ n the matrix
-sides):
+Cost model, per optimizer step of one parameter: each optimizer's spec
+(:mod:`megatron_ext.optimizers.spec`) gives the FLOPs of one step of one matrix from its
+keyword hyperparameters (Newton–Schulz for Muon, a thin SVD for MOP, KL-SOAP's whole step, 12 per
+element for AdamW and Lion) and the bytes of its fp32 state; a 3-D expert stack is that many
+matrices, a 1-D tensor a 1×n one.
 
-* ``muon`` -- Newton-Schulz: the cheaper of plain and Gram-NS
-  (:func:`megatron_ext.optimizers.newton_schulz_flops`), plus the momentum update.
-* ``kl_soap`` -- :func:`megatron_ext.optimizers.kl_soap_flops`: the factor updates in their
-  product-with-the-basis form, per side a triangular product, Householder QR and forming Q, and
-  the rotations in and out of the eigenbasis.
-* ``mop`` -- a thin SVD, 4·m²·n + 22·m³ (Golub & Van Loan).
-* ``adamw`` / ``lion`` -- 12 FLOPs per element.
-
-Memory: the parameter's fp32 master (when the model holds bf16) plus the optimizer state bytes.
+Memory: the optimizer state plus the parameter's fp32 master when the model holds bf16.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from megatron_ext.optimizers import kl_soap_flops, newton_schulz_flops
-
-ELEMENTWISE_FLOPS = 12  # AdamW/Lion: moments, bias correction, decay, update
+from megatron_ext.optimizers.spec import optimizer_spec
 
 
 @dataclass(frozen=True)
@@ -44,7 +39,7 @@ class ParamSpec:
 
     name: str
     shape: tuple[int, ...]
-    optimizer: str  # adamw | lion | muon | mop | kl_soap
+    optimizer: str  # a registered optimizer name
     is_expert: bool = False
     master_bytes_per_element: int = 0  # 4 for bf16 params with an fp32 master, else 0
 
@@ -62,36 +57,17 @@ class ParamSpec:
         return 1, 1, self.numel
 
 
-def compute_cost(spec: ParamSpec, ns_steps: int = 5) -> float:
-    """FLOPs of one optimizer step for ``spec`` (see the module docstring)."""
+def compute_cost(spec: ParamSpec, hyperparameters: Mapping[str, Any] | None = None) -> float:
+    """FLOPs of one optimizer step for ``spec`` given its optimizer's keyword hyperparameters."""
     count, rows, cols = spec.matrices
-    m, n = min(rows, cols), max(rows, cols)
-    if spec.optimizer == "muon":
-        ns = min(
-            newton_schulz_flops(m, n, ns_steps, "plain"),
-            newton_schulz_flops(m, n, ns_steps, "gram"),
-        )
-        return count * (ns + 4 * m * n)
-    if spec.optimizer == "kl_soap":
-        return count * (kl_soap_flops(rows, cols) + ELEMENTWISE_FLOPS * rows * cols)
-    if spec.optimizer == "mop":
-        return count * (4 * m * m * n + 22 * m**3 + 4 * m * n)
-    return ELEMENTWISE_FLOPS * spec.numel
+    return count * optimizer_spec(spec.optimizer).flops(rows, cols, hyperparameters or {})
 
 
 def state_bytes(spec: ParamSpec) -> int:
     """Bytes of optimizer state (fp32) plus the fp32 master copy, if any."""
     count, rows, cols = spec.matrices
-    numel = spec.numel
-    per_element = {"adamw": 2, "lion": 1, "muon": 1, "mop": 1}.get(spec.optimizer)
-    if per_element is not None:
-        state = 4 * per_element * numel
-    elif spec.optimizer == "kl_soap":
-        # L·Q_L, R·Q_R, Q_L, Q_R and the two Adam moments
-        state = 4 * count * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols)
-    else:
-        raise ValueError(f"no cost model for optimizer {spec.optimizer!r}")
-    return state + spec.master_bytes_per_element * numel
+    state = count * optimizer_spec(spec.optimizer).state_bytes(rows, cols)
+    return state + spec.master_bytes_per_element * spec.numel
 
 
 @dataclass
@@ -136,14 +112,16 @@ class OwnershipPlan:
 def plan_ownership(
     specs: list[ParamSpec],
     world: int,
+    hyperparameters: Mapping[str, Mapping[str, Any]] | None = None,
     *,
     memory_slack: float = 1.25,
     replicate_below: int = 65536,
-    ns_steps: int = 5,
 ) -> OwnershipPlan:
     """Assign each parameter in ``specs`` to one of ``world`` ranks (see module docstring).
 
-    1-D parameters with fewer than ``replicate_below`` elements are replicated.
+    ``hyperparameters``: per optimizer name, its keyword hyperparameters (they set the cost of
+    e.g. Muon's Newton–Schulz). 1-D parameters with fewer than ``replicate_below`` elements are
+    replicated.
     """
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
@@ -155,7 +133,8 @@ def plan_ownership(
     for name in replicated:
         owner[name] = OwnershipPlan.REPLICATED
     planned = [s for s in specs if s.name not in owner]
-    costs = {s.name: compute_cost(s, ns_steps) for s in planned}
+    hp = hyperparameters or {}
+    costs = {s.name: compute_cost(s, hp.get(s.optimizer)) for s in planned}
     mems = {s.name: state_bytes(s) for s in planned}
     memory_bound = memory_slack * sum(mems.values()) / world
     compute = [0.0] * world

@@ -22,6 +22,7 @@ training loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
 from typing import Any
@@ -241,7 +242,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
     def grad_sync_bytes(self) -> dict[str, int] | None:
         """Bytes this rank sent and received in gradient reduce-scatters since it was built
         (None unless the layer-wise optimizer took the gradient sync over)."""
-        return dict(self.optimizer.grad_bytes) if self._layerwise() else None
+        return dataclasses.asdict(self.optimizer.grad_wire) if self._layerwise() else None
 
     def finish_param_sync(self) -> None:
         """Wait for any parameter all-gather still in flight (before reading parameters)."""

@@ -15,8 +15,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
-from megatron_ext.config.schema import OptimizerConfig
-from megatron_ext.optimizers import weight_decay_groups
+from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.optimizers.routing import weight_decay_groups
+from megatron_ext.optimizers.spec import optimizer_spec
 
 __all__ = [
     "InnerFactory",
@@ -59,22 +60,9 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
 
 
 def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
-    """The recipe's optimizer section as keyword hyperparameters, per registry name."""
-    common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    adam = {**common, "betas": (cfg.adam_beta1, cfg.adam_beta2), "eps": cfg.adam_eps}
-    ortho = {**common, "momentum": cfg.momentum, "extra_scale_factor": cfg.extra_scale_factor}
-    return {
-        "adamw": {**adam, "foreach": True},
-        "lion": common,
-        "muon": {
-            **ortho,
-            "coefficients": cfg.ns_coefficients,
-            "num_steps": cfg.ns_steps,
-            "tp_mode": cfg.tp_mode,
-        },
-        "mop": {**ortho, "tp_mode": cfg.tp_mode},
-        "kl_soap": {**adam, "refresh_mode": cfg.kl_soap_refresh_mode, "tp_mode": cfg.tp_mode},
-    }
+    """Keyword hyperparameters of the recipe's optimizer and of AdamW (the non-matrix part),
+    from their specs, with the update-RMS matching applied."""
+    return {name: optimizer_spec(name).kwargs(cfg) for name in dict.fromkeys((cfg.name, "adamw"))}
 
 
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:

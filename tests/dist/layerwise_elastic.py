@@ -25,7 +25,9 @@ def main(
 ) -> None:
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
-    params = make_params(optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32)
+    params = make_params(
+        optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32
+    )
     opt = LayerwiseOptimizer(params, optimizer, make_allgather_v(), bucket_numel=3000)
     if in_dir != "-":
         saved = torch.load(Path(in_dir) / "params.pt")

@@ -45,8 +45,8 @@ def main(out: str) -> None:
     owned = sum(b for n, b in nbytes.items() if opt.plan.owner[n] == opt.rank)
     result = {
         "wrong": wrong,
-        "sent": opt.grad_bytes["sent"],
-        "received": opt.grad_bytes["received"],
+        "sent": opt.grad_wire.sent,
+        "received": opt.grad_wire.received,
         "expected_sent": sum(nbytes.values()) - owned,
         "expected_received": (opt.world - 1) * owned,
         "owned": owned,

@@ -56,7 +56,9 @@ def set_grads(params: list[tuple[str, torch.nn.Parameter]], step: int) -> None:
 def main(optimizer: str, out: str, dtype: str = "fp32") -> None:
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
-    params = make_params(optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32)
+    params = make_params(
+        optimizer != "kl_soap", torch.bfloat16 if dtype == "bf16" else torch.float32
+    )
     # Small buckets so that several all-gathers are in flight at once.
     gather = make_allgather_v()
     opt = LayerwiseOptimizer(params, optimizer, gather, bucket_numel=3000)

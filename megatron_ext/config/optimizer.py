@@ -1,0 +1,127 @@
+"""The recipe's ``optimizer:`` section, composed from the registered optimizer specs.
+
+Shared fields (megatron-core ``OptimizerConfig`` names) are declared here; every option of every
+registered optimizer becomes a field ``<optimizer>_<key>`` with the default, bounds, choices and
+help its :class:`~megatron_ext.optimizers.spec.Hyperparameter` declares — megatron-core's own
+``muon_*``/``lion_*`` naming. So swapping ``optimizer.name`` in a recipe reaches every option of
+the new optimizer, and a new optimizer's options appear here without an edit.
+
+One learning rate: with ``match_update_rms`` (default) every optimizer's update is scaled to
+AdamW's update RMS (``update_rms``, 0.2), as the Muon/SOAP literature matches Muon to AdamW
+(Liu et al., 2025, "Muon is scalable"): Muon and MOP multiply their spectrally scaled polar
+factor (RMS 1) by it, Lion its sign update (RMS 1); AdamW and KL-SOAP (Adam in a rotated basis)
+have that RMS already.
+
+No torch import (the launcher validates recipes before any process starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, get_args
+
+from megatron_ext.config.fields import spec
+from megatron_ext.errors import ConfigError
+from megatron_ext.optimizers.options import TPMode
+from megatron_ext.optimizers.spec import OptimizerSpec, optimizer_spec, registered_optimizers
+
+__all__ = ["OptimizerConfig", "update_rms_note"]
+
+_SHARED: list[tuple[str, Any, Any]] = [
+    ("name", str, "adamw"),  # choices filled in from the registry below
+    ("lr", float, spec(3e-4, gt=0.0)),
+    ("min_lr", float, spec(0.0, ge=0.0)),
+    ("weight_decay", float, spec(0.1, ge=0.0)),
+    ("adam_beta1", float, spec(0.9, ge=0.0, le=1.0, help="weight of the old first moment")),
+    ("adam_beta2", float, spec(0.95, ge=0.0, le=1.0, help="weight of the old second moment")),
+    ("adam_eps", float, spec(1e-8, gt=0.0, help="added to sqrt(v_hat) (absolute)")),
+    ("clip_grad", float, spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")),
+    (
+        "tp_mode",
+        str,
+        spec(
+            "duplicated",
+            choices=get_args(TPMode),
+            help="matrix optimizers under tensor parallelism: duplicated = gather the shards, "
+            "TP=1 update; distributed = Muon's NS with all-reduced Gram products; blockwise = "
+            "each shard alone (not TP=1-equivalent)",
+        ),
+    ),
+    (
+        "match_update_rms",
+        bool,
+        spec(
+            True,
+            help="scale every optimizer's update to AdamW's update RMS (optimizer.update_rms), "
+            "so that one optimizer.lr serves the matrix optimizer and the AdamW part",
+        ),
+    ),
+    ("update_rms", float, spec(0.2, gt=0.0, help="AdamW's update RMS, the matching target")),
+]
+
+
+def _hyperparameter_field(opt: OptimizerSpec, hp: Any) -> tuple[str, Any, Any]:
+    help_text = f"{opt.name}: {hp.help}" if hp.help else opt.name
+    meta = dict(ge=hp.ge, gt=hp.gt, le=hp.le, lt=hp.lt, choices=hp.options, help=help_text)
+    return opt.field_name(hp), hp.type, spec(hp.default, **meta)
+
+
+def _compose() -> tuple[type, dict[str, list[str]]]:
+    specs = registered_optimizers()
+    fields = list(_SHARED)
+    fields[0] = ("name", str, spec("adamw", choices=tuple(specs), help="registered optimizers"))
+    seen = {name for name, _, _ in fields}
+    renamed: dict[str, list[str]] = {}
+    for opt in specs.values():
+        for hp in opt.hyperparameters:
+            field = _hyperparameter_field(opt, hp)
+            if field[0] in seen:
+                raise ValueError(f"two optimizer options are both named optimizer.{field[0]}")
+            seen.add(field[0])
+            fields.append(field)
+            for old in hp.formerly:
+                renamed.setdefault(old, []).append(field[0])
+    cls = dataclasses.make_dataclass(
+        "OptimizerConfig",
+        fields,
+        namespace={
+            "__doc__": "Optimizer section: shared fields plus every registered optimizer's own.",
+            "__module__": __name__,
+            "spec": property(lambda self: optimizer_spec(self.name)),
+            "check": _check,
+            "RENAMED": renamed,
+        },
+    )
+    return cls, renamed
+
+
+def _check(cfg: Any) -> None:
+    """Cross-field rules of the section (the chosen optimizer's, and its TP modes)."""
+    opt = optimizer_spec(cfg.name)
+    if opt.couples_matrix_entries and cfg.tp_mode not in opt.tp_modes:
+        raise ConfigError(
+            f"optimizer.tp_mode={cfg.tp_mode} is not supported by optimizer.name={cfg.name}; "
+            f"it supports tp_mode={' or '.join(opt.tp_modes)}"
+        )
+    try:
+        opt.check(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def update_rms_note(cfg: Any) -> str:
+    """One line saying how each optimizer's update is scaled (printed when training starts)."""
+    parts = []
+    for name in dict.fromkeys((cfg.name, "adamw")):
+        opt = optimizer_spec(name)
+        factor = opt.update_rms_factor(cfg)
+        if opt.update_rms_kwarg is None:
+            parts.append(f"{name} unscaled (its update already has AdamW's RMS)")
+        else:
+            total = opt.kwargs(cfg)[opt.update_rms_kwarg]
+            parts.append(f"{name} update x {total:g} (RMS-match factor {factor:g})")
+    state = "on" if cfg.match_update_rms else "off"
+    return f"update-RMS matching {state} (target {cfg.update_rms:g}): " + "; ".join(parts)
+
+
+OptimizerConfig, RENAMED_FIELDS = _compose()

@@ -1,0 +1,37 @@
+"""Lion (:class:`~.lion.Lion`): ``sign(β1·m + (1 − β1)·g)``, then ``m ← β2·m + (1 − β2)·g``.
+
+Recipe fields ``optimizer.lion_beta1`` (0.95) and ``lion_beta2`` (0.98), megatron-core's
+defaults. Its sign update has RMS 1, so with ``optimizer.match_update_rms`` it is scaled by
+``optimizer.update_rms`` (AdamW's update RMS): one LR then serves Lion's matrices and the
+AdamW part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .adamw_spec import elementwise_flops
+from .spec import Hyperparameter, OptimizerSpec
+
+
+def _betas(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs["betas"] = (kwargs.pop("beta1"), kwargs.pop("beta2"))
+    return kwargs
+
+
+SPEC = OptimizerSpec(
+    name="lion",
+    target="megatron_ext.optimizers.lion:Lion",
+    summary="Lion (sign of an interpolated momentum) on the hidden matrices, AdamW on the rest",
+    couples_matrix_entries=False,
+    hyperparameters=(
+        Hyperparameter(
+            key="beta1", default=0.95, ge=0.0, lt=1.0, help="weight of m in the sign's argument"
+        ),
+        Hyperparameter(key="beta2", default=0.98, ge=0.0, lt=1.0, help="weight of the old m"),
+    ),
+    pack=_betas,
+    update_rms_kwarg="update_scale",
+    flops=elementwise_flops,
+    state_bytes=lambda rows, cols: 4 * rows * cols,  # exp_avg
+)

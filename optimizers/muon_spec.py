@@ -1,0 +1,119 @@
+"""Muon (:class:`~.muon.Muon`): EMA momentum orthogonalised by Newton–Schulz.
+
+Conventions, as in Emerging-Optimizers and megatron-core (whose ``muon_*`` fields these follow):
+``M ← βM + (1 − β)G`` (β = ``muon_momentum`` weighs the old momentum), Nesterov as
+``G + β(M − G)``, decoupled weight decay, update ``scale·NS(M)`` with ``scale = √max(m, n)``
+(``spectral``), ``√max(1, m/n)`` (``shape``) or ``√(m/n)`` (``unit_rms``) times
+``muon_extra_scale_factor``. The spectral scale gives the update RMS 1 (a full-rank m×n
+orthogonal factor has RMS 1/√max(m, n)), so ``optimizer.match_update_rms`` multiplies it by
+``optimizer.update_rms`` (0.2: AdamW's update RMS) and one LR serves Muon and the AdamW part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .ns_schedule import newton_schulz_flops
+from .options import CoefficientSet, NSMethod, NSPrecision, ScaleMode
+from .spec import Hyperparameter, OptimizerSpec
+
+
+def momentum_options(prefix: str) -> tuple[Hyperparameter, ...]:
+    """Momentum, Nesterov, scale mode and extra scale: shared by Muon and MOP."""
+    return (
+        Hyperparameter(
+            key="momentum",
+            default=0.95,
+            ge=0.0,
+            lt=1.0,
+            help="β of the EMA momentum M ← βM + (1 − β)G (weight of the old M)",
+            formerly=("momentum",),
+        ),
+        Hyperparameter(key="nesterov", default=False, help="orthogonalise G + β(M − G)"),
+        Hyperparameter(
+            key="scale_mode",
+            default="spectral",
+            choices=ScaleMode,
+            help="spectral = √max(m,n) (update RMS 1), shape = √max(1,m/n), unit_rms = √(m/n)",
+        ),
+        Hyperparameter(
+            key="extra_scale_factor",
+            default=1.0,
+            gt=0.0,
+            help=f"multiplies the {prefix} update scale; with optimizer.match_update_rms the "
+            "update RMS is optimizer.update_rms × this",
+            formerly=("extra_scale_factor",),
+        ),
+    )
+
+
+def check_rms_matchable(section: Any, prefix: str) -> None:
+    """RMS matching assumes the spectral scale (update RMS 1 before the factor)."""
+    mode = getattr(section, f"{prefix}_scale_mode")
+    if section.match_update_rms and mode != "spectral":
+        raise ValueError(
+            f"optimizer.{prefix}_scale_mode={mode} sets its own update scale, but "
+            f"optimizer.match_update_rms=true scales the spectral one to AdamW's update RMS: "
+            f"use {prefix}_scale_mode=spectral, or set optimizer.match_update_rms=false"
+        )
+
+
+def muon_flops(rows: int, cols: int, kwargs: Mapping[str, Any]) -> float:
+    """Newton–Schulz (the method Muon picks) plus the momentum update."""
+    steps = kwargs.get("num_steps", 5)
+    coefficients = kwargs.get("coefficients", "polar_express")
+    precision = kwargs.get("precision", "fp32")
+    method = kwargs.get("ns_method", "auto")
+    methods = ("plain", "gram") if method == "auto" else (method,)
+    ns = min(
+        newton_schulz_flops(rows, cols, steps, m, precision=precision, coefficients=coefficients)
+        for m in methods
+    )
+    return ns + 4 * rows * cols
+
+
+SPEC = OptimizerSpec(
+    name="muon",
+    target="megatron_ext.optimizers.muon:Muon",
+    summary="Muon (Newton–Schulz orthogonalised momentum) on hidden matrices, AdamW on the rest",
+    couples_matrix_entries=True,
+    tp_modes=("blockwise", "duplicated", "distributed"),
+    uses=("lr", "weight_decay", "tp_mode"),
+    hyperparameters=(
+        *momentum_options("muon"),
+        Hyperparameter(
+            key="coefficient_type",
+            kwarg="coefficients",
+            default="polar_express",
+            choices=CoefficientSet,
+            help="Newton–Schulz polynomial per step (quintic_cubic: best with num_ns_steps 4)",
+            formerly=("ns_coefficients",),
+        ),
+        Hyperparameter(
+            key="num_ns_steps",
+            kwarg="num_steps",
+            default=5,
+            ge=1,
+            help="Newton–Schulz iterations",
+            formerly=("ns_steps",),
+        ),
+        Hyperparameter(
+            key="ns_method",
+            default="auto",
+            choices=NSMethod,
+            help="plain NS, Gram NS on the small side, or auto (fewer flops)",
+        ),
+        Hyperparameter(
+            key="ns_precision",
+            kwarg="precision",
+            default="fp32",
+            choices=NSPrecision,
+            help="precision of the Newton–Schulz products",
+        ),
+    ),
+    update_rms_kwarg="extra_scale_factor",
+    check=lambda section: check_rms_matchable(section, "muon"),
+    flops=muon_flops,
+    state_bytes=lambda rows, cols: 4 * rows * cols,  # momentum
+)

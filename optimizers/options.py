@@ -1,0 +1,37 @@
+"""The optimizers' option sets, typed once (no torch).
+
+The optimizers validate against these aliases, and the recipe schema takes its choices from
+them (through each optimizer's :mod:`spec <.spec>`), so a value is spelt in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = [
+    "CoefficientSet",
+    "InverseRoot",
+    "NSMethod",
+    "NSPrecision",
+    "PolarPrecision",
+    "RefreshMode",
+    "ScaleMode",
+    "TPMode",
+]
+
+#: How a matrix optimizer treats tensor-parallel shards (:mod:`.tensor_parallel`).
+TPMode = Literal["blockwise", "duplicated", "distributed"]
+#: Newton–Schulz coefficient schedules (:mod:`.ns_schedule`).
+CoefficientSet = Literal["quintic", "polar_express", "cubic", "quintic_cubic"]
+#: Plain NS, Gram NS, or whichever needs fewer flops for the shape.
+NSMethod = Literal["auto", "plain", "gram"]
+#: Precision of the Newton–Schulz products.
+NSPrecision = Literal["fp32", "bf16"]
+#: Update scale of Muon/MOP: √max(m, n) (``spectral``), √max(1, m/n), or √(m/n).
+ScaleMode = Literal["spectral", "shape", "unit_rms"]
+#: Precision of MOP's SVD.
+PolarPrecision = Literal["fp32", "fp64"]
+#: KL-SOAP's eigenbasis refresh (:mod:`.eigenbasis`).
+RefreshMode = Literal["qr", "eigh", "cholesky_qr2"]
+#: KL-SOAP's S^(−p): from the eigenbasis diagonal, or coupled Newton–Schulz on the factor.
+InverseRoot = Literal["eigenbasis", "newton_schulz"]

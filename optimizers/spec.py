@@ -1,0 +1,202 @@
+"""What each optimizer declares about itself: one :class:`OptimizerSpec`, registered by name.
+
+No torch here, nor in the spec modules: the recipe schema, which the launcher validates before
+any process starts, takes its ``optimizer:`` fields, their defaults, bounds and choices from the
+specs. At run time the factories (keyword hyperparameters), the parameter routing and the
+layer-wise optimizer (does the update couple a matrix's entries?), the ownership plan (flops and
+state bytes per matrix) and the update-RMS matching read the same specs.
+
+Adding an optimizer: its code (a ``torch.optim.Optimizer``), a ``<name>_spec.py`` module with a
+``SPEC``, and its module name in :data:`BUILTIN_SPEC_MODULES` — or, from outside the package,
+:func:`register_optimizer` before the optimizer is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, get_args
+
+__all__ = [
+    "BUILTIN_SPEC_MODULES",
+    "SHARED_FIELDS",
+    "Hyperparameter",
+    "OptimizerSpec",
+    "optimizer_spec",
+    "register_optimizer",
+    "registered_optimizers",
+]
+
+#: Spec modules of the optimizers shipped with the package (``megatron_ext.optimizers.<module>``).
+BUILTIN_SPEC_MODULES = ("adamw_spec", "lion_spec", "muon_spec", "mop_spec", "kl_soap_spec")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hyperparameter:
+    """One optimizer option, as the recipe field ``optimizer.<optimizer>_<key>``.
+
+    Attributes:
+        key: the recipe name after the optimizer's prefix (``muon_nesterov`` -> ``nesterov``).
+        default: the recipe default; its type (bool, int, float, str) is the field's type.
+        kwarg: the optimizer's keyword (default: ``key``).
+        choices: a ``typing.Literal`` alias of the allowed values (str options).
+        ge, gt, le, lt: numeric bounds.
+        help: what it is, with its convention (which β weighs what, absolute or relative ε).
+        formerly: older recipe keys for it; a recipe using one is refused with the new name.
+    """
+
+    key: str
+    default: bool | int | float | str
+    kwarg: str = ""
+    choices: Any = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    help: str = ""
+    formerly: tuple[str, ...] = ()
+
+    @property
+    def keyword(self) -> str:
+        return self.kwarg or self.key
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    @property
+    def options(self) -> tuple[Any, ...] | None:
+        return None if self.choices is None else get_args(self.choices)
+
+
+#: Recipe fields shared by several optimizers -> the keyword hyperparameters they set.
+SHARED_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "lr": lambda c: {"lr": c.lr},
+    "weight_decay": lambda c: {"weight_decay": c.weight_decay},
+    "adam": lambda c: {"betas": (c.adam_beta1, c.adam_beta2), "eps": c.adam_eps},
+    "tp_mode": lambda c: {"tp_mode": c.tp_mode},
+}
+
+
+def _no_check(section: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """Everything outside an optimizer's code needs to know about it.
+
+    Attributes:
+        name: registry and recipe name (``optimizer.name``).
+        target: ``"module:Class"`` of the ``torch.optim.Optimizer``, imported when built.
+        summary: one line for help texts.
+        couples_matrix_entries: its update of a matrix depends on the whole matrix (Muon, MOP,
+            KL-SOAP): tensor-parallel shards are gathered or handled in ``tp_modes``, and the
+            layer-wise optimizer gives each matrix to one rank. Element-wise ones (AdamW, Lion)
+            take any tensor, shards included.
+        tp_modes: tensor-parallel modes it implements (matrix optimizers).
+        uses: shared recipe fields it takes (keys of :data:`SHARED_FIELDS`).
+        hyperparameters: its own options, each a recipe field ``<name>_<key>``.
+        fixed: keyword arguments always passed (not recipe options).
+        pack: turns the per-field keywords into the optimizer's signature where they differ
+            (e.g. Lion's ``beta1``, ``beta2`` fields into its ``betas`` tuple).
+        update_rms_kwarg: keyword that multiplies its update; with
+            ``optimizer.match_update_rms`` it is multiplied by ``optimizer.update_rms`` so the
+            update's RMS is AdamW's (the update must then have RMS 1 with that keyword at 1:
+            the sign update of Lion, the √max(m, n)-scaled polar factor of Muon and MOP).
+            None: the update already has AdamW's RMS (AdamW, KL-SOAP's Adam in the eigenbasis).
+        flops: ``(rows, cols, kwargs) -> FLOPs`` of one step of one ``rows×cols`` matrix (2 per
+            multiply-add), given the optimizer's keyword hyperparameters.
+        state_bytes: ``(rows, cols) -> bytes`` of fp32 optimizer state for one matrix.
+        check: cross-field rule on a recipe's optimizer section; raises ``ValueError``.
+    """
+
+    name: str
+    target: str
+    summary: str
+    couples_matrix_entries: bool
+    flops: Callable[[int, int, Mapping[str, Any]], float]
+    state_bytes: Callable[[int, int], int]
+    tp_modes: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ("lr", "weight_decay")
+    hyperparameters: tuple[Hyperparameter, ...] = ()
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    pack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    update_rms_kwarg: str | None = None
+    check: Callable[[Any], None] = _no_check
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.uses) - set(SHARED_FIELDS))
+        if unknown:
+            raise ValueError(f"optimizer {self.name!r}: unknown shared fields {unknown}")
+        if self.couples_matrix_entries and not self.tp_modes:
+            raise ValueError(f"matrix optimizer {self.name!r} must declare its tp_modes")
+
+    def field_name(self, hp: Hyperparameter) -> str:
+        """The recipe field of ``hp``: ``<optimizer>_<key>``."""
+        return f"{self.name}_{hp.key}"
+
+    def update_rms_factor(self, section: Any) -> float:
+        """The factor applied to ``update_rms_kwarg`` for a recipe section (1 if none)."""
+        if self.update_rms_kwarg is None or not section.match_update_rms:
+            return 1.0
+        return float(section.update_rms)
+
+    def kwargs(self, section: Any) -> dict[str, Any]:
+        """Keyword hyperparameters from a recipe's optimizer section (any object carrying the
+        recipe fields as attributes), with the update-RMS matching applied."""
+        out: dict[str, Any] = {}
+        for shared in self.uses:
+            out.update(SHARED_FIELDS[shared](section))
+        for hp in self.hyperparameters:
+            out[hp.keyword] = getattr(section, self.field_name(hp))
+        out.update(self.fixed)
+        if self.pack is not None:
+            out = self.pack(out)
+        if self.update_rms_kwarg is not None:
+            base = out.get(self.update_rms_kwarg, 1.0)
+            out[self.update_rms_kwarg] = base * self.update_rms_factor(section)
+        return out
+
+    def optimizer_class(self) -> type:
+        """The optimizer class (imports torch)."""
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {}
+_BUILTINS_LOADED = False
+
+
+def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
+    """Add ``spec`` to the registry (a name may be registered once); returns it."""
+    _load_builtins()
+    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
+        raise ValueError(f"an optimizer named {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def _load_builtins() -> None:
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    for module in BUILTIN_SPEC_MODULES:
+        spec = importlib.import_module(f"{__package__}.{module}").SPEC
+        _REGISTRY[spec.name] = spec
+
+
+def registered_optimizers() -> dict[str, OptimizerSpec]:
+    """Every registered spec by name, the shipped ones first."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The spec registered as ``name``; ``ValueError`` listing the registered names if none."""
+    specs = registered_optimizers()
+    if name not in specs:
+        raise ValueError(f"unknown optimizer {name!r}; registered: {', '.join(specs)}")
+    return specs[name]
