@@ -130,3 +130,23 @@ def test_run_passes_signals_on_and_returns_the_exit_code() -> None:
         "'import os; os.kill(os.getpid(), 9)'], {}))\n"
     )
     assert subprocess.run([sys.executable, "-c", killed], timeout=20).returncode == 128 + 9
+
+
+def test_nothing_but_the_command_line_imports_the_launcher() -> None:
+    """The launcher sits on top: no module of the package imports ``megatron_ext.launch``."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "megatron_ext"
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(
+                n == "megatron_ext.launch" or n.startswith("megatron_ext.launch.") for n in names
+            ):
+                importers.append(str(path.relative_to(root)))
+    assert importers == []
