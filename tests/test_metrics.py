@@ -84,6 +84,7 @@ def test_plots_go_through_the_logger_on_write_ranks_only(tmp_path) -> None:
 def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
     """record_step: the documented fields in order, as the JSON line and the log line."""
     from megatron_ext.gpt.report import StepRecord, record_step
+    from megatron_ext.gpt.step import StepResult
 
     training = SimpleNamespace(global_batch_size=16, seq_length=128, steps=300)
     run = SimpleNamespace(
@@ -94,7 +95,8 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
         start_step=0,
     )
     log = logger(tmp_path, log_interval=10, last_step=300)
-    rec = record_step(log, run, 10, loss=2.5, grad_norm=0.5, step_time_s=0.5)
+    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.125)
+    rec = record_step(log, run, 10, result, step_time_s=0.5)
     log.close()
     assert isinstance(rec, StepRecord) and rec.lr == 1e-2 and rec.consumed_tokens == 20_480
     assert rec.tokens_per_s == 4096.0 and rec.tokens_per_s_per_rank == 2048.0
@@ -103,7 +105,9 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
     assert list(json.loads(line)) == [
         "step", "consumed_tokens", "global_batch", "lr", "loss", "grad_norm", "tokens_per_s",
         "tokens_per_s_per_rank", "tflops_per_rank", "elapsed_s", "eta_s", "step_time_s",
+        "optimizer_s",
     ]  # fmt: skip
+    assert rec.optimizer_s == 0.125
     printed = capsys.readouterr().out
     assert printed.startswith("step  10/300 | tokens 20.48K | gbs 16 | lr 1.000e-02 | loss 2.5000")
     assert "| tok/s 4.10K (2.05K/rank) | TFLOP/s/rank 2.0480 |" in printed

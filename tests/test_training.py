@@ -87,8 +87,8 @@ def _train_one_rank(recipe: Path, run_dir: Path, *overrides: str) -> None:
 
 
 def _metric(run_dir: Path, key: str) -> list[float]:
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(row)[key] for row in rows]
+    rows = [json.loads(row) for row in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row[key] for row in rows if key in row]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -193,6 +193,30 @@ def test_nan_loss_stops_with_message_and_no_checkpoint(recipe_file, tmp_path):
     saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
     assert saved and saved[-1] == f"step_{bad_step - 1:06d}", saved
     assert "Traceback" not in err.split("megatron-ext: error:")[1].split("\n")[0]
+
+
+def test_validation_is_averaged_over_ranks_and_leaves_training_alone(
+    recipe_file, straight, tmp_path
+):
+    """``training.eval_interval``/``eval_iters``: the validation loss after steps 4 and 8 is the
+    same at DP=2 and DP=1 (the same validation samples, averaged over the data-parallel ranks;
+    fp32 tolerance), and evaluating does not change training (losses bit-identical to the run
+    without validation)."""
+    evals = ("training.eval_interval=4", "training.eval_iters=2", "checkpoint.save_interval=0")
+    two, one = tmp_path / "dp2", tmp_path / "dp1"
+    _train(recipe_file, two, *evals)
+    _train_one_rank(recipe_file, one, *evals)
+    assert _losses(two) == _losses(straight)
+    rows = [json.loads(r) for r in (two / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [step for step, _ in val] == [4, 8]
+    assert val[1][1] < val[0][1], val  # the model improves on held-out text
+    val1 = _metric(one, "val_loss")
+    for (_, a), b in zip(val, val1, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(a), (val, val1)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["last_val_loss"] == val[-1][1]
+    assert summary["val_losses"] == [list(v) for v in val]
 
 
 def test_muon_layerwise_dp2_matches_dp1_and_resumes_exactly(recipe_file, tmp_path):

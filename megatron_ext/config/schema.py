@@ -101,6 +101,12 @@ class TrainingConfig:
     lr_wsd_decay_style: str = spec(
         "minus_sqrt", choices=("minus_sqrt", "linear", "cosine", "exponential")
     )
+    eval_interval: int = spec(
+        0, ge=0, help="validation loss every N steps (and after the last); 0 = after the last only"
+    )
+    eval_iters: int = spec(
+        0, ge=0, help="global batches of the validation split; 0 = no validation"
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ from megatron_ext.run.metrics import MetricsLogger, read_jsonl
 
 if TYPE_CHECKING:
     from megatron_ext.gpt.setup import GPTRun
+    from megatron_ext.gpt.step import StepResult
 
 __all__ = ["StepRecord", "format_line", "record_step", "summarize"]
 
@@ -45,15 +46,11 @@ class StepRecord:
     elapsed_s: float
     eta_s: float
     step_time_s: float
+    optimizer_s: float  # of step_time_s: the optimizer step (clip, update, parameter sync)
 
 
 def record_step(
-    log: MetricsLogger,
-    run: GPTRun,
-    step: int,
-    loss: float,
-    grad_norm: float,
-    step_time_s: float,
+    log: MetricsLogger, run: GPTRun, step: int, result: StepResult, step_time_s: float
 ) -> StepRecord:
     """Build completed step ``step``'s record (``step_time_s``: its wall time) and log it."""
     t = run.recipe.training
@@ -67,17 +64,32 @@ def record_step(
         consumed_tokens=step * step_tokens,
         global_batch=t.global_batch_size,
         lr=run.schedule.lr_at(step - 1),
-        loss=loss,
-        grad_norm=grad_norm,
+        loss=result.loss,
+        grad_norm=result.grad_norm,
         tokens_per_s=tps,
         tokens_per_s_per_rank=tps / world,
         tflops_per_rank=tps / world * run.flops_per_token / 1e12,
         elapsed_s=elapsed,
         eta_s=eta,
         step_time_s=step_time_s,
+        optimizer_s=result.optimizer_s,
     )
     log.record(step, asdict(rec), line=format_line(rec, t.steps), scalars=SCALARS)
     return rec
+
+
+def record_validation(log: MetricsLogger, run: GPTRun, step: int, val_loss: float) -> None:
+    """The validation loss after completed step ``step``: its own ``metrics.jsonl`` line
+    (``step``, ``consumed_tokens``, ``val_loss``), TensorBoard ``valid/val_loss`` and a log
+    line."""
+    t = run.recipe.training
+    figures = {
+        "step": step,
+        "consumed_tokens": step * t.global_batch_size * t.seq_length,
+        "val_loss": val_loss,
+    }
+    log.record(step, figures, scalars=("val_loss",), group="valid", advance=False)
+    log.info(f"step {step:>{len(str(t.steps))}}/{t.steps} | validation loss {val_loss:.4f}")
 
 
 def _fmt_count(x: float) -> str:
@@ -108,7 +120,8 @@ def format_line(r: StepRecord, total_steps: int) -> str:
 def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
     """The run's summary; rank 0 writes it to ``summary.json`` and plots ``loss.png`` from
     ``metrics.jsonl`` (every step recorded there, resumed runs included)."""
-    recs = log.records
+    recs = [r for r in log.records if "loss" in r]  # training steps
+    evals = [r for r in log.records if "val_loss" in r]
     # Throughput over steady-state steps (the first includes start-up work).
     timed = recs[1:] or recs
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in timed)
@@ -126,6 +139,8 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
         "first_loss": recs[0]["loss"] if recs else None,
         "last_loss": recs[-1]["loss"] if recs else None,
         "losses": [r["loss"] for r in recs],
+        "last_val_loss": evals[-1]["val_loss"] if evals else None,
+        "val_losses": [[r["step"], r["val_loss"]] for r in evals],
         "tokens_per_s": tokens / seconds if seconds else None,
         "tokens_per_s_per_rank": tokens / seconds / world if seconds else None,
         "tflops_per_rank": (
@@ -139,10 +154,15 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
         write_json(run.run_dir / "summary.json", summary)
         metrics = run.run_dir / "metrics.jsonl"
         if metrics.is_file():
-            by_step = {r["step"]: r["loss"] for r in read_jsonl(metrics)}  # a resume rewrites
+            records = read_jsonl(metrics)  # a resumed run rewrites the steps it repeats
+            train = {r["step"]: r["loss"] for r in records if "loss" in r}
+            valid = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+            series = {"training": sorted(train.items())}
+            if valid:
+                series["validation"] = sorted(valid.items())
             log.plot(
                 "loss.png",
-                {"": sorted(by_step.items())},
+                series,
                 xlabel="step",
                 ylabel="training loss (nats/token)",
                 title=run.run_dir.name,

@@ -15,6 +15,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
+from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
 from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model
@@ -40,6 +41,7 @@ class GPTRun:
     optimizer: MegatronExtOptimizer
     schedule: LRSchedule
     train_data: Any
+    valid_data: Any  # None without validation (training.eval_iters = 0)
     num_microbatches: int
     flops_per_token: float  # training FLOPs per token (gpt.flops)
     run_dir: Path
@@ -55,14 +57,20 @@ def setup(recipe: Recipe) -> GPTRun:
 
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
     ensure_dataset(recipe, tokenizer, env)
-    train_data, _, _ = build_gpt_datasets(
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_iters else None
+    train_data, valid_data, _ = build_gpt_datasets(
         recipe.data.path,
         tokenizer,
         seq_length=t.seq_length,
         split=recipe.data.split,
         seed=t.seed,
-        num_samples=(t.steps * t.global_batch_size, None, None),
+        num_samples=(t.steps * t.global_batch_size, valid_samples, None),
     )
+    if t.eval_iters and valid_data is None:
+        raise ConfigError(
+            f"training.eval_iters={t.eval_iters} needs a validation split, but data.split="
+            f"{recipe.data.split!r} gives it no documents: e.g. data.split=98,2,0"
+        )
 
     module = build_gpt_model(
         recipe.model,
@@ -103,6 +111,7 @@ def setup(recipe: Recipe) -> GPTRun:
         optimizer=optimizer,
         schedule=recipe.lr_schedule(),
         train_data=train_data,
+        valid_data=valid_data if t.eval_iters else None,
         num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
         flops_per_token=flops,
         run_dir=Path(recipe.run_dir),

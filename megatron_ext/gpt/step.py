@@ -3,8 +3,10 @@ schedule, the optimizer step at the scheduled LR, and the global batch's mean lo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,19 +16,30 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 if TYPE_CHECKING:
     from megatron_ext.gpt.setup import GPTRun
 
-__all__ = ["forward_step", "microbatches", "train_step"]
+__all__ = ["StepResult", "forward_step", "microbatches", "train_step"]
 
 
-def microbatches(run: GPTRun, step: int) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of global batch ``step``: sample ``i`` of the global batch is
-    ``train_data[step * gbs + i]``; data-parallel rank r takes the r-th contiguous slice.
-    Each value is (micro_batch_size, seq_length)."""
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float  # mean over the global batch, nats/token
+    grad_norm: float  # global, before clipping
+    success: bool
+    optimizer_s: float  # wall time of the optimizer step on this rank (clip, update, sync)
+
+
+def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of global batch ``step`` of ``data`` (default: the training
+    split): sample ``i`` of the global batch is ``data[step * gbs + i]``; data-parallel rank r
+    takes the r-th contiguous slice. Each value is (micro_batch_size, seq_length)."""
+    data = run.train_data if data is None else data
     t = run.recipe.training
     per_rank = t.global_batch_size // run.dp_size
     first = step * t.global_batch_size + run.dp_rank * per_rank
     for m in range(run.num_microbatches):
         start = first + m * t.micro_batch_size
-        samples = [run.train_data[start + i] for i in range(t.micro_batch_size)]
+        samples = [data[start + i] for i in range(t.micro_batch_size)]
         yield {
             key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(run.env.device)
             for key in ("tokens", "labels", "loss_mask", "position_ids")
@@ -47,9 +60,8 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     return losses, loss_func
 
 
-def train_step(run: GPTRun, step: int) -> tuple[float, float, bool]:
-    """One optimizer step; returns (mean loss over the global batch in nats/token, global grad
-    norm before clipping, success)."""
+def train_step(run: GPTRun, step: int) -> StepResult:
+    """One optimizer step (``step``: completed steps before it)."""
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     t = run.recipe.training
@@ -65,7 +77,9 @@ def train_step(run: GPTRun, step: int) -> tuple[float, float, bool]:
     lr = run.schedule.lr_at(step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    start = time.perf_counter()
     success, grad_norm, _ = run.optimizer.step()
+    optimizer_s = time.perf_counter() - start
     loss = torch.zeros(1, dtype=torch.float64, device=run.env.device)
     if parallel_state.is_pipeline_last_stage():
         loss += sum(float(o["lm loss"]) for o in outputs) / run.num_microbatches
@@ -73,4 +87,4 @@ def train_step(run: GPTRun, step: int) -> tuple[float, float, bool]:
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     loss /= run.dp_size
     dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(loss), float(grad_norm), success
+    return StepResult(float(loss), float(grad_norm), success, optimizer_s)

@@ -3,7 +3,8 @@ optimizer adapter.
 
 Read top to bottom: set up (:mod:`.setup`), resume, then per step -- forward/backward through
 megatron-core's schedule, optimizer step (:mod:`.step`) -> stop on a non-finite loss -> record
-(the logger decides when to print) -> checkpoint (the checkpointer decides when).
+(the logger decides when to print) -> validation (the evaluator decides when) -> checkpoint
+(the checkpointer decides when).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import math
 import time
 from typing import Any
 
+from megatron_ext.config.optimizer import update_rms_note
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.gpt.checkpoint import Checkpointer
-from megatron_ext.gpt.report import record_step, summarize
+from megatron_ext.gpt.evaluate import Evaluator
+from megatron_ext.gpt.report import record_step, record_validation, summarize
 from megatron_ext.gpt.setup import setup
 from megatron_ext.gpt.step import train_step
 from megatron_ext.run.metrics import MetricsLogger
@@ -30,6 +33,7 @@ def train(recipe: Recipe) -> dict[str, Any]:
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
     checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint)
+    evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
     if run.start_step >= t.steps:
@@ -55,18 +59,21 @@ def train(recipe: Recipe) -> dict[str, Any]:
         f"params {sum(p.numel() for p in run.model.parameters()):,} | "
         f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}"
     )
+    log.info(update_rms_note(recipe.optimizer))
     try:
         for step in range(run.start_step, t.steps):
             t0 = time.perf_counter()
-            loss, grad_norm, success = train_step(run, step)
+            result = train_step(run, step)
             step_time, done = time.perf_counter() - t0, step + 1
-            if not math.isfinite(loss) or not success:
+            if not math.isfinite(result.loss) or not result.success:
                 raise TrainingDivergedError(
-                    f"step {done}: training loss is {loss} (grad norm {grad_norm}); "
+                    f"step {done}: training loss is {result.loss} (grad norm {result.grad_norm}); "
                     f"stopping without checkpointing this state. Lower optimizer.lr, enable "
                     f"optimizer.clip_grad, or resume from {checkpointer.ckpt_dir}"
                 )
-            record_step(log, run, done, loss, grad_norm, step_time)
+            record_step(log, run, done, result, step_time)
+            if evaluator.should_evaluate(done, t.steps):
+                record_validation(log, run, done, evaluator.evaluate(run))
             if checkpointer.should_save(done, t.steps):
                 loop = {"step": done, "consumed_samples": done * t.global_batch_size}
                 checkpointer.save(done, run.model, run.optimizer, loop)

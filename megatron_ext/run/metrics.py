@@ -84,11 +84,13 @@ class MetricsLogger:
         scalars: Iterable[str] = (),
         group: str = "train",
         persist: bool = True,
+        advance: bool = True,
     ) -> None:
         """One record: ``figures`` (JSON-serialisable, ``step`` among them) as one line of the
         JSONL file; ``scalars`` (names in ``figures``) to TensorBoard as ``<group>/<name>`` at
         ``step``; ``line`` printed when :meth:`should_log`. ``persist=False``: this rank echoes
-        only (another rank writes the same record)."""
+        only (another rank writes the same record). ``advance=False``: a record that is not a
+        step of its own (e.g. a validation after one) leaves the progress bar where it is."""
         self.records.append(dict(figures))
         if self.write and persist:
             self._jsonl.write(json.dumps(figures) + "\n")
@@ -96,7 +98,7 @@ class MetricsLogger:
             if self._tb is not None:
                 for key in scalars:
                     self._tb.add_scalar(f"{group}/{key}", figures[key], step)
-        if self._bar is not None:
+        if self._bar is not None and advance:
             self._bar.update(1)
             shown = {"loss": ".4f", "lr": ".2e"}  # the figures the bar keeps in view
             postfix = {k: f"{figures[k]:{f}}" for k, f in shown.items() if k in figures}

@@ -1,0 +1,202 @@
+"""``megatron-ext bench convergence RECIPE``: the same run once per optimizer, side by side.
+
+Each variant runs through the normal launcher (``megatron-ext launch RECIPE ...``) with the same
+seed, data order, token count and LR schedule — only ``optimizer.name`` (and a variant's own
+overrides, e.g. KL-SOAP's Newton–Schulz roots) differs, and with update-RMS matching one
+``optimizer.lr`` serves them all. From each run's ``metrics.jsonl`` it prints the final
+training and validation loss (means of the last K logged values), the median step time and the
+optimizer's share of it, and the largest gradient norm; it writes one PNG with the loss curves
+and a JSON with every figure. Figures, not pass/fail: expectations (e.g. KL-SOAP ≤ Muon ≈ MOP <
+AdamW at equal tokens) are for the reader to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.errors import ConfigError
+
+DESCRIPTION = "one recipe, once per optimizer: final losses, step time, optimizer share, curves"
+
+#: name -> extra overrides; ``optimizer.name`` is the part of the name before the first "+".
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "adamw": (),
+    "lion": (),
+    "muon": (),
+    "mop": (),
+    "kl_soap": (),
+    "kl_soap+ns": ("optimizer.kl_soap_inverse_root=newton_schulz",),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe file or shipped recipe name")
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    p.add_argument(
+        "--optimizers",
+        default=",".join(VARIANTS),
+        help="comma-separated variants (default: all; kl_soap+ns = KL-SOAP with Newton–Schulz "
+        f"inverse roots); known: {', '.join(VARIANTS)}",
+    )
+    p.add_argument("--last", type=int, default=20, help="K: final losses are means of the last K")
+    p.add_argument(
+        "--out", default="runs/bench_convergence", help="folder of the runs, PNG and JSON"
+    )
+    p.add_argument("--json", default=None, help="also write the JSON here")
+
+
+def parse_variants(spec: str) -> dict[str, tuple[str, ...]]:
+    """The variants named in ``spec`` (``ConfigError`` naming an unknown one)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise ConfigError(
+            f"--optimizers: unknown variant(s) {unknown or spec!r}; known: {', '.join(VARIANTS)}"
+        )
+    return {n: VARIANTS[n] for n in names}
+
+
+def run_variant(
+    recipe: str, overrides: list[str], name: str, extra: tuple[str, ...], out: Path
+) -> Path:
+    """One launcher run; returns its run directory. The run's own log goes to ``run.log``."""
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_ext.launch.cli",
+        "launch",
+        recipe,
+        *overrides,
+        f"optimizer.name={name.split('+')[0]}",
+        *extra,
+        f"run_dir={run_dir}",
+        "checkpoint.load=none",
+        "checkpoint.save_interval=0",
+        "checkpoint.save_at_end=false",
+    ]
+    with open(run_dir / "run.log", "w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = (run_dir / "run.log").read_text(errors="replace").strip().splitlines()[-5:]
+        raise RuntimeError(
+            f"the {name} run failed (exit {done.returncode}); last lines of {run_dir}/run.log:\n"
+            + "\n".join(tail)
+        )
+    return run_dir
+
+
+def summarize(run_dir: Path, last: int) -> dict[str, Any]:
+    """Figures of one run from its ``metrics.jsonl``."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    if not train:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no training steps")
+    times = [r["step_time_s"] for r in train[1:]] or [train[0]["step_time_s"]]
+    opt_times = [r["optimizer_s"] for r in train[1:] if "optimizer_s" in r]
+    step_time = statistics.median(times)
+    return {
+        "steps": train[-1]["step"],
+        "tokens": train[-1]["consumed_tokens"],
+        "train_loss": statistics.fmean(r["loss"] for r in train[-last:]),
+        "val_loss": statistics.fmean(r["val_loss"] for r in evals[-last:]) if evals else None,
+        "step_time_s": step_time,
+        "optimizer_share": statistics.median(opt_times) / step_time if opt_times else None,
+        "max_grad_norm": max(r["grad_norm"] for r in train),
+        "curve": {
+            "step": [r["step"] for r in train],
+            "tokens": [r["consumed_tokens"] for r in train],
+            "loss": [r["loss"] for r in train],
+            "val_step": [r["step"] for r in evals],
+            "val_loss": [r["val_loss"] for r in evals],
+        },
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def report(results: dict[str, dict[str, Any]], last: int) -> str:
+    lines = [
+        f"{'optimizer':<12} {'train loss':>10} {'val loss':>9} {'s/step':>8} {'opt share':>9} "
+        f"{'max gnorm':>9}   (losses: means of the last {last} logged values)"
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"{name:<12} {r['train_loss']:>10.4f} {_fmt(r['val_loss'], '.4f'):>9} "
+            f"{r['step_time_s']:>8.3f} {_fmt(r['optimizer_share'], '.1%'):>9} "
+            f"{r['max_grad_norm']:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_ext.atomic import atomic_path
+
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in results.items():
+        c = r["curve"]
+        (line,) = ax.plot(c["tokens"], c["loss"], lw=1, label=name)
+        zoom.plot(c["tokens"], c["loss"], lw=1, color=line.get_color(), label=name)
+        if c["val_loss"]:
+            val_tokens = [c["tokens"][c["step"].index(s)] for s in c["val_step"]]
+            zoom.plot(val_tokens, c["val_loss"], "o--", ms=3, color=line.get_color())
+    tail = [v for r in results.values() for v in r["curve"]["loss"][len(r["curve"]["loss"]) // 2 :]]
+    zoom.set_ylim(min(tail) * 0.97, max(tail) * 1.03)
+    ax.set_title(title)
+    zoom.set_title("second half (dots: validation)")
+    for a in (ax, zoom):
+        a.set_xlabel("tokens")
+        a.set_ylabel("loss (nats/token)")
+        a.grid(alpha=0.3)
+        a.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ext.bench.common import write_json
+    from megatron_ext.config.load import load_recipe
+
+    variants = parse_variants(args.optimizers)
+    if args.last < 1:
+        raise ConfigError(f"--last must be >= 1, got {args.last}")
+    load_recipe(args.recipe, args.overrides)  # a bad recipe fails before any run starts
+    out = Path(args.out)
+    results = {}
+    for name, extra in variants.items():
+        print(f"[convergence] {name}: running", flush=True)
+        results[name] = summarize(
+            run_variant(args.recipe, args.overrides, name, extra, out), args.last
+        )
+        print(f"[convergence] {name}: train loss {results[name]['train_loss']:.4f}", flush=True)
+    print(report(results, args.last))
+    title = f"{args.recipe} {' '.join(args.overrides)}".strip()
+    plot(results, out / "convergence.png", title)
+    payload = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "last": args.last,
+        "results": {n: {k: v for k, v in r.items() if k != "curve"} for n, r in results.items()},
+        "curves": {n: r["curve"] for n, r in results.items()},
+    }
+    print(f"wrote {out / 'convergence.png'}")
+    for path in filter(None, (str(out / "convergence.json"), args.json)):
+        write_json(payload, path)
+    return 0
