@@ -1,0 +1,169 @@
+"""DiPaCo's part of a recipe: the ``dipaco:`` section, its cross-field rules, the registration.
+
+The shared sections keep their meaning: ``model`` is the architecture of every path (a GPTModel),
+``optimizer`` the inner optimizer (AdamW, Muon, KL-SOAP ... by name), ``training`` the *base*
+run (the dense model trained first on all data: ``steps``, batch sizes, ``seq_length``, seed and
+its LR schedule) and the batch of every inner step, ``data`` the corpus and tokenizer.
+
+No torch import: the launcher validates recipes before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_ext.config.fields import spec
+from megatron_ext.dipaco.layout import PathLayout
+from megatron_ext.dipaco.queue_url import QueueURL, parse_queue_url
+from megatron_ext.errors import ConfigError
+from megatron_ext.run.trainers import TrainerSpec, register_trainer
+
+if TYPE_CHECKING:
+    from megatron_ext.config.schema import Recipe
+
+__all__ = ["DipacoConfig", "check_dipaco", "path_layout", "queue_url"]
+
+
+@dataclass
+class DipacoConfig:
+    """DiPaCo: L levels of K_l modules, P = prod K_l paths, DiLoCo per module, coarse routing.
+
+    Phase t: every path trains ``tau`` inner steps from the current versions of its modules;
+    then every module (l, e) takes one outer step over the paths that use it; the paths are
+    re-routed (discriminatively) every ``reshard_every`` phases.
+    """
+
+    # levels x modules (see megatron_ext.dipaco.layout for the part syntax)
+    modules_per_level: list[int] = spec([2, 2], help="K_l per level; P = product")
+    level_parts: list[str] = spec(
+        [],
+        help="parts of each level's modules, e.g. ['embedding 0-1', '2-3 final_layernorm "
+        "output_layer']; [] = blocks split evenly, embedding first, head last",
+    )
+    path_specific: str = spec("", help="parts every path keeps to itself, e.g. 'embedding 0 5'")
+    # DiLoCo
+    phases: int = spec(2, ge=1, help="outer steps (each after tau inner steps per path)")
+    tau: int = spec(150, ge=1, help="inner steps per path per phase")
+    outer_lr: float = spec(0.7, gt=0.0, help="outer Nesterov SGD learning rate")
+    outer_momentum: float = spec(0.9, ge=0.0, lt=1.0)
+    outer_nesterov: bool = True
+    sqrt_p_scaling: bool = spec(True, help="multiply a module's delta by sqrt(P_{l,e})")
+    alpha_weighting: bool = spec(True, help="weigh path deltas by shard tokens (else uniform)")
+    inner_warmup_steps: int = spec(0, ge=0, help="warm-up of the one cosine over phases*tau")
+    # routing
+    routing: str = spec(
+        "discriminative",
+        choices=("generative", "discriminative"),
+        help="generative: balanced k-means (k = P) on prefix features; discriminative: then "
+        "logistic regression on each router document's best path, with a frequency bias",
+    )
+    route_tokens: int = spec(32, ge=1, help="documents are routed on this prefix (never scored)")
+    train_overlap: int = spec(2, ge=1, help="each training document goes to its top-k paths")
+    reshard_every: int = spec(1, ge=0, help="discriminative re-shard every k phases; 0 = never")
+    router_fraction: float = spec(0.1, gt=0.0, lt=0.5, help="documents held out to fit routers")
+    router_max_iter: int = spec(200, ge=1, help="logistic regression iterations")
+    kmeans_max_iter: int = spec(50, ge=1)
+    # evaluation and early stopping
+    eval_fraction: float = spec(0.05, gt=0.0, lt=0.5, help="held-out documents (perplexity)")
+    val_fraction: float = spec(0.05, gt=0.0, lt=0.5, help="each shard's early-stopping slice")
+    eval_every_tokens: list[int] = spec([16, 64], help="W: re-route every W tokens at eval")
+    eval_documents: int = spec(256, ge=1, help="held-out documents scored at most")
+    # base model
+    base_checkpoint: str = spec(
+        "", help="a base model file (model.pt of a base run); '' = train it (training.steps)"
+    )
+    # task queue and workers
+    queue: str = spec("", help="sqlite:///file.db or postgresql://...; '' = run_dir/queue.db")
+    lease_seconds: float = spec(120.0, gt=0.0, help="a claimed task is re-leased after this")
+    heartbeat_seconds: float = spec(10.0, gt=0.0, help="a worker renews its lease this often")
+    max_attempts: int = spec(3, ge=1, help="claims of one task before the run stops")
+    poll_seconds: float = spec(0.2, gt=0.0, help="idle workers look for tasks this often")
+
+
+def path_layout(recipe: Recipe) -> PathLayout:
+    """The recipe's levels x modules, checked against ``model.num_layers``."""
+    d = recipe.section(DipacoConfig)
+    return PathLayout.from_recipe(
+        d.modules_per_level,
+        d.level_parts,
+        d.path_specific,
+        recipe.model.num_layers,
+        tied_output=not recipe.model.untie_embeddings_and_output_weights,
+    )
+
+
+def queue_url(recipe: Recipe) -> QueueURL:
+    """The recipe's queue database (``dipaco.queue``; empty = ``run_dir/queue.db``)."""
+    return parse_queue_url(recipe.section(DipacoConfig).queue, recipe.run_dir)
+
+
+def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
+    """The ``dipaco:`` section against itself, the model and the corpus (any job size: a rank
+    is one worker, and workers cycle through the paths)."""
+    d, m, t, p = recipe.section(DipacoConfig), recipe.model, recipe.training, recipe.parallel
+    layout = path_layout(recipe)
+    queue_url(recipe)
+    if not recipe.data.source and not recipe.data.path:
+        raise ConfigError(
+            "trainer=dipaco needs data.source (text files, folders, 'python-docs' or "
+            "'python-stdlib') or data.path (an indexed dataset)"
+        )
+    if m.num_moe_experts:
+        raise ConfigError(
+            "trainer=dipaco paths are dense GPTs: set model.num_moe_experts=0 (the mixture is "
+            "the paths)"
+        )
+    sizes = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        p.expert_model_parallel_size,
+    )
+    if sizes != (1, 1, 1, 1):
+        raise ConfigError(
+            "trainer=dipaco trains each path on one rank: set parallel.tensor/pipeline/context/"
+            "expert_model_parallel_size to 1 (a rank is one worker)"
+        )
+    if d.train_overlap > layout.num_paths:
+        raise ConfigError(
+            f"dipaco.train_overlap={d.train_overlap} exceeds the {layout.num_paths} paths"
+        )
+    if d.route_tokens >= t.seq_length:
+        raise ConfigError(
+            f"dipaco.route_tokens={d.route_tokens} must be below training.seq_length="
+            f"{t.seq_length}: the tokens after the prefix are the ones scored"
+        )
+    if not d.eval_every_tokens or any(w < 1 for w in d.eval_every_tokens):
+        raise ConfigError(
+            f"dipaco.eval_every_tokens={d.eval_every_tokens}: give at least one W >= 1"
+        )
+    if d.heartbeat_seconds >= d.lease_seconds:
+        raise ConfigError(
+            f"dipaco.heartbeat_seconds={d.heartbeat_seconds} must be below "
+            f"dipaco.lease_seconds={d.lease_seconds}, or every lease expires between beats"
+        )
+    if d.inner_warmup_steps > d.phases * d.tau:
+        raise ConfigError(
+            f"dipaco.inner_warmup_steps={d.inner_warmup_steps} exceeds the "
+            f"phases*tau = {d.phases * d.tau} inner steps of a path"
+        )
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"training.micro_batch_size={t.micro_batch_size} (an inner step accumulates "
+            f"global/micro micro-batches)"
+        )
+    if not d.base_checkpoint:
+        recipe.lr_schedule()  # the base run's schedule must be consistent
+
+
+register_trainer(
+    TrainerSpec(
+        name="dipaco",
+        train="megatron_ext.dipaco.trainer:train",
+        check=check_dipaco,
+        section="dipaco",
+        config=DipacoConfig,
+    )
+)
