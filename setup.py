@@ -82,7 +82,8 @@ setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
         "psutil>=5.9",  # dist_checkpointing's async file writer
-        "scikit-learn>=1.4",  # SOMA's tf-idf clustering router
+        "scikit-learn>=1.4",  # SOMA's tf-idf clustering router, DiPaCo's routers
+        "psycopg[binary]>=3.1",  # DiPaCo's task queue on PostgreSQL
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "emerging-optimizers==0.3.0"],

@@ -1,0 +1,179 @@
+"""The DiPaCo task queue on both real databases: SQLite (WAL) and a throwaway PostgreSQL server.
+
+Semantics under test: idempotent enqueue, dependencies and priorities, leases that expire on the
+database's clock, heartbeats, fencing tokens (a zombie's completion is rejected, a repeated one
+accepted), max_attempts stopping every worker, no task claimed twice under concurrent claims.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.dipaco.queue import TaskFailedError, TaskQueue, TaskSpec
+from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.errors import ConfigError
+from tests.conftest import free_port
+from tests.dist.dipaco_postgres import PostgresServer, find_postgres_bin
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    bindir = find_postgres_bin()
+    if bindir is None:
+        pytest.skip(
+            "no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH or in "
+            "/usr/lib/postgresql/*/bin: apt-get install postgresql"
+        )
+    server = PostgresServer(bindir)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path: Path) -> str:
+    """A fresh, empty queue database of each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/queue.db"
+    return request.getfixturevalue("postgres").new_database()
+
+
+def open_queue(url: str, lease: float = 30.0, attempts: int = 3, worker: str = "") -> TaskQueue:
+    return TaskQueue(
+        parse_queue_url(url), lease_seconds=lease, max_attempts=attempts, worker=worker
+    )
+
+
+def test_enqueue_is_idempotent_and_refuses_other_content(url: str) -> None:
+    q = open_queue(url)
+    tasks = [TaskSpec("a", "train", {"path": 0}), TaskSpec("b", "train", {"path": 1}, deps=("a",))]
+    assert q.enqueue(tasks) == 2
+    assert q.enqueue(tasks) == 0
+    assert open_queue(url).enqueue(tasks[:1]) == 0  # another connection, same answer
+    with pytest.raises(ConfigError, match="already queued with other content"):
+        q.enqueue([TaskSpec("a", "train", {"path": 7})])
+    assert q.counts() == {"train": {"pending": 2, "running": 0, "done": 0, "failed": 0}}
+
+
+def test_dependencies_and_priorities_decide_what_is_claimable(url: str) -> None:
+    q = open_queue(url)
+    q.enqueue(
+        [
+            TaskSpec("outer", "outer", priority=0, deps=("t1", "t2")),
+            TaskSpec("t2", "train", priority=2),
+            TaskSpec("t1", "train", priority=1),
+        ]
+    )
+    first, second = q.claim(), q.claim()
+    assert (first.task, second.task) == ("t1", "t2")  # the outer task waits for both
+    assert q.claim() is None
+    assert q.complete(first, {"loss": 1.0})
+    assert q.claim() is None  # t2 still running
+    assert q.complete(second)
+    last = q.claim()
+    assert last.task == "outer" and last.kind == "outer"
+    assert q.claim(kinds=["train"]) is None
+    assert q.complete(last) and q.unfinished() == 0
+    assert q.result("t1") == {"loss": 1.0}
+
+
+def test_lease_expiry_takeover_and_zombie_fencing(url: str) -> None:
+    a = open_queue(url, lease=0.6, worker="A")
+    b = open_queue(url, lease=0.6, worker="B")
+    a.enqueue([TaskSpec("t", "train")])
+    lease_a = a.claim()
+    assert lease_a.attempt == 1 and not lease_a.taken_over
+    # the expiry is the database clock plus the lease
+    assert lease_a.expires - a.db.now() == pytest.approx(0.6, abs=0.2)
+    assert b.claim() is None  # leased
+    time.sleep(0.8)
+    lease_b = b.claim()
+    assert lease_b.task == "t" and lease_b.attempt == 2 and lease_b.taken_over
+    assert lease_b.token != lease_a.token
+    assert not a.heartbeat(lease_a)  # the zombie learns it lost the task...
+    assert not a.complete(lease_a, {"who": "A"})  # ...and its completion is rejected
+    assert b.complete(lease_b, {"who": "B"})
+    assert b.complete(lease_b, {"who": "B"})  # the same completion again: accepted
+    assert not a.complete(lease_a, {"who": "A"})
+    assert a.result("t") == {"who": "B"} and a.token("t") == lease_b.token
+    assert [e[4] for e in a.events()] == ["claim", "take-over", "rejected", "complete", "rejected"]
+
+
+def test_heartbeats_keep_a_lease(url: str) -> None:
+    a = open_queue(url, lease=0.5, worker="A")
+    b = open_queue(url, lease=0.5, worker="B")
+    a.enqueue([TaskSpec("t", "train")])
+    lease = a.claim()
+    for _ in range(6):
+        time.sleep(0.2)
+        assert a.heartbeat(lease)
+        assert b.claim() is None
+    assert a.complete(lease)
+    workers = {w[0]: w for w in a.workers()}
+    assert set(workers) == {"A", "B"}
+
+
+def test_max_attempts_stops_every_worker_with_one_message(url: str) -> None:
+    a = open_queue(url, attempts=2, worker="A")
+    a.enqueue([TaskSpec("t", "train"), TaskSpec("u", "train", priority=5)])
+    for _ in range(2):
+        lease = a.claim()
+        assert lease.task == "t"
+        a.fail(lease, "ValueError: boom")
+    with pytest.raises(TaskFailedError, match=r"task t failed 2 times.*max_attempts=2.*boom"):
+        a.claim()
+    with pytest.raises(TaskFailedError, match="task t failed"):
+        open_queue(url, worker="B").claim()  # every worker stops, not just the one that saw it
+    assert a.counts()["train"]["failed"] == 1
+
+
+def test_expired_leases_count_as_attempts(url: str) -> None:
+    q = open_queue(url, lease=0.2, attempts=2)
+    q.enqueue([TaskSpec("t", "train")])
+    assert q.claim().attempt == 1
+    time.sleep(0.3)
+    assert q.claim().attempt == 2
+    time.sleep(0.3)
+    with pytest.raises(TaskFailedError, match="lease expired 2 times"):
+        q.claim()
+
+
+def test_concurrent_claims_never_hand_out_a_task_twice(url: str) -> None:
+    open_queue(url).enqueue([TaskSpec(f"t{i:02d}", "train", priority=i) for i in range(24)])
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def work(name: str) -> None:
+        q = open_queue(url, worker=name)
+        while (lease := q.claim()) is not None:
+            with lock:
+                claimed.append(lease.task)
+            assert q.complete(lease)
+        q.close()
+
+    threads = [threading.Thread(target=work, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == [f"t{i:02d}" for i in range(24)]
+    assert open_queue(url).unfinished() == 0
+
+
+def test_a_queue_belongs_to_one_run(url: str) -> None:
+    open_queue(url).bind_run("abc", "runs/one")
+    open_queue(url).bind_run("abc", "runs/one")
+    with pytest.raises(ConfigError, match=r"another run's tasks \(runs/one\)"):
+        open_queue(url).bind_run("xyz", "runs/two")
+
+
+def test_unreachable_queues_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_queue(f"sqlite:///{tmp_path}/missing/queue.db")
+    with pytest.raises(ConfigError, match="is unreachable"):
+        open_queue(f"postgresql://nobody@127.0.0.1:{free_port()}/db")
+    assert list(tmp_path.iterdir()) == []
