@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_ext.atomic import atomic_path
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
 from megatron_ext.optimizers.registry import build_optimizer
@@ -412,30 +410,3 @@ class LayerwiseOptimizer:
         """Load :meth:`state_dict` output; ``state["state"]`` may be the union of every saving
         rank's dicts, written at any data-parallel size."""
         self.load_named_state(state["state"])
-
-
-def save_named_state(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:
-    """Plain torch format: each rank writes the state of the parameters it saves (its own, plus
-    the replicated ones on rank 0) to ``folder/optimizer.<rank>.pt``, atomically. Keys are
-    parameter names, so any data-parallel size can load the folder."""
-    mine = {n: st for n, st in optimizer.named_state().items() if optimizer.saves(n)}
-    with atomic_path(Path(folder) / f"optimizer.{optimizer.rank}.pt") as tmp:
-        torch.save({"world": optimizer.world, "state": mine}, tmp)
-
-
-def load_named_state_files(optimizer: LayerwiseOptimizer, folder: str | Path) -> None:
-    """Load a :func:`save_named_state` folder written at any data-parallel size."""
-    folder = Path(folder)
-    files = sorted(folder.glob("optimizer.*.pt"))
-    if not files:
-        raise FileNotFoundError(f"no optimizer.<rank>.pt files in {folder}")
-    first = torch.load(files[0], map_location="cpu", weights_only=False)
-    if len(files) != first["world"]:
-        raise ValueError(
-            f"{folder} holds {len(files)} of the {first['world']} optimizer files its writer "
-            f"saved: the checkpoint is incomplete"
-        )
-    merged: dict[str, Any] = {}
-    for f in files:
-        merged.update(torch.load(f, map_location="cpu", weights_only=False)["state"])
-    optimizer.load_named_state(merged)

@@ -13,11 +13,26 @@ import torch
 from layerwise_step import grads_for, make_params  # same folder (run as a script)
 
 from megatron_ext.distributed.allgather_v import make_allgather_v
-from megatron_ext.distributed.layerwise import (
-    LayerwiseOptimizer,
-    load_named_state_files,
-    save_named_state,
-)
+from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+
+
+def save_named_state(optimizer: LayerwiseOptimizer, folder: str) -> None:
+    """Each rank writes the name-keyed state of the parameters it saves (its own, plus the
+    replicated ones on rank 0) to ``folder/optimizer.<rank>.pt``."""
+    mine = {n: st for n, st in optimizer.named_state().items() if optimizer.saves(n)}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {"world": optimizer.world, "state": mine}, Path(folder) / f"optimizer.{optimizer.rank}.pt"
+    )
+
+
+def load_named_state_files(optimizer: LayerwiseOptimizer, folder: str) -> None:
+    """Merge every rank's file (written at any data-parallel size) and load it."""
+    files = sorted(Path(folder).glob("optimizer.*.pt"))
+    merged = {}
+    for f in files:
+        merged.update(torch.load(f, map_location="cpu", weights_only=False)["state"])
+    optimizer.load_named_state(merged)
 
 
 def main(
