@@ -51,8 +51,9 @@ def reference_outer(theta, momentum, paths, tokens, lr, mu, nesterov, sqrt_p, al
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_outer_step_matches_a_float64_reference(sqrt_p: bool, alpha: bool, nesterov: bool) -> None:
     rng = np.random.default_rng(0)
-    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov, sqrt_p_scaling=sqrt_p,
-                      alpha_weighting=alpha)  # fmt: skip
+    cfg = OuterConfig(
+        lr=0.7, momentum=0.9, nesterov=nesterov, sqrt_p_scaling=sqrt_p, alpha_weighting=alpha
+    )
     tokens = {4: 600, 0: 100, 2: 300}  # listed out of order on purpose
     theta = rng.standard_normal(7)
     ref_theta, ref_mom = list(theta), None
@@ -64,9 +65,16 @@ def test_outer_step_matches_a_float64_reference(sqrt_p: bool, alpha: bool, neste
         torch_paths = {i: {"w": torch.tensor(v, dtype=torch.float32)} for i, v in paths.items()}
         order = sorted(tokens)
         ref_theta, ref_mom = reference_outer(
-            ref_theta, ref_mom, [[float(x) for x in torch_paths[i]["w"]] for i in order],
-            [tokens[i] for i in order], 0.7, 0.9, nesterov, sqrt_p, alpha,
-        )  # fmt: skip
+            ref_theta,
+            ref_mom,
+            [[float(x) for x in torch_paths[i]["w"]] for i in order],
+            [tokens[i] for i in order],
+            0.7,
+            0.9,
+            nesterov,
+            sqrt_p,
+            alpha,
+        )
         ours, mom = outer_step(ours, mom, tokens, lambda i, tp=torch_paths: tp[i], cfg)
         assert ours["w"].dtype == torch.float32
         np.testing.assert_allclose(ours["w"].double().numpy(), ref_theta, rtol=1e-6, atol=1e-6)
@@ -186,8 +194,15 @@ def test_one_path_one_module_is_diloco() -> None:
     sched = inner_schedule(opt_cfg, phases, tau, warmup=0)
     lrs = [sched.lr_at(k) for k in range(phases * tau)]
     data = {0: batches(1, phases * tau)}
-    modules, _ = run_dipaco(layout, data, phases, tau, cfg, lambda m: InnerOptimizer(
-        list(m.named_parameters()), opt_cfg), lrs)  # fmt: skip
+    modules, _ = run_dipaco(
+        layout,
+        data,
+        phases,
+        tau,
+        cfg,
+        lambda m: InnerOptimizer(list(m.named_parameters()), opt_cfg),
+        lrs,
+    )
 
     model = TinyGPT()
     theta = {n: p.double() for n, p in params(model).items()}
@@ -195,8 +210,10 @@ def test_one_path_one_module_is_diloco() -> None:
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=0.01, betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+        lr=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     buf = {n: torch.zeros_like(v) for n, v in theta.items()}
     for t in range(phases):
         with torch.no_grad():
@@ -260,8 +277,9 @@ def test_flat_moe_with_lr1_momentum0_is_independent_training_of_the_paths() -> N
 
 def test_path_specific_parameters_are_never_averaged() -> None:
     """2 x 1 levels with block 1 path-specific: each path keeps its own copy of block 1."""
-    layout = PathLayout((2,), (("embedding", "block0", "final_layernorm", "output_layer"),),
-                        ("block1",))  # fmt: skip
+    layout = PathLayout(
+        (2,), (("embedding", "block0", "final_layernorm", "output_layer"),), ("block1",)
+    )
     opt_cfg = optimizer_cfg(lr=0.01)
     data = {p: batches(7 + p, 4) for p in range(2)}
     make = lambda m: InnerOptimizer(list(m.named_parameters()), opt_cfg)  # noqa: E731

@@ -162,7 +162,7 @@ def test_bad_recipe_stops_the_cli_with_one_line_exit_2_and_writes_nothing(tmp_pa
     raw["dipaco"]["level_parts"] = ["embedding 0-1", "2-5 final_layernorm output_layer"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    for command in (["launch", str(bad)], ["train", str(bad)]):
+    for command in (["launch", str(bad)], ["train", str(bad)], ["dipaco", "worker", str(bad)]):
         proc = subprocess.run(
             [str(MEGATRON_EXT), *command], capture_output=True, text=True, timeout=120
         )

@@ -95,22 +95,26 @@ def inner_steps(
     where: str = "",
 ) -> list[float]:
     """One optimizer step per learning rate in ``lrs``, each on the next batch; returns the
-    losses. ``optimizer``: anything with ``zero_grad()`` and ``step(lr)`` (:class:`InnerOptimizer`,
-    or a plain torch optimizer wrapped by the caller). A non-finite loss raises
-    :class:`TrainingDivergedError` naming ``where`` and the step."""
+    losses. A batch is one input of ``loss_fn`` or a list of micro-batches (their mean loss,
+    gradients accumulated micro-batch by micro-batch). ``optimizer``: anything with
+    ``zero_grad()`` and ``step(lr)`` (:class:`InnerOptimizer`). A non-finite loss raises
+    :class:`TrainingDivergedError` naming ``where`` and the step, before that step is taken."""
     losses = []
     model.train()
     for k, (lr, batch) in enumerate(zip(lrs, batches, strict=False)):
+        micro = batch if isinstance(batch, list) else [batch]
         optimizer.zero_grad()
-        loss = loss_fn(model, batch)
-        value = float(loss.detach())
+        value = 0.0
+        for part in micro:
+            loss = loss_fn(model, part) / len(micro)
+            loss.backward()
+            value += float(loss.detach())
         if not math.isfinite(value):
             raise TrainingDivergedError(
                 f"{where} inner step {k}: loss is {value}; lower optimizer.lr or enable "
                 f"optimizer.clip_grad",
                 on_every_rank=False,
             )
-        loss.backward()
         optimizer.step(lr)
         losses.append(value)
     if len(losses) != len(lrs):

@@ -233,15 +233,17 @@ class TaskQueue:
             self._event(db, lease.task, lease.token, "rejected", f"current token {token}")
             return False
 
-    def fail(self, lease: Lease, error: str) -> None:
-        """Give ``lease``'s task back after ``error`` (a no-op for a superseded token)."""
+    def fail(self, lease: Lease, error: str, *, fatal: bool = False) -> None:
+        """Give ``lease``'s task back after ``error`` (a no-op for a superseded token);
+        ``fatal``: the error would repeat (bad input), so the task fails and the run stops."""
+        state = "failed" if fatal else "pending"
         with self.db.transaction() as db:
             db.execute(
-                "UPDATE dipaco_tasks SET state = 'pending', token = NULL, error = ?, "
+                "UPDATE dipaco_tasks SET state = ?, token = NULL, error = ?, "
                 "lease_expires = NULL WHERE id = ? AND token = ? AND state = 'running'",
-                (error, lease.task, lease.token),
+                (state, error, lease.task, lease.token),
             )
-            self._event(db, lease.task, lease.token, "error", error)
+            self._event(db, lease.task, lease.token, "failed" if fatal else "error", error)
             self._seen(db, None)
 
     # ---------------------------------------------------------------- reading

@@ -69,6 +69,9 @@ class DipacoConfig:
     val_fraction: float = spec(0.05, gt=0.0, lt=0.5, help="each shard's early-stopping slice")
     eval_every_tokens: list[int] = spec([16, 64], help="W: re-route every W tokens at eval")
     eval_documents: int = spec(256, ge=1, help="held-out documents scored at most")
+    tokenizer_vocab_size: int = spec(
+        1024, ge=260, help="SentencePiece vocabulary when data.tokenizer_model must be trained"
+    )
     # base model
     base_checkpoint: str = spec(
         "", help="a base model file (model.pt of a base run); '' = train it (training.steps)"
@@ -143,9 +146,9 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
             f"dipaco.heartbeat_seconds={d.heartbeat_seconds} must be below "
             f"dipaco.lease_seconds={d.lease_seconds}, or every lease expires between beats"
         )
-    if d.inner_warmup_steps > d.phases * d.tau:
+    if d.inner_warmup_steps >= d.phases * d.tau:
         raise ConfigError(
-            f"dipaco.inner_warmup_steps={d.inner_warmup_steps} exceeds the "
+            f"dipaco.inner_warmup_steps={d.inner_warmup_steps} must be below the "
             f"phases*tau = {d.phases * d.tau} inner steps of a path"
         )
     if t.global_batch_size % t.micro_batch_size:

@@ -1,0 +1,159 @@
+"""The ``eval`` task: perplexity of the routed paths on held-out documents, and the summary.
+
+Every evaluation document's targets after the ``route_tokens`` prefix are scored (the prefix
+never is). Each path's per-token losses come from its ``final`` task (its early-stopping
+version); the evaluation picks, per span of targets, whose losses count:
+
+- ``once``: one path per document, the last training router's top-1 on the prefix features;
+- ``w<W>``: every W tokens, chunk i's features choose the path for chunk i + 1 (chunk 0 is the
+  prefix, so the first scored chunk is routed by the prefix). Its router is fitted on the router
+  documents' chunks, each chunk's target being the path with the lowest loss over the next
+  chunk's W tokens (logistic regression + frequency bias, as the training router);
+- ``base``: the dense base model, the reference DiPaCo has to beat.
+
+Writes ``summary.json`` (figures, each path's early-stopping choice) and, through the run's
+metrics logger, one ``metrics.jsonl`` record per train task and one for the evaluation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_ext.atomic import write_json
+from megatron_ext.dipaco.context import TaskContext, load_arrays
+from megatron_ext.dipaco.data import document_batch
+from megatron_ext.dipaco.features import chunk_spans
+from megatron_ext.dipaco.plan import final_id, route_id, shard_phase, train_id
+from megatron_ext.dipaco.queue import Lease
+from megatron_ext.dipaco.routing import Router, fit_discriminative
+from megatron_ext.dipaco.store import assign_params, load_tensors
+from megatron_ext.run.metrics import MetricsLogger
+
+__all__ = ["evaluate", "routed_loss"]
+
+
+def routed_loss(
+    losses: list[list[torch.Tensor]], choice: list[list[int]], spans: list[list[tuple[int, int]]]
+) -> tuple[float, int]:
+    """(total nats, scored targets) when document d's chunk i + 1 is scored by path
+    ``choice[d][i]``: ``losses[p][d]`` are path p's per-target losses (target j predicts token
+    j + 1), ``spans[d]`` the document's chunks (chunk 0 is the unscored prefix)."""
+    nats, count = 0.0, 0
+    for d, doc_spans in enumerate(spans):
+        for i, (a, b) in enumerate(doc_spans[1:]):
+            part = losses[choice[d][i]][d][a - 1 : b - 1]
+            nats += float(part.double().sum())
+            count += len(part)
+    return nats, count
+
+
+def _window_targets(losses, spans) -> np.ndarray:
+    """For every (document, chunk i < last), the path with the lowest loss over chunk i + 1."""
+    rows = []
+    for d, doc_spans in enumerate(spans):
+        for a, b in doc_spans[1:]:
+            rows.append([float(path[d][a - 1 : b - 1].double().sum()) for path in losses])
+    return np.asarray(rows).reshape(-1, len(losses))
+
+
+def _chunk_rows(feats: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Rows of every chunk but each document's last (the ones that route a next chunk)."""
+    keep = np.concatenate([np.arange(a, b - 1) for a, b in itertools.pairwise(offsets)])
+    return feats[keep]
+
+
+def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
+    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.training.seed
+    paths = layout.num_paths
+    split, feats = ctx.split(), ctx.features()
+    _, dataset = ctx.corpus
+    r, max_tokens = d.route_tokens, ctx.recipe.training.seq_length + 1
+    lengths = [int(n) for n in document_batch(dataset, split["eval"], max_tokens).lengths]
+    router_lengths = [int(n) for n in document_batch(dataset, split["router"], max_tokens).lengths]
+    finals = [
+        load_tensors(ctx.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
+    ]
+    router_losses = [
+        load_tensors(ctx.done(final_id(p)) / "router_losses.pt")["losses"] for p in range(paths)
+    ]
+    results: dict[str, float] = {}
+    # the base model
+    pm = ctx.path_model
+    assign_params(pm.model, *ctx.composition(0, 0))
+    base_losses = pm.token_losses(document_batch(dataset, split["eval"], max_tokens))
+    once_spans = [[(0, min(r, n)), (min(r, n), n)] for n in lengths]
+    results["base"] = _mean(routed_loss([base_losses], [[0] for _ in lengths], once_spans))
+    # once per sequence: the last training router on the prefix
+    last_route = shard_phase(ctx.recipe, d.phases - 1)
+    router = Router.from_arrays(load_arrays(ctx.done(route_id(last_route)) / "router.npz"))
+    top = router.route(feats["eval"], 1)[:, 0]
+    results["once"] = _mean(routed_loss(finals, [[int(p)] for p in top], once_spans))
+    # every W tokens
+    for w in d.eval_every_tokens:
+        ctx.check_lease()
+        spans = [chunk_spans(n, r, w) for n in router_lengths]
+        targets = _window_targets(router_losses, spans)
+        x = _chunk_rows(feats[f"router_w{w}"], feats[f"router_w{w}_offsets"])
+        w_router = fit_discriminative(x, targets, max_iter=d.router_max_iter, seed=seed)
+        eval_spans = [chunk_spans(n, r, w) for n in lengths]
+        offsets = feats[f"eval_w{w}_offsets"]
+        choice = w_router.route(_chunk_rows(feats[f"eval_w{w}"], offsets), 1)[:, 0]
+        per_doc, start = [], 0
+        for doc_spans in eval_spans:
+            per_doc.append([int(p) for p in choice[start : start + len(doc_spans) - 1]])
+            start += len(doc_spans) - 1
+        results[f"w{w}"] = _mean(routed_loss(finals, per_doc, eval_spans))
+    return _write_summary(ctx, results, len(lengths), sum(n - min(r, n) for n in lengths))
+
+
+def _mean(total: tuple[float, int]) -> float:
+    nats, count = total
+    return nats / max(count, 1)
+
+
+def _write_summary(
+    ctx: TaskContext, losses: dict[str, float], documents: int, targets: int
+) -> dict[str, Any]:
+    d, layout = ctx.d, ctx.layout
+    paths = [ctx.result(final_id(p)) for p in range(layout.num_paths)]
+    log = MetricsLogger(
+        Path(ctx.run_dir), echo=True, write=True, tensorboard=False, prefix="dipaco "
+    )
+    try:
+        for t in range(d.phases):
+            for p in range(layout.num_paths):
+                res = ctx.result(train_id(t, p))
+                log.record(t * layout.num_paths + p, {"step": t * d.tau, **res})
+        figures = {
+            "eval_loss": losses,
+            "perplexity": {k: float(np.exp(v)) for k, v in losses.items()},
+        }
+        log.record(d.phases * layout.num_paths, {"step": d.phases * d.tau, **figures})
+        log.info(
+            "eval perplexity: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in figures["perplexity"].items())
+        )
+    finally:
+        log.close()
+    summary = {
+        "trainer": "dipaco",
+        "num_paths": layout.num_paths,
+        "modules_per_level": list(layout.modules_per_level),
+        "phases": d.phases,
+        "tau": d.tau,
+        "routing": d.routing,
+        "eval_documents": documents,
+        "eval_targets": targets,
+        **figures,
+        "early_stopping": [
+            {"path": r["path"], "best_version": r["best_version"], "val_loss": r["val"]}
+            for r in paths
+        ],
+    }
+    write_json(Path(ctx.run_dir) / "summary.json", summary)
+    return {k: summary[k] for k in ("eval_loss", "perplexity")}

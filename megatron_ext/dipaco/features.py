@@ -1,0 +1,59 @@
+"""Routing features from the base model: the mean last-block hidden state over a span.
+
+- prefix features: over each document's first ``route_tokens`` tokens (train, router and
+  evaluation documents); the prefix is never scored;
+- chunk features (evaluation and router documents, for each W of ``eval_every_tokens``):
+  chunk 0 is the prefix, chunk i >= 1 the tokens ``[R + (i-1)W, R + iW)``; chunk i's features
+  choose the path for chunk i + 1, so a chunk never routes itself. Stored flat, with each
+  document's first row in ``<name>_w<W>_offsets``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_ext.dipaco.data import document_batch
+from megatron_ext.dipaco.store import assign_params
+
+if TYPE_CHECKING:
+    from megatron_ext.dipaco.context import TaskContext
+
+__all__ = ["base_features", "chunk_spans"]
+
+
+def chunk_spans(length: int, route_tokens: int, window: int) -> list[tuple[int, int]]:
+    """Token spans of a ``length``-token document: the prefix, then windows of ``window``."""
+    prefix = min(route_tokens, length)
+    spans = [(0, prefix)]
+    start = prefix
+    while start < length:
+        spans.append((start, min(start + window, length)))
+        start += window
+    return spans
+
+
+def base_features(ctx: TaskContext, split: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Prefix features of every split and chunk features of ``eval``/``router`` documents."""
+    _, dataset = ctx.corpus
+    pm = ctx.path_model
+    assign_params(
+        pm.model,
+        ctx.base_part(None),
+        *(ctx.base_part(level) for level in range(ctx.layout.num_levels)),
+    )
+    r, max_tokens = ctx.d.route_tokens, ctx.recipe.training.seq_length + 1
+    out: dict[str, np.ndarray] = {}
+    for name in ("train", "router", "eval"):
+        ctx.check_lease()
+        docs = document_batch(dataset, split[name], max_tokens)
+        out[name] = pm.prefix_features(docs, r).numpy()
+        if name == "train":
+            continue
+        for w in ctx.d.eval_every_tokens:
+            spans = [chunk_spans(int(n), r, w) for n in docs.lengths]
+            feats = pm.span_features(docs, spans)
+            out[f"{name}_w{w}"] = np.concatenate([f.numpy() for f in feats])
+            out[f"{name}_w{w}_offsets"] = np.cumsum([0, *(len(s) for s in spans)])
+    return out

@@ -1,0 +1,158 @@
+"""Coarse routing: documents to paths from features of their prefix (base model hidden states).
+
+- Generative: balanced spherical k-means with k = P (:mod:`megatron_ext.data.clustering`, the
+  same k-means as SOMA's router) on the centred, unit-normalised features; a document's score
+  for path p is its cosine similarity to centroid p.
+- Discriminative: every path scores every router document; its target is the path with the
+  lowest loss; a multinomial logistic regression (scikit-learn) on the standardised features
+  predicts it; then a per-path bias (:func:`fit_frequency_bias`) makes the predicted path
+  frequencies (argmax) match the targets' frequencies. Without the bias a regression trained on
+  imbalanced targets predicts the minority paths for almost no document, so they get no data.
+
+:meth:`Router.route` gives each document its top-k paths (best first; ties to the lower id):
+top-2 overlapping shards for training, top-1 at evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.linear_model import LogisticRegression
+
+from megatron_ext.data.clustering import balanced_spherical_kmeans, unit_rows
+
+__all__ = ["Router", "fit_discriminative", "fit_frequency_bias", "fit_generative", "shards"]
+
+_NEVER = -1e9  # the bias of a path that no router document prefers
+
+
+@dataclass
+class Router:
+    """``mean``/``scale``: (h,) feature standardisation. Generative: ``weights`` (P, h) unit
+    centroids, ``intercept`` and ``bias`` zero. Discriminative: ``weights`` (P, h) regression
+    coefficients, ``intercept`` (P,), ``bias`` (P,) the frequency correction."""
+
+    kind: str
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+    intercept: np.ndarray
+    bias: np.ndarray
+
+    @property
+    def num_paths(self) -> int:
+        return self.weights.shape[0]
+
+    def scores(self, features: np.ndarray, *, with_bias: bool = True) -> np.ndarray:
+        """(n, P) float64 scores of (n, h) features (higher = better path)."""
+        x = (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
+        if self.kind == "generative":
+            x = unit_rows(x, fallback=np.zeros_like(x))
+        z = x @ self.weights.T + self.intercept
+        return z + self.bias if with_bias else z
+
+    def route(self, features: np.ndarray, k: int = 1, *, with_bias: bool = True) -> np.ndarray:
+        """(n, k) int64 best paths per document, best first."""
+        z = self.scores(features, with_bias=with_bias)
+        return np.argsort(-z, axis=1, kind="stable")[:, :k].astype(np.int64)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "kind": np.array(self.kind),
+            **{k: getattr(self, k) for k in ("mean", "scale", "weights", "intercept", "bias")},
+        }
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Router:
+        return cls(
+            str(arrays["kind"]),
+            *(np.asarray(arrays[k]) for k in ("mean", "scale", "weights", "intercept", "bias")),
+        )
+
+
+def fit_generative(
+    features: np.ndarray, num_paths: int, *, max_iter: int, seed: int
+) -> tuple[Router, np.ndarray]:
+    """Balanced k-means (k = P) of (n, h) features; returns (router, (n,) balanced path of each
+    fitting document: every path gets floor(n/P) or ceil(n/P) of them)."""
+    x = np.asarray(features, dtype=np.float64)
+    mean = x.mean(0)
+    result = balanced_spherical_kmeans(
+        unit_rows(x - mean, fallback=np.zeros_like(x)), num_paths, max_iter=max_iter, seed=seed
+    )
+    p, h = result.centroids.shape
+    router = Router("generative", mean, np.ones(h), result.centroids, np.zeros(p), np.zeros(p))
+    return router, result.assignment
+
+
+def fit_discriminative(
+    features: np.ndarray, losses: np.ndarray, *, max_iter: int, seed: int
+) -> Router:
+    """Logistic regression from (n, h) router-document features to each document's best path
+    ((n, P) ``losses``: every path's loss on every router document), with the frequency bias."""
+    x = np.asarray(features, dtype=np.float64)
+    n, num_paths = losses.shape
+    targets = np.argmin(losses, axis=1)
+    mean, scale = x.mean(0), x.std(0) + 1e-8
+    weights, intercept = np.zeros((num_paths, x.shape[1])), np.full(num_paths, _NEVER)
+    classes = np.unique(targets)
+    if len(classes) == 1:  # one path wins everywhere: nothing to regress
+        intercept[classes[0]] = 0.0
+    else:
+        lr = LogisticRegression(max_iter=max_iter, random_state=seed)
+        lr.fit((x - mean) / scale, targets)
+        coef, icpt = lr.coef_, lr.intercept_
+        if len(classes) == 2:  # sklearn's binary form: one row for the second class
+            coef, icpt = np.vstack([-coef / 2, coef / 2]), np.array([-icpt[0] / 2, icpt[0] / 2])
+        weights[lr.classes_], intercept[lr.classes_] = coef, icpt
+    router = Router("discriminative", mean, scale, weights, intercept, np.zeros(num_paths))
+    target_freq = np.bincount(targets, minlength=num_paths) / n
+    router.bias = fit_frequency_bias(router.scores(x, with_bias=False), target_freq)
+    return router
+
+
+def fit_frequency_bias(
+    logits: np.ndarray, target_freq: np.ndarray, *, sweeps: int = 50
+) -> np.ndarray:
+    """A (P,) bias b such that the frequencies of argmax(logits + b) over the n rows match
+    ``target_freq`` (P,) as closely as found (to one row per path when reachable).
+
+    Coordinate sweeps: for each path j in turn, with the other biases fixed, path j wins row i
+    iff its margin z_ij + b_j − max_{k≠j}(z_ik + b_k) is positive, so b_j is set between the
+    c-th and (c+1)-th largest margins, c = round(f_j · n) (the dual variables of a
+    capacity-constrained assignment, found as in an auction). The bias with the smallest
+    Σ|q − f| over the sweeps is returned; a path with f = 0 never wins a row."""
+    z = np.asarray(logits, dtype=np.float64)
+    n, p = z.shape
+    f = np.asarray(target_freq, dtype=np.float64)
+    want = np.rint(f * n).astype(np.int64)
+    bias = np.zeros(p)
+
+    def error(b: np.ndarray) -> float:
+        q = np.bincount(np.argmax(z + b, axis=1), minlength=p) / n
+        return float(np.abs(q - f).sum())
+
+    best, best_err = bias.copy(), error(bias)
+    for _ in range(sweeps):
+        for j in range(p):
+            others = np.delete(z + bias, j, axis=1).max(axis=1)
+            margin = np.sort(z[:, j] - others)[::-1]  # without b_j, descending
+            c = want[j]
+            if c <= 0:
+                bias[j] = -margin[0] - 1.0
+            elif c >= n:
+                bias[j] = -margin[-1] + 1.0
+            else:
+                bias[j] = -(margin[c - 1] + margin[c]) / 2
+        err = error(bias)
+        if err < best_err:
+            best, best_err = bias.copy(), err
+        if best_err <= p / n:
+            break
+    return best
+
+
+def shards(routes: np.ndarray, docs: np.ndarray, num_paths: int) -> list[np.ndarray]:
+    """Each path's documents: ``routes`` (n, k) top-k paths of the documents ``docs`` (n,)."""
+    return [np.sort(docs[(routes == p).any(axis=1)]) for p in range(num_paths)]

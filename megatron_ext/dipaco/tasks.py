@@ -1,0 +1,268 @@
+"""The work of each task kind (``run_task``): every function reads its inputs from the tasks it
+depends on, writes its files to its own attempt folder and returns its result (JSON) for the
+queue. Nothing here depends on which worker runs a task or how often it was attempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_ext.dipaco.context import TaskContext, load_arrays, save_arrays
+from megatron_ext.dipaco.data import (
+    STREAM_BASE,
+    STREAM_BATCH,
+    ShardStream,
+    document_batch,
+    ensure_corpus,
+    shard_split,
+    split_documents,
+)
+from megatron_ext.dipaco.inner import InnerOptimizer, inner_schedule, inner_steps
+from megatron_ext.dipaco.layout import ModuleId
+from megatron_ext.dipaco.model import lm_loss
+from megatron_ext.dipaco.outer import OuterConfig, outer_step
+from megatron_ext.dipaco.plan import score_id
+from megatron_ext.dipaco.queue import Lease
+from megatron_ext.dipaco.routing import fit_discriminative, fit_generative, shards
+from megatron_ext.dipaco.store import assign_params, load_tensors, save_tensors, split_by_level
+from megatron_ext.errors import ConfigError
+
+__all__ = ["run_task"]
+
+
+def run_task(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
+    """Run ``lease``'s task; returns its result."""
+    kinds = {
+        "prepare": prepare,
+        "base": base,
+        "route": route,
+        "train": train,
+        "outer": outer,
+        "score": score,
+        "final": final,
+    }
+    if lease.kind == "eval":
+        from megatron_ext.dipaco.evaluate import evaluate
+
+        return evaluate(ctx, lease)
+    return kinds[lease.kind](ctx, lease, **lease.payload)
+
+
+def _scored_mean(losses: list[torch.Tensor], route_tokens: int) -> np.ndarray:
+    """Each document's mean loss over its targets after the routing prefix."""
+    return np.array([float(x[route_tokens - 1 :].mean()) for x in losses])
+
+
+def _val_loss(ctx: TaskContext, stream: ShardStream) -> float | None:
+    """Mean loss of the worker's model on a shard's validation windows (None: no slice)."""
+    if stream.tokens == 0:
+        return None
+    model = ctx.path_model.model
+    model.eval()
+    with torch.no_grad():
+        losses = [
+            float(lm_loss(model, w)) for w in stream.val_windows(ctx.recipe.training.seq_length)
+        ]
+    return float(np.mean(losses))
+
+
+def _checked(ctx: TaskContext, items: Iterator[Any]) -> Iterator[Any]:
+    """``items``, stopping with :class:`LeaseLost` as soon as the lease is lost."""
+    for item in items:
+        ctx.check_lease()
+        yield item
+
+
+# ---------------------------------------------------------------------------- tasks
+
+
+def prepare(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
+    """Tokenizer, indexed dataset, the eval / router / train split."""
+    tokenizer = ensure_corpus(ctx.recipe)
+    _, dataset = ctx.corpus
+    lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+    split = split_documents(lengths, ctx.recipe)
+    paths = ctx.layout.num_paths
+    if len(split["train"]) < paths:
+        raise ConfigError(
+            f"{len(split['train'])} training documents leave some of the {paths} paths an empty "
+            f"shard: add text to data.source, or use fewer paths (dipaco.modules_per_level)"
+        )
+    save_arrays(ctx.out(lease) / "split.npz", **split)
+    return {
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "vocab_size": tokenizer.vocab_size,
+        **{k: len(v) for k, v in split.items()},
+    }
+
+
+def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
+    """The dense base model on all training documents (or the recipe's base checkpoint)."""
+    pm, out = ctx.path_model, ctx.out(lease) / "model.pt"
+    if ctx.d.base_checkpoint:
+        from megatron_ext.dipaco.checks import load_base_checkpoint
+
+        save_tensors(out, load_base_checkpoint(ctx.d.base_checkpoint, pm.init_state))
+        return {"steps": 0, "from": ctx.d.base_checkpoint}
+    _, dataset = ctx.corpus
+    stream = ShardStream(dataset, ctx.split()["train"])
+    assign_params(pm.model, pm.init_state)
+    optimizer = InnerOptimizer(list(pm.model.named_parameters()), ctx.recipe.optimizer)
+    schedule = ctx.recipe.lr_schedule()
+    steps = ctx.recipe.training.steps
+    batches = (stream.step_batch(ctx.recipe, STREAM_BASE, k) for k in range(steps))
+    lrs = [schedule.lr_at(k) for k in range(steps)]
+    losses = inner_steps(pm.model, optimizer, _checked(ctx, batches), lrs, lm_loss, "base")
+    save_tensors(out, pm.state())
+    return {"steps": steps, "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
+    """Phase 0: base features, balanced k-means shards. Later: the discriminative re-shard."""
+    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.training.seed
+    split, out = ctx.split(), ctx.out(lease)
+    if phase == 0:
+        from megatron_ext.dipaco.features import base_features
+
+        feats = base_features(ctx, split)
+        save_arrays(out / "features.npz", **feats)
+        router, first = fit_generative(
+            feats["train"], layout.num_paths, max_iter=d.kmeans_max_iter, seed=seed
+        )
+        scores = router.scores(feats["train"])
+        scores[np.arange(len(first)), first] = np.inf  # the balanced choice comes first
+        routes = np.argsort(-scores, axis=1, kind="stable")[:, : d.train_overlap]
+        kept: list[int] = []
+    else:
+        feats = ctx.features()
+        losses = np.stack(
+            [
+                load_arrays(ctx.done(score_id(phase - 1, p)) / "losses.npz")["losses"]
+                for p in range(layout.num_paths)
+            ],
+            axis=1,
+        )
+        router = fit_discriminative(feats["router"], losses, max_iter=d.router_max_iter, seed=seed)
+        routes = router.route(feats["train"], d.train_overlap)
+    docs = shards(routes, split["train"], layout.num_paths)
+    previous = ctx.shards(phase - 1) if phase > 0 else None
+    kept = [p for p, s in enumerate(docs) if len(s) == 0]
+    if kept and previous is None:
+        raise ConfigError(f"paths {kept} got empty shards; add text or use fewer paths")
+    arrays, tokens = {}, []
+    _, dataset = ctx.corpus
+    for p, s in enumerate(docs):
+        if p in kept:  # no training document prefers this path: it keeps its shard
+            train_docs, val_docs = previous[f"train_{p}"], previous[f"val_{p}"]
+        else:
+            train_docs, val_docs = shard_split(s, d.val_fraction, seed, p, phase)
+        arrays[f"train_{p}"], arrays[f"val_{p}"] = train_docs, val_docs
+        tokens.append(int(dataset.sequence_lengths[train_docs].sum()))
+    save_arrays(out / "shards.npz", **arrays)
+    save_arrays(out / "router.npz", **router.to_arrays())
+    return {"phase": phase, "kind": router.kind, "shard_tokens": tokens, "kept": kept}
+
+
+def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, Any]:
+    """τ inner steps of ``path`` from its modules' version ``phase``."""
+    d, recipe, pm = ctx.d, ctx.recipe, ctx.path_model
+    _, dataset = ctx.corpus
+    shard = ctx.shards(phase)
+    stream = ShardStream(dataset, shard[f"train_{path}"])
+    val = ShardStream(dataset, shard[f"val_{path}"])
+    specific, opt_state = ctx.path_state(phase, path)
+    modules = [ctx.module(phase, m)[0] for m in ctx.layout.path_modules(path)]
+    assign_params(pm.model, *modules, specific)
+    val_before = _val_loss(ctx, val)
+    optimizer = InnerOptimizer(list(pm.model.named_parameters()), recipe.optimizer)
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    sched = inner_schedule(recipe.optimizer, d.phases, d.tau, d.inner_warmup_steps)
+    steps = range(phase * d.tau, (phase + 1) * d.tau)
+    batches = (stream.step_batch(recipe, STREAM_BATCH, path, phase, k) for k in steps)
+    where = f"train phase {phase} path {path}"
+    lrs = [sched.lr_at(k) for k in steps]
+    losses = inner_steps(pm.model, optimizer, _checked(ctx, batches), lrs, lm_loss, where)
+    parts, out = split_by_level(pm.state(), ctx.layout), ctx.out(lease)
+    for level in range(ctx.layout.num_levels):
+        save_tensors(out / f"l{level}.pt", parts[level])
+    save_tensors(
+        out / "state.pt", {"specific": parts.get(None, {}), "optimizer": optimizer.state_dict()}
+    )
+    return {
+        "phase": phase,
+        "path": path,
+        "shard_tokens": stream.tokens,
+        "val_before": val_before,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_mean": float(np.mean(losses)),
+    }
+
+
+def outer(ctx: TaskContext, lease: Lease, phase: int, level: int, index: int) -> dict[str, Any]:
+    """The outer step of module (level, index) over the paths that used it in ``phase``."""
+    from megatron_ext.dipaco.plan import train_id
+
+    module, d = ModuleId(level, index), ctx.d
+    params, momentum = ctx.module(phase, module)
+    users = ctx.layout.paths_of(module)
+    tokens = {p: int(ctx.result(train_id(phase, p))["shard_tokens"]) for p in users}
+    cfg = OuterConfig(
+        lr=d.outer_lr,
+        momentum=d.outer_momentum,
+        nesterov=d.outer_nesterov,
+        sqrt_p_scaling=d.sqrt_p_scaling,
+        alpha_weighting=d.alpha_weighting,
+    )
+
+    def load_path(p: int) -> dict[str, torch.Tensor]:
+        ctx.check_lease()
+        return load_tensors(ctx.done(train_id(phase, p)) / f"l{level}.pt")
+
+    new, new_momentum = outer_step(params, momentum, tokens, load_path, cfg)
+    save_tensors(ctx.out(lease) / "module.pt", {"params": new, "momentum": new_momentum})
+    size = sum(t.numel() * t.element_size() for t in new.values())
+    return {"version": phase + 1, "paths": list(users), "module_bytes": size}
+
+
+def score(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, Any]:
+    """Path ``path`` at version ``phase + 1`` on every router document (mean loss after the
+    prefix): the targets of the discriminative router."""
+    losses = _path_losses(ctx, phase + 1, path, ctx.split()["router"])
+    save_arrays(ctx.out(lease) / "losses.npz", losses=_scored_mean(losses, ctx.d.route_tokens))
+    return {"phase": phase, "path": path}
+
+
+def _path_losses(ctx: TaskContext, version: int, path: int, docs: np.ndarray) -> list:
+    _, dataset = ctx.corpus
+    pm = ctx.path_model
+    assign_params(pm.model, *ctx.composition(version, path))
+    batch = document_batch(dataset, docs, ctx.recipe.training.seq_length + 1)
+    return pm.token_losses(batch)
+
+
+def final(ctx: TaskContext, lease: Lease, path: int) -> dict[str, Any]:
+    """Early stopping: the version with the lowest validation loss on the path's last shard
+    slice; its per-token losses on the evaluation documents."""
+    from megatron_ext.dipaco.plan import train_id
+
+    d = ctx.d
+    _, dataset = ctx.corpus
+    history = [ctx.result(train_id(t, path))["val_before"] for t in range(d.phases)]
+    val = ShardStream(dataset, ctx.shards(d.phases - 1)[f"val_{path}"])
+    assign_params(ctx.path_model.model, *ctx.composition(d.phases, path))
+    history.append(_val_loss(ctx, val))
+    known = [(v, i) for i, v in enumerate(history) if v is not None]
+    best = min(known)[1] if known else d.phases
+    split = ctx.split()
+    out = ctx.out(lease)
+    for name in ("eval", "router"):
+        losses = _path_losses(ctx, best, path, split[name])
+        save_tensors(out / f"{name}_losses.pt", {"losses": losses})
+    return {"path": path, "val": history, "best_version": best}

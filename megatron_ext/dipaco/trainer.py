@@ -1,0 +1,54 @@
+"""The DiPaCo trainer (``trainer: dipaco``): every rank the launcher starts is one worker.
+
+    prepare -> base model -> routing -> phases of (tau inner steps per path -> outer step per
+    module -> re-shard) -> early-stopping choice per path -> routed evaluation (summary.json)
+
+The work is the queue's (:mod:`.plan`, :mod:`.tasks`); a rank here, or any process started with
+``megatron-ext dipaco worker RECIPE``, claims tasks until the run is complete. Ranks do not
+communicate: a path trains on one rank, and fewer ranks than paths is normal.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+
+from megatron_ext.config.schema import Recipe
+from megatron_ext.dipaco.queue import TaskFailedError
+from megatron_ext.dipaco.worker import run_worker
+from megatron_ext.run.rank_env import detect_rank_env
+
+__all__ = ["start_worker_process", "train"]
+
+
+def start_worker_process(recipe: Recipe) -> int:
+    """Join the process groups megatron-core's layers need (a single process picks a free
+    rendezvous port, so independent workers on one host do not collide) and fix the thread
+    count (``launch.threads_per_rank``, 1 when 0: results must not depend on it). Returns the
+    global rank."""
+    from megatron_ext.megatron.parallel import init_distributed
+
+    env = detect_rank_env(os.environ)
+    port = recipe.launch.master_port
+    if env.world_size == 1 and "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    joined = init_distributed(recipe.parallel, recipe.training.seed, port)
+    torch.set_num_threads(recipe.launch.threads_per_rank or 1)
+    return joined.rank
+
+
+def train(recipe: Recipe) -> dict[str, Any]:
+    """Per-rank entry point: work as one DiPaCo worker until the run is complete."""
+    rank = start_worker_process(recipe)
+    try:
+        report = run_worker(recipe, name=f"rank{rank}")
+    except TaskFailedError as exc:
+        print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    return {"completed": report.completed, "rejected": report.rejected}

@@ -1,0 +1,198 @@
+"""A DiPaCo worker: join the run's queue, claim tasks until the run is complete.
+
+Workers are interchangeable and may come and go: a rank started by the launcher is one, and so
+is every ``megatron-ext dipaco worker RECIPE`` process. Each worker
+
+1. checks what could stop the run before anything is written (the queue is reachable, the base
+   checkpoint matches the model), binds the queue to this run and enqueues the plan (both
+   idempotent: the first worker does it, the others find it done);
+2. claims a task, renews its lease from a heartbeat thread while working (every
+   ``heartbeat_seconds``; a lost lease stops the task at its next step), writes the task's
+   files to its attempt folder and completes it. A rejected completion (a zombie: another worker
+   took the task over) deletes its files;
+3. stops when every task is done, or when a task has failed ``max_attempts`` times
+   (:class:`TaskFailedError`). Bad input found by a task (a :class:`ConfigError`, e.g. a path with
+   an empty shard) and a diverged loss stop the run at once: they would fail again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_ext.atomic import write_json
+from megatron_ext.config.schema import Recipe
+from megatron_ext.dipaco.checks import run_fingerprint
+from megatron_ext.dipaco.context import LeaseLost, TaskContext
+from megatron_ext.dipaco.plan import build_plan
+from megatron_ext.dipaco.queue import Lease, TaskQueue
+from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
+from megatron_ext.dipaco.store import discard_attempt
+from megatron_ext.errors import ConfigError, TrainingDivergedError
+from megatron_ext.run.metrics import MetricsLogger
+
+__all__ = ["WorkerReport", "open_run_queue", "run_worker"]
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did: tasks completed, rejected (it was a zombie), given back."""
+
+    completed: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+
+class Heartbeat:
+    """A thread renewing the current lease on its own connection (made in the thread: an
+    SQLite connection belongs to the thread that opened it)."""
+
+    def __init__(self, connect: Callable[[], TaskQueue], every: float) -> None:
+        self.every = every
+        self.lease: Lease | None = None
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(connect,), daemon=True, name="dipaco-heartbeat"
+        )
+        self._thread.start()
+
+    def hold(self, lease: Lease | None) -> None:
+        self.lease, self.lost = lease, False
+
+    def _run(self, connect: Callable[[], TaskQueue]) -> None:
+        queue = connect()
+        try:
+            while not self._stop.wait(self.every):
+                lease = self.lease
+                if lease is not None and not self.lost and not queue.heartbeat(lease):
+                    self.lost = True
+        finally:
+            queue.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def open_run_queue(recipe: Recipe, worker: str = "") -> TaskQueue:
+    """The run's queue, bound to this run, with its plan enqueued; writes
+    ``run_dir/dipaco/run.json`` (for ``megatron-ext dipaco status``)."""
+    d = recipe.section(DipacoConfig)
+    url = queue_url(recipe)
+    if not d.queue:  # the default queue lives in the run folder, made here
+        Path(recipe.run_dir).mkdir(parents=True, exist_ok=True)
+    queue = TaskQueue(
+        url, lease_seconds=d.lease_seconds, max_attempts=d.max_attempts, worker=worker
+    )
+    queue.bind_run(run_fingerprint(recipe), recipe.run_dir)
+    queue.enqueue(build_plan(recipe))
+    info = Path(recipe.run_dir) / "dipaco" / "run.json"
+    if not info.exists():
+        write_json(info, {"queue": d.queue or f"sqlite:///{url.path}", "run_dir": recipe.run_dir})
+    return queue
+
+
+def run_worker(recipe: Recipe, name: str = "", max_tasks: int | None = None) -> WorkerReport:
+    """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done)."""
+    d = recipe.section(DipacoConfig)
+    _check_before_writing(recipe)
+    queue = open_run_queue(recipe, worker=name)
+    beat = Heartbeat(
+        lambda: TaskQueue(
+            queue.url,
+            lease_seconds=d.lease_seconds,
+            max_attempts=d.max_attempts,
+            worker=queue.worker,
+        ),
+        d.heartbeat_seconds,
+    )
+    log = MetricsLogger(
+        Path(recipe.run_dir),
+        echo=True,
+        write=False,
+        tensorboard=False,
+        prefix=f"[dipaco {name or queue.worker}] ",
+    )
+    ctx = TaskContext(recipe, queue, lost=lambda: beat.lost)
+    report = WorkerReport()
+    try:
+        while max_tasks is None or len(report.completed) < max_tasks:
+            lease = queue.claim()
+            if lease is None:
+                if queue.unfinished() == 0:
+                    break
+                time.sleep(d.poll_seconds)
+                continue
+            _work(ctx, queue, beat, lease, log, report)
+    finally:
+        beat.close()
+        queue.close()
+        log.close()
+    return report
+
+
+def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report) -> None:
+    start = time.perf_counter()
+    beat.hold(lease)
+    try:
+        result = _run(ctx, lease)
+    except LeaseLost:
+        discard_attempt(ctx.run_dir, lease.task, lease.token)
+        report.lost.append(lease.task)
+        log.info(f"{lease.task}: lease lost to another worker; dropped")
+        return
+    except (ConfigError, TrainingDivergedError) as exc:
+        queue.fail(lease, f"{type(exc).__name__}: {exc}", fatal=True)
+        raise
+    except Exception as exc:  # given back: another attempt (up to max_attempts)
+        traceback.print_exc()
+        queue.fail(lease, f"{type(exc).__name__}: {exc}")
+        report.failed.append(lease.task)
+        return
+    finally:
+        beat.hold(None)
+    if queue.complete(lease, result):
+        report.completed.append(lease.task)
+        took = time.perf_counter() - start
+        log.info(f"{lease.task} done in {took:.1f} s (attempt {lease.attempt}) {_brief(result)}")
+    else:
+        discard_attempt(ctx.run_dir, lease.task, lease.token)
+        report.rejected.append(lease.task)
+        log.info(f"{lease.task}: completion rejected (lease taken over); files discarded")
+
+
+def _run(ctx: TaskContext, lease: Lease) -> dict:
+    from megatron_ext.dipaco.tasks import run_task
+
+    return run_task(ctx, lease)
+
+
+def _brief(result: dict) -> str:
+    keys = ("loss_last", "val_before", "best_version", "perplexity")
+    return " ".join(f"{k}={result[k]}" for k in keys if k in result and result[k] is not None)
+
+
+def _check_before_writing(recipe: Recipe) -> None:
+    """The base checkpoint against the model (its tokenizer must exist already)."""
+    d = recipe.section(DipacoConfig)
+    if not d.base_checkpoint:
+        return
+    from megatron_ext.data.tokenizers import build_tokenizer
+    from megatron_ext.dipaco.checks import check_base_checkpoint
+    from megatron_ext.dipaco.model import PathModel
+
+    data = recipe.data
+    if data.tokenizer == "sentencepiece" and not os.path.isfile(data.tokenizer_model):
+        raise ConfigError(
+            f"dipaco.base_checkpoint is set but its tokenizer data.tokenizer_model="
+            f"{data.tokenizer_model!r} does not exist: give the tokenizer the base was trained with"
+        )
+    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model)
+    check_base_checkpoint(recipe, PathModel(recipe, tokenizer.vocab_size).init_state)
