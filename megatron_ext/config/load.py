@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.config.moe_presets import expand_moe_preset
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.run.trainers import trainer_sections
@@ -103,7 +104,7 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     Every registered trainer's section is built (from its defaults when absent), whichever
     trainer the recipe names, as the shared sections are."""
     sections = trainer_sections()
-    shared = {k: v for k, v in raw.items() if k not in sections}
+    shared = {k: v for k, v in expand_moe_preset(raw).items() if k not in sections}
     recipe = _build(Recipe, shared, prefix="", more_keys=tuple(sections))
     recipe.sections = {
         name: _build(config, raw.get(name, {}), prefix=f"{name}.")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.moe_presets import MOE_PRESETS, check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.run.trainers import get_trainer, trainer_sections
 
@@ -46,6 +47,11 @@ class ModelConfig:
     activation: str = spec("swiglu", choices=("swiglu", "gelu"))
     add_bias_linear: bool = False
     qk_layernorm: bool = False
+    qk_layernorm_scope: str = spec(
+        "head",
+        choices=("head", "projection"),
+        help="q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE)",
+    )
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = spec(0.02, gt=0.0)
     hidden_dropout: float = spec(0.0, ge=0.0, le=1.0)
@@ -55,16 +61,32 @@ class ModelConfig:
         choices=("auto", "local", "transformer_engine"),
         help="auto = Transformer Engine when installed and on GPU",
     )
-    # Mixture of experts (0 experts = dense)
+    # Mixture of experts (0 experts = dense); megatron_ext.config.moe_presets
+    moe_preset: str = spec(
+        "", choices=MOE_PRESETS, help="olmoe, qwen3_moe, deepseek_v3; explicit fields win"
+    )
     num_moe_experts: int = spec(0, ge=0)
     moe_router_topk: int = spec(2, ge=1)
     moe_ffn_hidden_size: int | None = spec(None, ge=1)
     moe_router_score_function: str = spec("softmax", choices=("softmax", "sigmoid"))
     moe_router_enable_expert_bias: bool = False
     moe_router_load_balancing_type: str = spec(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "none")
+        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
     )
-    moe_aux_loss_coeff: float = spec(0.0, ge=0.0)
+    moe_aux_loss_coeff: float = spec(0.0, ge=0.0, help="megatron-core's, per MoE layer")
+    moe_z_loss_coeff: float | None = spec(None, ge=0.0)
+    moe_router_pre_softmax: bool = spec(False, help="softmax over all experts before top-k")
+    moe_router_topk_scaling_factor: float | None = spec(None, gt=0.0)
+    moe_router_bias_update_rate: float = spec(1e-3, ge=0.0)
+    moe_router_num_groups: int | None = spec(None, ge=1)
+    moe_router_group_topk: int | None = spec(None, ge=1)
+    moe_router_dtype: str = spec("fp32", choices=("fp32", "fp64"))
+    moe_shared_expert_intermediate_size: int | None = spec(None, ge=1)
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_layer_freq: list[int] = spec(
+        [], help="[] = every layer MoE; [N] = one in N; or a 0/1 pattern, one per layer"
+    )
     moe_token_dispatcher_type: str = spec("alltoall", choices=("alltoall", "allgather"))
     moe_grouped_gemm: bool = False
 
@@ -212,17 +234,7 @@ class Recipe:
                 f"model.num_attention_heads={m.num_attention_heads} is not "
                 f"divisible by model.num_query_groups={groups}"
             )
-        if m.num_moe_experts and m.moe_router_topk > m.num_moe_experts:
-            raise ConfigError(
-                f"model.moe_router_topk={m.moe_router_topk} exceeds "
-                f"model.num_moe_experts={m.num_moe_experts}"
-            )
-        if m.num_moe_experts and m.num_moe_experts % p.expert_model_parallel_size:
-            raise ConfigError(
-                f"model.num_moe_experts={m.num_moe_experts} is not divisible by "
-                f"parallel.expert_model_parallel_size="
-                f"{p.expert_model_parallel_size}"
-            )
+        check_moe_fields(m, p.expert_model_parallel_size)
         if groups % p.tensor_model_parallel_size:
             raise ConfigError(
                 f"attention groups ({groups}) are not divisible by "

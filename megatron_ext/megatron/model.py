@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.config.moe_presets import moe_transformer_fields
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
@@ -94,13 +95,19 @@ def transformer_config(
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
         moe_grouped_gemm=model.moe_grouped_gemm,
-        moe_router_dtype="fp32" if moe else None,
+        moe_router_dtype=model.moe_router_dtype if moe else None,
+        **(moe_transformer_fields(model) if moe else {}),
     )
 
 
 def layer_spec(model: ModelConfig) -> ModuleSpec:
     """megatron-core's GPT layer spec: TE's, or the local one with SDPA core attention."""
     experts = model.num_moe_experts or None
+    if model.qk_layernorm and model.qk_layernorm_scope == "projection":
+        raise ConfigError(
+            "model.qk_layernorm_scope=projection (OLMoE's q/k norm over the whole projection) "
+            "is not built yet; use qk_layernorm_scope=head"
+        )
     if use_transformer_engine(model):
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,
