@@ -37,6 +37,7 @@ from typing import NamedTuple
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
@@ -136,6 +137,7 @@ def build_launch_command(
     layout = resolve_layout(request, environ, host, recipe)
     _check_gpus_per_rank(layout, host, recipe)
     recipe.check(world_size=layout.world_size)  # once: the trainer's rules and the layout
+    check_precision_before_launch(recipe)  # FP8/FP4: TE and a GPU that runs it (nvidia-smi)
     argv = [
         python,
         "-m",

@@ -108,21 +108,6 @@ def test_the_checkpointer_decides_when_to_save(save_interval, save_at_end, saved
     assert [s for s in range(1, 8) if checkpointer.should_save(s, last_step=7)] == saved
 
 
-def test_every_precision_has_one_dtype():
-    import torch
-
-    from megatron_ext.config.schema import PRECISIONS
-    from megatron_ext.errors import ConfigError
-    from megatron_ext.run.precision import precision_dtype
-
-    assert {p: precision_dtype(p) for p in PRECISIONS} == {
-        "fp32": torch.float32,
-        "bf16": torch.bfloat16,
-    }
-    with pytest.raises(ConfigError, match="fp8"):
-        precision_dtype("fp8")
-
-
 @pytest.fixture(scope="module")
 def straight(recipe_file, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("straight")

@@ -13,19 +13,16 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS, check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.run.precision import PRECISIONS, check_precision_fields
 from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 if TYPE_CHECKING:
     from megatron_ext.schedules.lr import LRSchedule
-
-
-Precision = Literal["fp32", "bf16"]
-PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 
 @dataclass
@@ -115,7 +112,13 @@ class TrainingConfig:
     global_batch_size: int = spec(8, ge=1)
     seq_length: int = spec(128, ge=1)
     seed: int = spec(1234, ge=0)
-    precision: str = spec("fp32", choices=PRECISIONS)
+    precision: str = spec(
+        "fp32", choices=PRECISIONS, help="megatron_ext.run.precision maps each to megatron-core"
+    )
+    num_layers_at_start_in_bf16: int = spec(
+        0, ge=0, help="FP8/FP4: first transformer layers kept in BF16"
+    )
+    num_layers_at_end_in_bf16: int = spec(0, ge=0, help="FP8/FP4: last layers kept in BF16")
     lr_warmup_steps: int = spec(0, ge=0)
     lr_decay_style: str = spec("cosine", choices=("constant", "linear", "cosine", "WSD"))
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
@@ -265,5 +268,6 @@ class Recipe:
                 "data.tokenizer=sentencepiece needs data.tokenizer_model "
                 "(train one with `megatron-ext data tokenizer`)"
             )
+        check_precision_fields(self)
         self.optimizer.check()
         trainer.check(self, world_size)

@@ -3,6 +3,11 @@
 The layer spec is megatron-core's own: Transformer Engine's when it is installed and the model
 runs on CUDA (``transformer_impl: auto``), else the local spec with :class:`SdpaAttention` as
 core attention, which runs on CPU and GPU alike.
+
+Precision (:mod:`megatron_ext.run.precision`) as Megatron-LM runs it: the config's dtypes and
+FP8/FP4 fields come from the one mapping, and a bf16 model (every precision but fp32) is
+wrapped in megatron-core's ``Float16Module`` (:func:`half_precision_module`), which casts every
+parameter to bf16, norms included. FP8/FP4 build only on Transformer Engine's layers.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from megatron_ext.config.moe_presets import moe_transformer_fields
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
-from megatron_ext.run.precision import precision_dtype
+from megatron_ext.run.precision import precision_spec, transformer_config_fields
 
 
 def have_transformer_engine() -> bool:
@@ -44,10 +49,13 @@ def use_transformer_engine(model: ModelConfig) -> bool:
 
 
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, precision: str
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str,
+    bf16_layers: tuple[int, int] = (0, 0),
 ) -> TransformerConfig:
-    """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA)."""
-    dtype = precision_dtype(precision)
+    """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA);
+    ``bf16_layers``: the first/last layers an FP8/FP4 precision keeps in BF16."""
     cuda = torch.cuda.is_available()
     swiglu = model.activation == "swiglu"
     ffn = model.ffn_hidden_size or (
@@ -75,9 +83,7 @@ def transformer_config(
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
-        bf16=precision == "bf16",
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
+        **transformer_config_fields(precision, *bf16_layers),
         # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
         use_cpu_initialization=not cuda,
         bias_activation_fusion=False,
@@ -131,13 +137,20 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def build_gpt_model(
-    model: ModelConfig, parallel: ParallelConfig, precision: str, vocab_size: int, seq_length: int
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str,
+    vocab_size: int,
+    seq_length: int,
+    bf16_layers: tuple[int, int] = (0, 0),
 ) -> GPTModel:
     """A ``GPTModel`` on the current device (CPU without CUDA); the last pipeline stage computes
-    the per-token loss when given labels."""
+    the per-token loss when given labels. Train it inside :func:`half_precision_module`."""
     from megatron.core import parallel_state
 
-    config = transformer_config(model, parallel, precision)
+    config = transformer_config(model, parallel, precision, bf16_layers)
+    if precision_spec(precision).quantized:
+        _require_quantized_layers(model, precision)
     vocab = padded_vocab_size(
         model.vocab_size or vocab_size,
         model.make_vocab_size_divisible_by,
@@ -157,3 +170,25 @@ def build_gpt_model(
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def half_precision_module(gpt: GPTModel) -> torch.nn.Module:
+    """``gpt`` as Megatron-LM trains it: in megatron-core's ``Float16Module`` when its config is
+    bf16 (every parameter cast to bf16, norms included; inputs cast on the first pipeline
+    stage, outputs back to fp32 on the last), else ``gpt`` itself. Its state dict and sharded
+    state dict are ``gpt``'s, so checkpoint keys do not change."""
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(gpt.config, gpt) if gpt.config.bf16 else gpt
+
+
+def _require_quantized_layers(model: ModelConfig, precision: str) -> None:
+    """FP8/FP4 only where they take effect: megatron-core without Transformer Engine (or the
+    local spec) turns the request into a no-op context and trains in BF16."""
+    from megatron.core import fp4_utils, fp8_utils
+
+    if not (use_transformer_engine(model) and fp8_utils.HAVE_TE and fp4_utils.HAVE_TE):
+        raise ConfigError(
+            f"training.precision={precision} needs Transformer Engine's layers on a GPU, and "
+            "this process builds the local spec (megatron-core would silently train in BF16)"
+        )

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from megatron_ext.config import load_recipe
 from megatron_ext.errors import TrainingDivergedError
+from megatron_ext.run.hardware import check_precision_on_rank
 from megatron_ext.run.rank_env import detect_rank_env
 from megatron_ext.run.trainers import get_trainer
 
@@ -25,6 +26,7 @@ def train_main(recipe_path: str, overrides: Sequence[str]) -> int:
     """Train ``recipe_path`` (with ``overrides``) on this rank; returns the exit code."""
     env = detect_rank_env(os.environ)
     recipe = load_recipe(recipe_path, overrides, world_size=env.world_size)
+    check_precision_on_rank(recipe, env.local_rank)  # again, as torch sees this rank's GPU
     train = get_trainer(recipe.trainer).load_train()
     import torch
 
