@@ -39,6 +39,7 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
+from megatron_ext.schedules.table import describe_schedule
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
 # ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
@@ -109,9 +110,17 @@ class LaunchCommand(NamedTuple):
 
 def launch_main(args: argparse.Namespace) -> int:
     """``megatron-ext launch``: print (``--dry-run``) or run the torchrun command."""
-    argv, env = build_launch_command(LaunchRequest.from_args(args), os.environ, probe_host())
+    request, host = LaunchRequest.from_args(args), probe_host()
+    argv, env = build_launch_command(request, os.environ, host)
     if args.dry_run:
         print(format_dry_run(argv, env))
+        # The batch stages and LR on tokens, for the reader (stderr: stdout stays a shell
+        # snippet); writes run_dir/schedule.png.
+        recipe = read_recipe(request.recipe, request.overrides)
+        world = resolve_layout(request, os.environ, host, recipe).world_size
+        schedule = describe_schedule(recipe, world)
+        if schedule:
+            print(schedule, file=sys.stderr)
         return 0
     if importlib.util.find_spec("torch") is None:  # finds the package without importing it
         raise ConfigError(

@@ -25,9 +25,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**base, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``megatron-ext ARGS``; ``cwd``: where a dry run writes ``run_dir/schedule.png``."""
     return subprocess.run(
         [str(MEGATRON_EXT), *args],
+        cwd=cwd,
         env=clean_env(**(env or {})),
         capture_output=True,
         text=True,
@@ -44,7 +48,7 @@ def parse_dry_run(stdout: str) -> tuple[dict[str, str], list[str]]:
 
 def test_cli_dry_run_prints_the_command(tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path, launch={"threads_per_rank": 2})
-    proc = run_cli("launch", recipe, "run_dir=my runs/x", "--dry-run")
+    proc = run_cli("launch", recipe, "run_dir=my runs/x", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     env, argv = parse_dry_run(proc.stdout)
     assert env == {"OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
@@ -67,6 +71,7 @@ def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
         write_recipe(tmp_path),
         "--dry-run",
         env={**slurm_env(), "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"},
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     _, argv = parse_dry_run(proc.stdout)
@@ -97,7 +102,12 @@ def test_launcher_and_dry_run_never_import_torch(tmp_path: Path) -> None:
         "print('torch' in sys.modules)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env()
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False"

@@ -13,7 +13,7 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS, check_moe_fields
@@ -104,12 +104,42 @@ class DataConfig:
 
 
 @dataclass
+class BatchRampConfig:
+    """A doubling global-batch ramp (:class:`megatron_ext.schedules.batch.DoublingRamp`)."""
+
+    start: int = spec(0, ge=0, help="first global batch B0 (sequences); 0 = no ramp")
+    double_every: int = spec(0, ge=0, help="optimizer steps between doublings, up to the target")
+    warmup: str = spec(
+        "ramp",
+        choices=("ramp", "first_stage", "recipe"),
+        help="LR warmup ends where the ramp ends, at its first doubling, or at "
+        "training.lr_warmup_steps",
+    )
+
+
+@dataclass
 class TrainingConfig:
     """Loop length, batch and the LR schedule (``OptimizerParamScheduler`` names)."""
 
-    steps: int = spec(100, ge=1)
+    # Megatron's linear ramp (megatron-core 0.19 ignores it): refused with the new fields' names.
+    RENAMED: ClassVar[dict[str, list[str]]] = {
+        "rampup_batch_size": ["batch_ramp", "step_batch_size_schedule"]
+    }
+
+    steps: int = spec(100, ge=1, help="run length in optimizer steps (set by train_tokens)")
+    train_tokens: int | None = spec(
+        None, ge=1, help="run length in tokens: the first step count that reaches it"
+    )
     micro_batch_size: int = spec(4, ge=1)
-    global_batch_size: int = spec(8, ge=1)
+    global_batch_size: int = spec(8, ge=1, help="the target batch (sequences) of a ramp")
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    step_batch_size_schedule: str = spec(
+        "", help="megatron-core's 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); '' = none"
+    )
+    step_batch_size_schedule_unit: str = spec("tokens", choices=("tokens", "samples"))
+    batch_lr_scaling: str = spec(
+        "sqrt", choices=("sqrt", "none"), help="lr x sqrt(B / target B) at every batch stage"
+    )
     seq_length: int = spec(128, ge=1)
     seed: int = spec(1234, ge=0)
     precision: str = spec(
@@ -226,6 +256,10 @@ class Recipe:
 
         trainer = get_trainer(self.trainer)  # an unregistered name stops here, first
         m, t, p = self.model, self.training, self.parallel
+        if t.train_tokens is not None:  # the run's length in steps, for every reader of it
+            from megatron_ext.schedules.plan import run_steps
+
+            t.steps = run_steps(self)
         if m.hidden_size % m.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={m.hidden_size} is not divisible by "

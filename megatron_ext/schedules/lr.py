@@ -22,8 +22,11 @@ function of the step so that a checkpoint only needs the step to restore the sch
     - ``cosine``: ``(1 + cos(π w)) / 2``
     - ``exponential``: ``2 · 0.5^w - 1``
 
-Steps count optimizer steps: ``lr_at(s)`` is the rate used by the update that follows ``s``
-completed steps (megatron-core's scheduler holds ``num_steps = s`` at that point).
+Positions are integers in one unit: optimizer steps here (``lr_at(s)`` is the rate used by the
+update that follows ``s`` completed steps; megatron-core's scheduler holds ``num_steps = s`` at
+that point), consumed tokens in the GPT trainer's :class:`~.plan.TrainingSchedule`. Every rate
+is a function of integer ratios only, so the same schedule in steps and in tokens at a constant
+batch gives the same floats.
 """
 
 from __future__ import annotations
@@ -94,7 +97,9 @@ class LRSchedule:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.max_lr * step / self.warmup_steps
+            # The fraction first (megatron-core multiplies first; <= 1 ulp apart): positions in
+            # other units (tokens = steps x batch x seq) then give this rate bit for bit.
+            return self.max_lr * (step / self.warmup_steps)
         if self.decay_style == "constant":
             return self.max_lr
         if step > self.decay_steps:

@@ -1,0 +1,225 @@
+"""The GPT run's schedule: every step's global batch, consumed tokens and learning rate.
+
+:func:`training_schedule` turns a recipe into a :class:`TrainingSchedule`, the one object the
+GPT loop, its report, the launcher's dry run and the checkpoint's loop state read:
+
+- the **stage table** (:mod:`.batch`): ``training.batch_ramp`` or
+  ``training.step_batch_size_schedule`` or one constant stage; the run is ``training.steps``
+  optimizer steps (``training.train_tokens``, when set, gives that count: the first step count
+  whose consumed tokens reach it), and step ``n`` starts after exactly
+  ``tokens_before(n)`` tokens, summed over the stages;
+- the **learning rate on consumed tokens**: megatron-core's warmup/decay shapes
+  (:class:`~.lr.LRSchedule`) with every position in tokens, so under a ramp the decay ends on
+  the run's last token. A position the recipe gives in steps (``lr_warmup_steps``,
+  ``lr_decay_steps``, ``lr_wsd_decay_steps``) is the token count at that step of the stage
+  table: the warmup covers exactly its first steps, the WSD window exactly the last ones, at any
+  batch. ``training.batch_ramp.warmup`` ties the warmup to the ramp instead: ``ramp`` ends it on
+  the first token at the target batch, ``first_stage`` at the first doubling;
+- the **batch-size factor** ``η(B) = η_target · √(B / B_target)`` (``training.batch_lr_scaling:
+  sqrt``) applied at every stage as a switch, on top of the token schedule, for every optimizer
+  (one learning rate serves all of them: their updates are matched to AdamW's update RMS).
+
+With a constant batch every token position is ``steps × batch × seq_length`` and every rate is
+the step schedule's, bit for bit (the same integer ratios, divided once).
+
+No torch import: the launcher prints the table before any rank exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.schedules.batch import (
+    BatchRule,
+    ConstantBatch,
+    DoublingRamp,
+    Stage,
+    StepSchedule,
+    parse_step_schedule,
+    resolve_stages,
+)
+from megatron_ext.schedules.lr import LRSchedule
+
+if TYPE_CHECKING:
+    from megatron_ext.config.schema import Recipe
+
+__all__ = ["TrainingSchedule", "batch_rule", "run_steps", "training_schedule"]
+
+
+@dataclass(frozen=True)
+class TrainingSchedule:
+    """Batch, tokens and learning rate of every optimizer step of one run.
+
+    Attributes:
+        stages: the stage table up to ``horizon`` steps (the run, or the LR decay's end when it
+            lies beyond the run), first stage at step 0.
+        steps: the run's length in optimizer steps.
+        seq_length: tokens per sequence.
+        target_batch: ``B_target`` of the √B factor (sequences).
+        lr: the learning rate at ``B_target`` as a function of consumed tokens.
+        sqrt_lr: whether ``η(B) = η_target · √(B / B_target)`` applies.
+    """
+
+    stages: tuple[Stage, ...]
+    steps: int
+    seq_length: int
+    target_batch: int
+    lr: LRSchedule
+    sqrt_lr: bool = True
+
+    def stage_index(self, step: int) -> int:
+        """Index of the stage that optimizer step ``step`` (0-based) belongs to."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return bisect.bisect_right([s.first_step for s in self.stages], step) - 1
+
+    def global_batch(self, step: int) -> int:
+        """Sequences in optimizer step ``step`` (0-based)."""
+        return self.stages[self.stage_index(step)].global_batch
+
+    def samples_before(self, step: int) -> int:
+        """Sequences consumed by the ``step`` steps before step ``step``."""
+        if step == 0:
+            return 0
+        stage = self.stages[self.stage_index(step - 1)]
+        return stage.first_sample + (step - stage.first_step) * stage.global_batch
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens consumed by the ``step`` steps before step ``step``."""
+        return self.samples_before(step) * self.seq_length
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens of the whole run: the position of its last token."""
+        return self.tokens_before(self.steps)
+
+    def lr_factor(self, batch: int) -> float:
+        """``√(batch / B_target)`` (1 without the √B rule)."""
+        if not self.sqrt_lr or batch == self.target_batch:
+            return 1.0
+        return math.sqrt(batch / self.target_batch)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based; after ``step`` completed steps):
+        the token schedule at the tokens consumed before it, times the stage's √B factor."""
+        rate = self.lr.lr_at(self.tokens_before(step))
+        factor = self.lr_factor(self.global_batch(step))
+        return rate if factor == 1.0 else rate * factor
+
+    def num_microbatches(self, step: int, micro_batch_size: int, dp_size: int) -> int:
+        """Micro-batches per data-parallel rank in step ``step`` (the stage's batch split)."""
+        return self.global_batch(step) // (micro_batch_size * dp_size)
+
+    def check_resume(self, step: int, consumed_samples: int) -> None:
+        """A checkpoint written after ``step`` steps and ``consumed_samples`` sequences must
+        sit on this schedule (else its data position and LR would not continue the run)."""
+        if self.samples_before(step) != consumed_samples:
+            raise ConfigError(
+                f"the checkpoint at step {step} consumed {consumed_samples:,} samples, but this "
+                f"recipe's batch schedule consumes {self.samples_before(step):,} by then: the "
+                f"batch schedule (training.global_batch_size, batch_ramp, "
+                f"step_batch_size_schedule) changed since it was saved; restore it, or start a "
+                f"new run_dir"
+            )
+
+    def run_stages(self) -> tuple[Stage, ...]:
+        """The stages that hold at least one step of the run."""
+        return tuple(s for s in self.stages if s.first_step < self.steps)
+
+
+def batch_rule(recipe: Recipe) -> BatchRule:
+    """The recipe's batch rule: its ramp, its step schedule, or its constant batch."""
+    t = recipe.training
+    ramp, text = t.batch_ramp, t.step_batch_size_schedule.strip()
+    if ramp.start and text:
+        raise ConfigError(
+            "training.batch_ramp and training.step_batch_size_schedule both set a batch "
+            "schedule: keep one"
+        )
+    if ramp.start:
+        return DoublingRamp(ramp.start, ramp.double_every, t.global_batch_size)
+    if text:
+        unit = t.step_batch_size_schedule_unit
+        return StepSchedule(tuple(parse_step_schedule(text, t.seq_length, unit)))
+    return ConstantBatch(t.global_batch_size)
+
+
+def run_steps(recipe: Recipe) -> int:
+    """The run's optimizer steps: ``training.steps``, or the first count of steps whose
+    consumed tokens reach ``training.train_tokens`` (the last step may pass it)."""
+    t = recipe.training
+    if t.train_tokens is None:
+        return t.steps
+    rule, samples = batch_rule(recipe), -(-t.train_tokens // t.seq_length)
+    step, consumed = 0, 0
+    while consumed < samples:
+        batch = rule.batch(step, consumed)
+        until = rule.steps_to_change(step, consumed)
+        need = -(-(samples - consumed) // batch)
+        take = need if until is None else min(until, need)
+        step, consumed = step + take, consumed + take * batch
+    return step
+
+
+def training_schedule(recipe: Recipe) -> TrainingSchedule:
+    """The recipe's schedule (``training.steps`` already resolved by :func:`run_steps`);
+    ConfigError when its positions do not fit, named in the recipe's fields."""
+    t, o = recipe.training, recipe.optimizer
+    rule = batch_rule(recipe)
+    decay_steps = t.steps if t.lr_decay_steps is None else t.lr_decay_steps
+    stages = resolve_stages(rule, max(t.steps, decay_steps))
+    probe = TrainingSchedule(stages, t.steps, t.seq_length, rule.target, _placeholder())
+
+    warmup_step = _warmup_step(recipe, rule)
+    tokens = probe.tokens_before
+    wsd = None
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is not None:
+        window_start = decay_steps - t.lr_wsd_decay_steps
+        if warmup_step > window_start:
+            raise ConfigError(
+                f"the warmup ends at step {warmup_step} (token {tokens(warmup_step):,}), after "
+                f"the WSD decay window starts at step {window_start} (token "
+                f"{tokens(window_start):,}): shorten the warmup or training.lr_wsd_decay_steps"
+            )
+        wsd = tokens(decay_steps) - tokens(window_start)
+    if warmup_step >= decay_steps:
+        raise ConfigError(
+            f"the warmup ends at step {warmup_step}, not before the decay ends at step "
+            f"{decay_steps}: shorten the warmup (training.lr_warmup_steps or "
+            f"training.batch_ramp.warmup) or lengthen the run"
+        )
+    lr = LRSchedule(
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_steps=tokens(warmup_step),
+        decay_steps=tokens(decay_steps),
+        decay_style=t.lr_decay_style,
+        wsd_decay_steps=wsd,
+        wsd_decay_style=t.lr_wsd_decay_style,
+    )
+    sqrt_lr = t.batch_lr_scaling == "sqrt"
+    return TrainingSchedule(stages, t.steps, t.seq_length, rule.target, lr, sqrt_lr)
+
+
+def _warmup_step(recipe: Recipe, rule: BatchRule) -> int:
+    """Where the warmup ends, in steps: the recipe's, or tied to the ramp."""
+    t = recipe.training
+    tie = t.batch_ramp.warmup
+    if not isinstance(rule, DoublingRamp) or tie == "recipe":
+        return t.lr_warmup_steps
+    if t.lr_warmup_steps:
+        raise ConfigError(
+            f"training.batch_ramp.warmup={tie} sets the warmup from the ramp, but "
+            f"training.lr_warmup_steps={t.lr_warmup_steps} sets it too: set "
+            f"training.lr_warmup_steps=0, or training.batch_ramp.warmup=recipe"
+        )
+    return rule.horizon if tie == "ramp" else min(rule.double_every, rule.horizon)
+
+
+def _placeholder() -> LRSchedule:
+    """An LR schedule for the probe that only converts steps to tokens."""
+    return LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=1)
