@@ -85,11 +85,14 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
     """record_step: the documented fields in order, as the JSON line and the log line."""
     from megatron_ext.gpt.report import StepRecord, record_step
     from megatron_ext.gpt.step import StepResult
+    from megatron_ext.schedules.batch import Stage
+    from megatron_ext.schedules.plan import TrainingSchedule
 
     training = SimpleNamespace(global_batch_size=16, seq_length=128, steps=300)
+    lr = SimpleNamespace(lr_at=lambda tokens: 1e-3 * (tokens // 2048 + 1))  # per step
     run = SimpleNamespace(
         recipe=SimpleNamespace(training=training),
-        schedule=SimpleNamespace(lr_at=lambda step: 1e-3 * (step + 1)),
+        schedule=TrainingSchedule((Stage(0, 0, 16),), 300, 128, 16, lr),  # type: ignore[arg-type]
         env=SimpleNamespace(world_size=2),
         flops_per_token=1e9,
         start_step=0,
@@ -103,11 +106,14 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert line == json.dumps(asdict(rec))
     assert list(json.loads(line)) == [
-        "step", "consumed_tokens", "global_batch", "lr", "loss", "grad_norm", "tokens_per_s",
+        "step", "consumed_tokens", "global_batch", "tokens_per_step", "lr", "loss", "grad_norm",
+        "tokens_per_s",
         "tokens_per_s_per_rank", "tflops_per_rank", "elapsed_s", "eta_s", "step_time_s",
         "optimizer_s",
     ]  # fmt: skip
     assert rec.optimizer_s == 0.125
     printed = capsys.readouterr().out
-    assert printed.startswith("step  10/300 | tokens 20.48K | gbs 16 | lr 1.000e-02 | loss 2.5000")
+    assert printed.startswith(
+        "step  10/300 | tokens 20.48K | gbs 16 (2.05K tok) | lr 1.000e-02 | loss 2.5000"
+    )
     assert "| tok/s 4.10K (2.05K/rank) | TFLOP/s/rank 2.0480 |" in printed

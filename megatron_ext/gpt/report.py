@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_ext.atomic import write_json
 from megatron_ext.run.metrics import MetricsLogger, read_jsonl
+from megatron_ext.run.peaks import memory_peaks
 
 if TYPE_CHECKING:
     from megatron_ext.gpt.setup import GPTRun
@@ -27,6 +28,7 @@ SCALARS = (
     "tokens_per_s_per_rank",
     "tflops_per_rank",
     "global_batch",
+    "tokens_per_step",
 )
 
 
@@ -36,7 +38,8 @@ class StepRecord:
 
     step: int  # completed optimizer steps
     consumed_tokens: int
-    global_batch: int  # sequences
+    global_batch: int  # sequences, this step's batch stage
+    tokens_per_step: int  # global_batch x seq_length
     lr: float
     loss: float  # nats/token, mean over the global batch
     grad_norm: float  # before clipping
@@ -53,17 +56,19 @@ def record_step(
     log: MetricsLogger, run: GPTRun, step: int, result: StepResult, step_time_s: float
 ) -> StepRecord:
     """Build completed step ``step``'s record (``step_time_s``: its wall time) and log it."""
-    t = run.recipe.training
-    step_tokens = t.global_batch_size * t.seq_length
+    t, schedule = run.recipe.training, run.schedule
+    batch = schedule.global_batch(step - 1)
+    step_tokens = batch * t.seq_length
     elapsed = log.elapsed()
     eta = elapsed / max(step - run.start_step, 1) * (t.steps - step)
     tps = step_tokens / max(step_time_s, 1e-9)
     world = run.env.world_size
     rec = StepRecord(
         step=step,
-        consumed_tokens=step * step_tokens,
-        global_batch=t.global_batch_size,
-        lr=run.schedule.lr_at(step - 1),
+        consumed_tokens=schedule.tokens_before(step),
+        global_batch=batch,
+        tokens_per_step=step_tokens,
+        lr=schedule.lr_at(step - 1),
         loss=result.loss,
         grad_norm=result.grad_norm,
         tokens_per_s=tps,
@@ -85,7 +90,7 @@ def record_validation(log: MetricsLogger, run: GPTRun, step: int, val_loss: floa
     t = run.recipe.training
     figures = {
         "step": step,
-        "consumed_tokens": step * t.global_batch_size * t.seq_length,
+        "consumed_tokens": run.schedule.tokens_before(step),
         "val_loss": val_loss,
     }
     log.record(step, figures, scalars=("val_loss",), group="valid", advance=False)
@@ -109,7 +114,8 @@ def format_line(r: StepRecord, total_steps: int) -> str:
     width = len(str(total_steps))
     return (
         f"step {r.step:>{width}}/{total_steps} | tokens {_fmt_count(r.consumed_tokens)}"
-        f" | gbs {r.global_batch} | lr {r.lr:.3e} | loss {r.loss:.4f}"
+        f" | gbs {r.global_batch} ({_fmt_count(r.tokens_per_step)} tok)"
+        f" | lr {r.lr:.3e} | loss {r.loss:.4f}"
         f" | gnorm {r.grad_norm:.3f} | tok/s {_fmt_count(r.tokens_per_s)}"
         f" ({_fmt_count(r.tokens_per_s_per_rank)}/rank)"
         f" | TFLOP/s/rank {r.tflops_per_rank:.4f}"
@@ -149,6 +155,8 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
         "elapsed_s": recs[-1]["elapsed_s"] if recs else 0.0,
         # rank 0's gradient reduce-scatter payload this run (layer-wise optimizer only)
         "grad_sync_bytes": run.optimizer.grad_sync_bytes(),
+        # rank 0's peak memory: CUDA allocator peaks, or on CPU the process's peak RSS
+        "memory": memory_peaks(run.env.device),
     }
     if run.env.rank == 0:
         write_json(run.run_dir / "summary.json", summary)

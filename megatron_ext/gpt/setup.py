@@ -18,12 +18,12 @@ from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_t
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
 from megatron_ext.megatron.ddp import DistributedDataParallel
-from megatron_ext.megatron.model import build_gpt_model
+from megatron_ext.megatron.model import build_gpt_model, half_precision_module
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import inner_factory, megatron_optimizer_config
 from megatron_ext.megatron.parallel import init_distributed
 from megatron_ext.run.distributed import DistEnv
-from megatron_ext.schedules.lr import LRSchedule
+from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
 
 __all__ = ["GPTRun", "ensure_dataset", "setup"]
 
@@ -31,7 +31,9 @@ __all__ = ["GPTRun", "ensure_dataset", "setup"]
 @dataclass
 class GPTRun:
     """Everything the loop needs. ``dp_rank``/``dp_size``: this rank's place in the
-    data-parallel group (megatron-core's ``parallel_state``, read once here)."""
+    data-parallel group (megatron-core's ``parallel_state``, read once here); ``schedule``:
+    every step's batch, consumed tokens and LR; ``num_microbatches``: per rank, of the target
+    batch (validation; a training step's count is its stage's)."""
 
     recipe: Recipe
     env: DistEnv
@@ -39,7 +41,7 @@ class GPTRun:
     dp_size: int
     model: DistributedDataParallel
     optimizer: MegatronExtOptimizer
-    schedule: LRSchedule
+    schedule: TrainingSchedule
     train_data: Any
     valid_data: Any  # None without validation (training.eval_iters = 0)
     num_microbatches: int
@@ -54,17 +56,18 @@ def setup(recipe: Recipe) -> GPTRun:
     env = init_distributed(recipe.parallel, recipe.training.seed, recipe.launch.master_port)
     t = recipe.training
     dp_size = parallel_state.get_data_parallel_world_size()
+    schedule = training_schedule(recipe)
 
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
     ensure_dataset(recipe, tokenizer, env)
-    valid_samples = t.eval_iters * t.global_batch_size if t.eval_iters else None
+    valid_samples = t.eval_iters * schedule.target_batch if t.eval_iters else None
     train_data, valid_data, _ = build_gpt_datasets(
         recipe.data.path,
         tokenizer,
         seq_length=t.seq_length,
         split=recipe.data.split,
         seed=t.seed,
-        num_samples=(t.steps * t.global_batch_size, valid_samples, None),
+        num_samples=(schedule.samples_before(t.steps), valid_samples, None),
     )
     if t.eval_iters and valid_data is None:
         raise ConfigError(
@@ -78,6 +81,7 @@ def setup(recipe: Recipe) -> GPTRun:
         t.precision,
         vocab_size=tokenizer.vocab_size,
         seq_length=t.seq_length,
+        bf16_layers=(t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16),
     )
     config = module.config
     model = DistributedDataParallel(
@@ -85,18 +89,18 @@ def setup(recipe: Recipe) -> GPTRun:
         DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         ),
-        module,
+        half_precision_module(module),  # bf16 and FP8/FP4: megatron-core's Float16Module
     )
     # megatron-core's schedule finalises grads (DP all-reduce, MoE expert-bias update) via this.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
 
     optimizer = MegatronExtOptimizer(
-        list(model.module.named_parameters()),
+        list(module.named_parameters()),  # the GPTModel's names, inside any wrapper
         inner_factory(recipe.optimizer),
-        megatron_optimizer_config(recipe.optimizer, t.precision == "bf16"),
+        megatron_optimizer_config(recipe.optimizer, config.bf16),
     )
-    optimizer.overlap_param_sync_with_forward(model.module)
+    optimizer.overlap_param_sync_with_forward(module)
     optimizer.take_over_grad_sync(model)  # layer-wise: reduce-scatter-v instead of all-reduce
 
     flops = gpt_train_flops_per_token(
@@ -109,10 +113,10 @@ def setup(recipe: Recipe) -> GPTRun:
         dp_size=dp_size,
         model=model,
         optimizer=optimizer,
-        schedule=recipe.lr_schedule(),
+        schedule=schedule,
         train_data=train_data,
         valid_data=valid_data if t.eval_iters else None,
-        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp_size),
+        num_microbatches=schedule.target_batch // (t.micro_batch_size * dp_size),
         flops_per_token=flops,
         run_dir=Path(recipe.run_dir),
     )

@@ -1,5 +1,6 @@
-"""One GPT optimizer step: this rank's micro-batches through megatron-core's forward/backward
-schedule, the optimizer step at the scheduled LR, and the global batch's mean loss."""
+"""One GPT optimizer step: this rank's micro-batches of the step's global batch (its batch
+stage, :mod:`megatron_ext.schedules.plan`) through megatron-core's forward/backward schedule,
+the optimizer step at the scheduled LR, and the global batch's mean loss."""
 
 from __future__ import annotations
 
@@ -30,14 +31,22 @@ class StepResult:
 
 
 def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of global batch ``step`` of ``data`` (default: the training
-    split): sample ``i`` of the global batch is ``data[step * gbs + i]``; data-parallel rank r
-    takes the r-th contiguous slice. Each value is (micro_batch_size, seq_length)."""
-    data = run.train_data if data is None else data
-    t = run.recipe.training
-    per_rank = t.global_batch_size // run.dp_size
-    first = step * t.global_batch_size + run.dp_rank * per_rank
-    for m in range(run.num_microbatches):
+    """This rank's micro-batches of global batch ``step`` of ``data``.
+
+    Training split (``data`` None): step ``step``'s stage batch ``B`` (``run.schedule``),
+    samples ``samples_before(step) … + B − 1``. Another split (validation): the target batch
+    ``B``, samples ``step·B … + B − 1``. Data-parallel rank r takes the r-th contiguous slice.
+    Each value is (micro_batch_size, seq_length)."""
+    t, schedule = run.recipe.training, run.schedule
+    if data is None:
+        data, batch = run.train_data, schedule.global_batch(step)
+        start = schedule.samples_before(step)
+    else:
+        batch = schedule.target_batch
+        start = step * batch
+    per_rank = batch // run.dp_size
+    first = start + run.dp_rank * per_rank
+    for m in range(per_rank // t.micro_batch_size):
         start = first + m * t.micro_batch_size
         samples = [data[start + i] for i in range(t.micro_batch_size)]
         yield {
@@ -65,16 +74,18 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     t = run.recipe.training
+    # The stage's batch: the micro-batch count changes at stage boundaries only.
+    num_microbatches = run.schedule.num_microbatches(step, t.micro_batch_size, run.dp_size)
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=microbatches(run, step),
         model=[run.model],
-        num_microbatches=run.num_microbatches,
+        num_microbatches=num_microbatches,
         seq_length=t.seq_length,
         micro_batch_size=t.micro_batch_size,
         forward_only=False,
     )
-    lr = run.schedule.lr_at(step)
+    lr = run.schedule.lr_at(step)  # on consumed tokens, times the stage's sqrt(B) factor
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     start = time.perf_counter()
@@ -82,7 +93,7 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     optimizer_s = time.perf_counter() - start
     loss = torch.zeros(1, dtype=torch.float64, device=run.env.device)
     if parallel_state.is_pipeline_last_stage():
-        loss += sum(float(o["lm loss"]) for o in outputs) / run.num_microbatches
+        loss += sum(float(o["lm loss"]) for o in outputs) / num_microbatches
     # Mean over data-parallel replicas; the last pipeline stage holds it, broadcast to the rest.
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     loss /= run.dp_size

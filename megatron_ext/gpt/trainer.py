@@ -36,6 +36,8 @@ def train(recipe: Recipe) -> dict[str, Any]:
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
+    if loop_state:  # the batch stages must reproduce the samples the checkpoint consumed
+        run.schedule.check_resume(run.start_step, int(loop_state["consumed_samples"]))
     if run.start_step >= t.steps:
         if rank0:
             print(
@@ -75,7 +77,7 @@ def train(recipe: Recipe) -> dict[str, Any]:
             if evaluator.should_evaluate(done, t.steps):
                 record_validation(log, run, done, evaluator.evaluate(run))
             if checkpointer.should_save(done, t.steps):
-                loop = {"step": done, "consumed_samples": done * t.global_batch_size}
+                loop = {"step": done, "consumed_samples": run.schedule.samples_before(done)}
                 checkpointer.save(done, run.model, run.optimizer, loop)
     finally:
         log.close()
