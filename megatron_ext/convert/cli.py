@@ -1,0 +1,127 @@
+"""``megatron-ext convert hf-to-mcore|check``: Hugging Face <-> megatron-core checkpoints.
+
+``hf-to-mcore HF_DIR OUT`` writes ``OUT/model.json`` (the recipe's ``model:`` fields) and
+``OUT/step_000000`` (the model's weights with megatron-core ``dist_checkpointing``), and says which
+RMSNorm epsilon it used and where it came from. ``check HF_DIR MCORE_CKPT [--json FILE]`` runs
+both models on the same token ids in fp32 and prints the parity figures. Inputs are checked
+before torch is imported; a bad one is a ``ConfigError`` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from megatron_ext.convert.hf import choose_epsilon, model_fields, read_hf_config
+from megatron_ext.errors import ConfigError
+from megatron_ext.run.commands import Command, register_command
+
+WEIGHTS = "step_000000"
+FIELDS = "model.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``hf-to-mcore`` and ``check``, each with its options."""
+    sub = parser.add_subparsers(dest="convert_command", metavar="ACTION", required=True)
+    a = sub.add_parser("hf-to-mcore", help="an HF model directory -> a megatron-core checkpoint")
+    a.add_argument("hf_dir", type=Path)
+    a.add_argument("out", type=Path)
+    c = sub.add_parser("check", help="logit and routing parity of a conversion (fp32)")
+    c.add_argument("hf_dir", type=Path)
+    c.add_argument("mcore_ckpt", type=Path, help="the OUT folder hf-to-mcore wrote")
+    c.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    c.add_argument("--tokens", type=int, default=64, help="token ids per sequence (2 sequences)")
+    c.add_argument("--seed", type=int, default=0)
+
+
+def convert_main(args: argparse.Namespace) -> int:
+    """Run ``megatron-ext convert ACTION``; returns the exit code."""
+    raw = read_hf_config(args.hf_dir)
+    if args.convert_command == "hf-to-mcore":
+        return _hf_to_mcore(args, raw)
+    if args.convert_command == "check":
+        return _check(args, raw)
+    raise ConfigError(f"unknown convert action {args.convert_command!r}")
+
+
+def _load_hf(hf_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
+    eps = choose_epsilon(raw)
+    fields = model_fields(raw, eps.value)
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.convert.hf import hf_to_mcore_state
+    from megatron_ext.convert.parity import build_mcore
+
+    hf = _load_hf(args.hf_dir)
+    full = {**hf.config.to_dict(), **raw}  # the loaded config fills what the file leaves out
+    fields = model_fields(full, eps.value)
+    gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / WEIGHTS).mkdir()
+    dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(args.out / WEIGHTS))
+    (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+    print(
+        f"wrote {args.out}/{WEIGHTS} and {args.out}/{FIELDS} ({raw['model_type']}, "
+        f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}"
+    )
+    return 0
+
+
+def load_mcore(ckpt: Path):
+    """The GPTModel ``hf-to-mcore`` wrote to ``ckpt``."""
+    if not (ckpt / FIELDS).is_file() or not (ckpt / WEIGHTS).is_dir():
+        raise ConfigError(f"{ckpt}: no {FIELDS} and {WEIGHTS}/ (write it with hf-to-mcore)")
+    from megatron.core import dist_checkpointing
+
+    fields = json.loads((ckpt / FIELDS).read_text(encoding="utf-8"))
+    gpt = _empty_mcore(fields)
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt / WEIGHTS))
+    gpt.load_state_dict(state["model"])
+    return gpt.eval()
+
+
+def _empty_mcore(fields: dict):
+    from megatron_ext.config.schema import ModelConfig, ParallelConfig
+    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.megatron.model import build_gpt_model
+
+    init_single_process()
+    model = ModelConfig(**fields)
+    return build_gpt_model(model, ParallelConfig(), "fp32", model.vocab_size, seq_length=4096)
+
+
+def _check(args: argparse.Namespace, raw: dict) -> int:
+    import torch
+
+    from megatron_ext.convert.parity import compare
+
+    gpt = load_mcore(args.mcore_ckpt)
+    hf = _load_hf(args.hf_dir)
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, raw["vocab_size"], (2, args.tokens), generator=generator)
+    figures = compare(hf, gpt, tokens)
+    print(json.dumps(figures))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+register_command(
+    Command(
+        name="convert",
+        usage="hf-to-mcore|check ...",
+        help="Hugging Face <-> megatron-core checkpoints, and their logit parity",
+        add_arguments=add_arguments,
+        run=convert_main,
+    )
+)

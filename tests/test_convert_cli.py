@@ -1,0 +1,70 @@
+"""The real ``megatron-ext convert`` commands on a tiny random Qwen3-MoE saved with
+``save_pretrained`` whose config.json leaves the epsilon out: hf-to-mcore says it used the family
+default, check reports parity in its JSON; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(MEGATRON_EXT), "convert", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_hf_to_mcore_then_check(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    hf_dir = tmp_path / "hf"
+    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    raw = json.loads((hf_dir / "config.json").read_text())
+    raw.pop("rms_norm_eps")  # the trap: a config without the epsilon
+    (hf_dir / "config.json").write_text(json.dumps(raw))
+    out = tmp_path / "mcore"
+    proc = _cli("hf-to-mcore", str(hf_dir), str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layernorm_epsilon=1e-06 from the qwen3_moe HF class default" in proc.stdout
+    assert json.loads((out / "model.json").read_text())["layernorm_epsilon"] == 1e-6
+    report = tmp_path / "parity.json"
+    proc = _cli("check", str(hf_dir), str(out), "--json", str(report))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(report.read_text())
+    print(figures)
+    assert figures["max_abs_diff"] <= 1e-4 and figures["cosine"] >= 0.99999
+    assert figures["argmax_agreement"] == 1.0
+    assert figures["expert_selection_agreement"] == [1.0, 1.0]
+
+
+def test_not_a_model_directory_exits_2(tmp_path: Path) -> None:
+    proc = _cli("hf-to-mcore", str(tmp_path), str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "no config.json" in proc.stderr
