@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
 from megatron_ext.dipaco.queue import TaskFailedError, TaskQueue, TaskSpec
 from megatron_ext.dipaco.queue_url import parse_queue_url
 from megatron_ext.errors import ConfigError
 from tests.conftest import free_port
-from tests.dist.dipaco_postgres import PostgresServer, find_postgres_bin
 
 
 @pytest.fixture(scope="module")

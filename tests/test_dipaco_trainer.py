@@ -1,12 +1,14 @@
 """The DiPaCo trainer end to end on a small corpus, with real processes and an SQLite queue:
 
-- ``megatron-ext launch`` (2 ranks = 2 workers) and one ``megatron-ext dipaco worker`` process
-  train the same recipe; the final global modules (and their outer momenta) are bit-identical;
+- ``megatron-ext launch`` (2 ranks = 2 workers) trains the recipe; a second run with three
+  independent ``megatron-ext dipaco worker`` processes and faults ends with the same final
+  global modules (and outer momenta), bit for bit;
 - the run writes summary.json (routed perplexities once per sequence and every W tokens, the
   base model's, each path's early-stopping choice) and metrics.jsonl; ``dipaco status`` reports
   the run complete with every module at its last version;
-- bad input found at start (a base checkpoint that does not match the model) is one line,
-  exit 2, and nothing written.
+- faults: a worker SIGKILLed mid-task and a zombie SIGSTOPped past its lease change nothing
+  (their tasks are re-leased, the zombie's completion is rejected and its files discarded);
+- a base checkpoint that does not match the model is a ConfigError.
 """
 
 from __future__ import annotations
@@ -21,41 +23,14 @@ import pytest
 import torch
 
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.layout import ModuleId
-from megatron_ext.dipaco.plan import outer_id
-from megatron_ext.dipaco.queue import TaskQueue
-from megatron_ext.dipaco.recipe import path_layout, queue_url
-from megatron_ext.dipaco.store import attempt_dir, load_tensors
+from megatron_ext.dipaco.checks import load_base_checkpoint
+from megatron_ext.dipaco.faults import fault_run, max_abs_difference
+from megatron_ext.dipaco.measure import small_overrides, write_small_corpus
+from megatron_ext.dipaco.store import attempt_dir
+from megatron_ext.errors import ConfigError
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def small_overrides(data: Path, run_dir: Path) -> list[str]:
-    """dipaco_tiny shrunk to seconds: 2x2 paths of a 4-block width-32 GPT, 2 phases of 3 steps."""
-    return [
-        f"run_dir={run_dir}",
-        f"data.path={data}/docs",
-        f"data.source=[{data}/docs.txt]",
-        f"data.tokenizer_model={data}/sp.model",
-        "dipaco.tokenizer_vocab_size=400",
-        "model.hidden_size=32",
-        "model.num_attention_heads=2",
-        "model.ffn_hidden_size=64",
-        "training.seq_length=32",
-        "training.micro_batch_size=2",
-        "training.global_batch_size=4",
-        "training.steps=8",
-        "training.lr_warmup_steps=1",
-        "dipaco.tau=3",
-        "dipaco.phases=2",
-        "dipaco.route_tokens=8",
-        "dipaco.eval_every_tokens=[8]",
-        "dipaco.eval_documents=24",
-        "dipaco.lease_seconds=30",
-        "dipaco.heartbeat_seconds=2",
-        "dipaco.poll_seconds=0.1",
-    ]
 
 
 def run(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
@@ -64,31 +39,10 @@ def run(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
     )
 
 
-def final_modules(recipe_overrides: list[str]) -> dict[str, dict]:
-    """Each module's last version (parameters and momentum), read from the accepted attempts."""
-    recipe = load_recipe("dipaco_tiny", recipe_overrides)
-    layout = path_layout(recipe)
-    queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="test")
-    phases = recipe.sections["dipaco"].phases
-    out = {}
-    for m in layout.modules:
-        task = outer_id(phases - 1, m)
-        out[m.name] = load_tensors(
-            attempt_dir(recipe.run_dir, task, queue.token(task)) / "module.pt"
-        )
-    queue.close()
-    return out
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """600 paragraphs of the Python Language Reference as a .txt corpus."""
-    from megatron_ext.data.corpus import python_docs_documents
-
-    folder = tmp_path_factory.mktemp("dipaco_data")
-    docs = [d for d in python_docs_documents() if len(d) > 80][:600]
-    (folder / "docs.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    return folder
+    return write_small_corpus(tmp_path_factory.mktemp("dipaco_data"))
 
 
 @pytest.fixture(scope="module")
@@ -120,29 +74,66 @@ def test_the_launched_run_completes_with_a_summary_and_status(launched: list[str
     assert {w["id"] for w in status["workers"]} == {"rank0", "rank1"}
 
 
-def test_one_worker_gives_the_same_modules_bit_for_bit(data: Path, launched, tmp_path) -> None:
-    overrides = small_overrides(data, tmp_path / "run")
-    proc = run(["dipaco", "worker", "dipaco_tiny", *overrides, "--name", "solo"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    ours, theirs = final_modules(overrides), final_modules(launched)
-    assert set(ours) == {
-        m.name for m in [ModuleId(0, 0), ModuleId(0, 1), ModuleId(1, 0), ModuleId(1, 1)]
+def test_a_base_checkpoint_that_does_not_match_the_model_is_a_config_error(tmp_path) -> None:
+    """Checked by every worker before it writes anything (the CLI then prints one line and
+    exits 2, as for every ConfigError: see test_dipaco_recipe)."""
+    reference = {
+        "embedding.word_embeddings.weight": torch.zeros(8, 4),
+        "output_layer.weight": torch.zeros(8, 4),
     }
-    for name, module in ours.items():
-        for part in ("params", "momentum"):
-            for key, tensor in module[part].items():
-                assert torch.equal(tensor, theirs[name][part][key]), (name, part, key)
+    good = tmp_path / "good.pt"
+    torch.save({"model": {k: torch.ones_like(v) for k, v in reference.items()}}, good)
+    assert torch.equal(
+        load_base_checkpoint(good, reference)["output_layer.weight"], torch.ones(8, 4)
+    )
+    cases = {
+        "missing.pt": None,
+        "short.pt": {"embedding.word_embeddings.weight": torch.zeros(8, 4)},
+        "shape.pt": {k: torch.zeros(9, 4) for k in reference},
+        "dtype.pt": {k: torch.zeros(8, 4, dtype=torch.float64) for k in reference},
+        "junk.pt": "not a checkpoint",
+    }
+    messages = {
+        "missing.pt": "does not exist",
+        "short.pt": "lacks 1 parameters",
+        "shape.pt": r"is \(9, 4\)",
+        "dtype.pt": "torch.float64",
+        "junk.pt": "unreadable",
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        if name == "junk.pt":
+            path.write_text(content)
+        elif content is not None:
+            torch.save(content, path)
+        with pytest.raises(ConfigError, match=messages[name]):
+            load_base_checkpoint(path, reference)
 
 
-def test_a_base_checkpoint_that_does_not_match_is_one_line_exit_2(
-    data: Path, launched, tmp_path
-) -> None:
-    bad = tmp_path / "base.pt"
-    torch.save({"embedding.word_embeddings.weight": torch.zeros(3, 3)}, bad)
-    run_dir = tmp_path / "run"
-    overrides = [*small_overrides(data, run_dir), f"dipaco.base_checkpoint={bad}"]
-    proc = run(["dipaco", "worker", "dipaco_tiny", *overrides], timeout=200)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("megatron-ext: error")]
-    assert len(lines) == 1 and "does not match the model" in lines[0], proc.stderr[-3000:]
-    assert not run_dir.exists()
+def test_killed_and_zombie_workers_change_nothing(data: Path, launched, tmp_path) -> None:
+    """Faults with real processes (megatron_ext.dipaco.faults): a worker SIGKILLed holding an
+    outer task (its module file written, not completed) and one SIGSTOPped past its lease
+    holding a train task; a third takes both over once their leases expire and finishes the
+    run; the stopped one, continued, has its completion rejected and its files discarded. The
+    final modules equal the clean run's (2 workers, no faults) bit for bit: the number of
+    workers and the faults change nothing."""
+    overrides = [
+        *small_overrides(data, tmp_path / "run"),
+        "dipaco.lease_seconds=4",
+        "dipaco.heartbeat_seconds=1",
+    ]
+    recipe = load_recipe("dipaco_tiny", overrides)
+    figures = fault_run("dipaco_tiny", overrides, recipe, tmp_path / "logs")
+    assert "completion rejected" in figures["zombie_log"]
+    events = figures["events"]
+    claims = [e for e in events if e[4] in ("claim", "take-over")]
+    outer = [e for e in claims if e[2] == "killed" and e[1].startswith("outer/")][-1][1]
+    rejected = [e for e in events if e[4] == "rejected"]
+    assert len(rejected) == 1 and rejected[0][2] == "zombie"
+    task, token = rejected[0][1], rejected[0][3]
+    # the killed worker's outer task and the zombie's train task were both taken over
+    assert any(e[4] == "take-over" and e[1] == outer and e[2] == "helper" for e in claims)
+    assert any(e[4] == "take-over" and e[1] == task and e[2] != "zombie" for e in claims)
+    assert task.startswith("train/") and not attempt_dir(recipe.run_dir, task, token).exists()
+    assert figures["rejected_zombie_completions"] == 1 and figures["inner_steps_lost"] >= 3
+    assert max_abs_difference(recipe, load_recipe("dipaco_tiny", launched)) == 0.0

@@ -18,6 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_arguments(w)
     w.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks")
     w.add_argument("--name", default="", help="worker name in the queue (default host:pid:id)")
+    w.add_argument(
+        "--pause-before-completing",
+        default="",
+        metavar="KIND",
+        help="fault tests: stop this worker (SIGSTOP) after its first task of KIND (train, "
+        "outer, ...), before completing it",
+    )
     s = sub.add_parser("status", help="phases, tasks by state, workers, module versions")
     s.add_argument("run_dir", help="the run's run_dir")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -42,7 +49,12 @@ def dipaco_main(args: argparse.Namespace) -> int:
 
     start_worker_process(recipe)
     try:
-        report = run_worker(recipe, name=args.name, max_tasks=args.max_tasks)
+        report = run_worker(
+            recipe,
+            name=args.name,
+            max_tasks=args.max_tasks,
+            pause_before_completing=args.pause_before_completing,
+        )
     except (TaskFailedError, TrainingDivergedError) as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -121,6 +121,7 @@ def _write_summary(
 ) -> dict[str, Any]:
     d, layout = ctx.d, ctx.layout
     paths = [ctx.result(final_id(p)) for p in range(layout.num_paths)]
+    (Path(ctx.run_dir) / "metrics.jsonl").unlink(missing_ok=True)  # a re-run rewrites it
     log = MetricsLogger(
         Path(ctx.run_dir), echo=True, write=True, tensorboard=False, prefix="dipaco "
     )

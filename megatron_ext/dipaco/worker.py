@@ -18,6 +18,7 @@ is every ``megatron-ext dipaco worker RECIPE`` process. Each worker
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
@@ -57,6 +58,7 @@ class Heartbeat:
         self.every = every
         self.lease: Lease | None = None
         self.lost = False
+        self._busy = threading.Lock()  # held while a heartbeat is in flight
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(connect,), daemon=True, name="dipaco-heartbeat"
@@ -64,15 +66,19 @@ class Heartbeat:
         self._thread.start()
 
     def hold(self, lease: Lease | None) -> None:
-        self.lease, self.lost = lease, False
+        """Renew ``lease`` from now on (None: nothing); returns once no heartbeat of the
+        previous lease is in flight."""
+        with self._busy:
+            self.lease, self.lost = lease, False
 
     def _run(self, connect: Callable[[], TaskQueue]) -> None:
         queue = connect()
         try:
             while not self._stop.wait(self.every):
-                lease = self.lease
-                if lease is not None and not self.lost and not queue.heartbeat(lease):
-                    self.lost = True
+                with self._busy:
+                    lease = self.lease
+                    if lease is not None and not self.lost and not queue.heartbeat(lease):
+                        self.lost = True
         finally:
             queue.close()
 
@@ -99,8 +105,17 @@ def open_run_queue(recipe: Recipe, worker: str = "") -> TaskQueue:
     return queue
 
 
-def run_worker(recipe: Recipe, name: str = "", max_tasks: int | None = None) -> WorkerReport:
-    """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done)."""
+def run_worker(
+    recipe: Recipe,
+    name: str = "",
+    max_tasks: int | None = None,
+    pause_before_completing: str = "",
+) -> WorkerReport:
+    """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done).
+
+    ``pause_before_completing`` (fault tests): a task kind; after doing its first task of that
+    kind, the worker stops itself (SIGSTOP) before completing it, to be killed (its work is
+    lost and re-leased) or continued later (a zombie, whose completion is rejected)."""
     d = recipe.section(DipacoConfig)
     _check_before_writing(recipe)
     queue = open_run_queue(recipe, worker=name)
@@ -130,7 +145,10 @@ def run_worker(recipe: Recipe, name: str = "", max_tasks: int | None = None) -> 
                     break
                 time.sleep(d.poll_seconds)
                 continue
-            _work(ctx, queue, beat, lease, log, report)
+            pause = lease.kind == pause_before_completing
+            _work(ctx, queue, beat, lease, log, report, pause)
+            if pause:
+                pause_before_completing = ""  # once
     finally:
         beat.close()
         queue.close()
@@ -138,7 +156,7 @@ def run_worker(recipe: Recipe, name: str = "", max_tasks: int | None = None) -> 
     return report
 
 
-def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report) -> None:
+def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pause: bool) -> None:
     start = time.perf_counter()
     beat.hold(lease)
     try:
@@ -158,6 +176,9 @@ def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report) -> 
         return
     finally:
         beat.hold(None)
+    if pause:
+        log.info(f"{lease.task}: done, stopping before completing it (fault test)")
+        os.kill(os.getpid(), signal.SIGSTOP)
     if queue.complete(lease, result):
         report.completed.append(lease.task)
         took = time.perf_counter() - start

@@ -1,6 +1,6 @@
-"""A throwaway PostgreSQL server for the DiPaCo queue tests: initdb into a temporary folder,
-``pg_ctl start`` on a free loopback port with its unix socket in that folder, one fresh database
-per test, everything removed at the end.
+"""A throwaway PostgreSQL server (the queue tests, ``bench dipaco``): initdb into a temporary
+folder, ``pg_ctl start`` on a free loopback port with its unix socket in that folder, one fresh
+database per test or measurement, everything removed at the end.
 
 The server binaries are looked up on PATH, then in Debian's ``/usr/lib/postgresql/*/bin``.
 PostgreSQL refuses to run as root: under root the server runs as the ``postgres`` user (or
@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
-
-from tests.conftest import free_port
 
 __all__ = ["PostgresServer", "find_postgres_bin"]
 
@@ -31,6 +30,12 @@ def find_postgres_bin() -> Path | None:
         if all((folder / tool).is_file() for tool in ("initdb", "pg_ctl", "postgres")):
             return folder
     return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class PostgresServer:

@@ -1,0 +1,202 @@
+"""``megatron-ext bench dipaco``: DiPaCo's communication, outer step, queue and faults.
+
+A small DiPaCo run (``dipaco_tiny`` shrunk: 2x2 paths of a 4-block width-32 GPT, 2 phases of
+τ = 3 inner steps, 600 paragraphs of the Python Language Reference, real worker processes on an
+SQLite queue) is trained first; then
+
+- ``comm``: bytes per outer step from that run's files, per module and in total (Δ up, weights
+  down; path-specific parts move 0 bytes), beside data-parallel training of the same tokens (a
+  ring all-reduce of the whole model every step for τ steps), and their ratio (target ≤ 1/τ);
+- ``outer``: one outer step split into load / reduce / step / write against P_{l,e} and the
+  module size;
+- ``queue``: claim + complete latency and throughput with N concurrent clients, on SQLite and
+  on PostgreSQL (a throwaway server when the binaries exist, or ``--postgres URL``);
+- ``faults`` (``--faults``): the kill / zombie scenario of :mod:`megatron_ext.dipaco.faults` on
+  the same recipe: tasks re-leased, inner steps lost, extra wall time, rejected completions and
+  max |Δθ| of the final modules against the clean run;
+- ``trends`` (``--trends``): the paper's comparisons at this small scale, printed, not asserted:
+  routing every W tokens vs once per sequence, discriminative vs generative routing, DiPaCo vs
+  flat MoE at equal paths, DiLoCo vs fully synchronous training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.bench.common import write_json
+
+DESCRIPTION = (
+    "DiPaCo: bytes per outer step vs DDP, outer-step time split, queue latency on SQLite and "
+    "PostgreSQL, fault figures, the paper's trends at small scale (figures + JSON)"
+)
+RECIPE = "dipaco_tiny"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="queue clients")
+    parser.add_argument("--tasks", type=int, default=200, help="queue tasks per measurement")
+    parser.add_argument("--postgres", default="", help="a PostgreSQL URL (default: throwaway)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 4_000_000])
+    parser.add_argument("--paths", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--faults", action="store_true", help="also run the fault scenario")
+    parser.add_argument("--trends", action="store_true", help="also run the paper's comparisons")
+    parser.add_argument("--workdir", default="", help="keep the runs here (default: temporary)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        report = _measure(args, work)
+    print(json.dumps({k: v for k, v in report.items() if k != "trends_runs"}, indent=2))
+    write_json(report, args.json)
+    return 0
+
+
+def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from megatron_ext.config import load_recipe
+    from megatron_ext.dipaco.measure import (
+        comm_bytes,
+        outer_timing,
+        small_overrides,
+        small_run,
+        write_small_corpus,
+    )
+
+    data = write_small_corpus(work / "data")
+    clean = small_overrides(data, work / "clean")
+    wall = small_run(RECIPE, clean)
+    recipe = load_recipe(RECIPE, clean)
+    comm = comm_bytes(recipe)
+    report: dict[str, Any] = {
+        "tau": recipe.sections["dipaco"].tau,
+        "paths": 4,
+        "clean_run_wall_s": wall,
+        "comm": comm,
+    }
+    _print_comm(comm)
+    report["outer"] = outer_timing(args.sizes, args.paths)
+    for row in report["outer"]:
+        print(
+            f"outer step {row['params']:>9,} params x {row['paths']:>2} paths: load "
+            f"{row['load_ms']:.1f} ms, reduce {row['reduce_ms']:.1f}, step {row['step_ms']:.1f}, "
+            f"write {row['write_ms']:.1f}"
+        )
+    report["queue"] = _queue(args, work)
+    if args.faults:
+        report["faults"] = _faults(data, work, recipe, wall)
+    if args.trends:
+        report["trends"] = _trends(data, work, recipe)
+    return report
+
+
+def _print_comm(comm: dict[str, Any]) -> None:
+    for name, m in comm["modules"].items():
+        print(
+            f"module {name}: {m['paths']} paths x {m['module_bytes']:,} B -> up "
+            f"{m['up_bytes']:,} B, down {m['down_bytes']:,} B"
+        )
+    print(
+        f"outer step: {comm['bytes_per_outer_step']:,} B; DDP on the same tokens: "
+        f"{comm['ddp_bytes_same_tokens']:,} B; ratio {comm['bytes_ratio_vs_ddp']:.4f} "
+        f"(1/tau = {comm['one_over_tau']:.4f}); path-specific parts: 0 B"
+    )
+
+
+def _queue(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    from megatron_ext.dipaco.measure import queue_latency
+    from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
+
+    rows = []
+    server = None
+    try:
+        for clients in args.clients:
+            rows.append(queue_latency(f"sqlite:///{work}/bench_q{clients}.db", clients, args.tasks))
+        url = args.postgres
+        if not url and (bindir := find_postgres_bin()) is not None:
+            server = PostgresServer(bindir)
+            server.start()
+        for clients in args.clients:
+            if server is not None:
+                url = server.new_database()
+            if url:
+                rows.append(queue_latency(url, clients, args.tasks))
+    finally:
+        if server is not None:
+            server.stop()
+    for r in rows:
+        print(
+            f"queue {r['backend']:<10} {r['clients']} clients: claim+complete median "
+            f"{r['median_ms']:.2f} ms, p95 {r['p95_ms']:.2f} ms, {r['tasks_per_s']:.0f} tasks/s"
+        )
+    return rows
+
+
+def _faults(data: Path, work: Path, clean, clean_wall: float) -> dict[str, Any]:
+    from megatron_ext.config import load_recipe
+    from megatron_ext.dipaco.faults import fault_run, max_abs_difference
+    from megatron_ext.dipaco.measure import small_overrides
+
+    overrides = [
+        *small_overrides(data, work / "faults"),
+        "dipaco.lease_seconds=4",
+        "dipaco.heartbeat_seconds=1",
+    ]
+    recipe = load_recipe(RECIPE, overrides)
+    figures = fault_run(RECIPE, overrides, recipe, work / "fault_logs")
+    out = {
+        k: figures[k]
+        for k in (
+            "tasks_re_leased",
+            "re_leased",
+            "inner_steps_lost",
+            "rejected_zombie_completions",
+            "wall_s",
+        )
+    }
+    out["extra_wall_s"] = figures["wall_s"] - clean_wall
+    out["max_abs_dtheta_vs_clean"] = max_abs_difference(recipe, clean)
+    print(
+        f"faults: {out['tasks_re_leased']} tasks re-leased {out['re_leased']}, "
+        f"{out['inner_steps_lost']} inner steps lost, {out['rejected_zombie_completions']} "
+        f"zombie completion(s) rejected, +{out['extra_wall_s']:.1f} s wall, max |dtheta| vs "
+        f"clean {out['max_abs_dtheta_vs_clean']}"
+    )
+    return out
+
+
+def _trends(data: Path, work: Path, clean) -> dict[str, Any]:
+    from megatron_ext.dipaco.measure import small_overrides, small_run
+
+    base = json.loads((Path(clean.run_dir) / "summary.json").read_text())["perplexity"]
+    variants = {
+        "generative": ["dipaco.routing=generative"],
+        "flat_moe_4": ["dipaco.modules_per_level=[4]", "dipaco.level_parts=[]"],
+        "diloco_1path": [
+            "dipaco.modules_per_level=[1]",
+            "dipaco.level_parts=[]",
+            "dipaco.train_overlap=1",
+        ],
+        "synchronous_1path": [
+            "dipaco.modules_per_level=[1]",
+            "dipaco.level_parts=[]",
+            "dipaco.train_overlap=1",
+            "dipaco.outer_lr=1.0",
+            "dipaco.outer_momentum=0.0",
+        ],
+    }
+    out = {"dipaco_2x2_discriminative": base}
+    for name, extra in variants.items():
+        overrides = [*small_overrides(data, work / f"trend_{name}"), *extra]
+        small_run(RECIPE, overrides)
+        out[name] = json.loads((work / f"trend_{name}" / "summary.json").read_text())["perplexity"]
+    for name, ppl in out.items():
+        print(f"trend {name:<28} " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()))
+    return out
