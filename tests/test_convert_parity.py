@@ -9,7 +9,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
 from megatron_ext.convert.parity import build_mcore, compare
@@ -41,6 +48,21 @@ def _qwen3(norm_topk_prob: bool = True) -> torch.nn.Module:
     return Qwen3MoeForCausalLM(config).eval()
 
 
+def _olmoe() -> torch.nn.Module:
+    """OLMoE: q/k norm over the whole projection, softmax then top-k without renormalising."""
+    torch.manual_seed(0)
+    sizes = {k: v for k, v in SIZES.items() if k != "head_dim"}
+    config = OlmoeConfig(
+        **{**sizes, "rms_norm_eps": 1e-5, "intermediate_size": 16},
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        pad_token_id=None,
+        eos_token_id=None,
+    )
+    return OlmoeForCausalLM(config).eval()
+
+
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**SIZES)).eval()
@@ -54,8 +76,8 @@ def _convert(hf: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     "make",
-    [_llama, _qwen3, lambda: _qwen3(norm_topk_prob=False)],
-    ids=["llama", "qwen3", "qwen3-no-renorm"],
+    [_llama, _qwen3, lambda: _qwen3(norm_topk_prob=False), _olmoe],
+    ids=["llama", "qwen3", "qwen3-no-renorm", "olmoe"],
 )
 def test_hf_to_mcore_logit_and_routing_parity(make) -> None:
     hf = make()

@@ -28,6 +28,7 @@ from megatron_ext.config.moe_presets import moe_transformer_fields
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
+from megatron_ext.megatron.qk_norm import ProjectionKNorm, ProjectionQNorm
 from megatron_ext.run.precision import precision_spec, transformer_config_fields
 
 
@@ -109,10 +110,11 @@ def transformer_config(
 def layer_spec(model: ModelConfig) -> ModuleSpec:
     """megatron-core's GPT layer spec: TE's, or the local one with SDPA core attention."""
     experts = model.num_moe_experts or None
-    if model.qk_layernorm and model.qk_layernorm_scope == "projection":
+    projection_norm = model.qk_layernorm and model.qk_layernorm_scope == "projection"
+    if use_transformer_engine(model) and projection_norm:
         raise ConfigError(
-            "model.qk_layernorm_scope=projection (OLMoE's q/k norm over the whole projection) "
-            "is not built yet; use qk_layernorm_scope=head"
+            "model.qk_layernorm_scope=projection (OLMoE) is built on the local spec; "
+            "set model.transformer_impl=local"
         )
     if use_transformer_engine(model):
         return get_gpt_layer_with_transformer_engine_spec(
@@ -127,6 +129,9 @@ def layer_spec(model: ModelConfig) -> ModuleSpec:
         normalization=model.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    if projection_norm:
+        spec.submodules.self_attention.submodules.q_layernorm = ProjectionQNorm
+        spec.submodules.self_attention.submodules.k_layernorm = ProjectionKNorm
     return spec
 
 
