@@ -125,28 +125,3 @@ def test_state_dict_round_trip_gives_identical_next_step():
     twin_opt.step()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize(
-    ("saved", "expected"),
-    [
-        (None, ("factor_basis_l", "optimizer.layerwise.factor_basis_l.w@0_0")),  # saving
-        (  # a current checkpoint
-            {"optimizer.layerwise.factor_basis_l.w@0_0", "optimizer.layerwise.factor_l.w@0_0"},
-            ("factor_basis_l", "optimizer.layerwise.factor_basis_l.w@0_0"),
-        ),
-        (  # written before KL-SOAP held L·Q: ask for L under its old key
-            {"optimizer.layerwise.factor_l.w@0_0"},
-            ("factor_l", "optimizer.layerwise.factor_l.w@0_0"),
-        ),
-        (set(), ("factor_basis_l", "optimizer.layerwise.factor_basis_l.w@0_0")),  # missing
-    ],
-)
-def test_layerwise_checkpoint_keys_fall_back_to_older_names(saved, expected):
-    """The dist-checkpoint key asked for on loading: the current name unless only the older
-    one is in the checkpoint (KL-SOAP's next step then converts the loaded L to L·Q, tested in
-    test_optim_kl_soap)."""
-    from megatron_ext.megatron.optimizer import _saved_key
-
-    assert _saved_key("factor_basis_l", "w@0_0", saved) == expected
-    assert _saved_key("exp_avg", "w@0_0", set()) == ("exp_avg", "optimizer.layerwise.exp_avg.w@0_0")

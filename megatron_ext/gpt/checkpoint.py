@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,16 +116,16 @@ def _sharded_state(
     loop_state: dict[str, Any],
     is_loading: bool,
     with_rng: bool = True,
-    saved_keys: Collection[str] | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's layout. ``loop`` (step, consumed samples) and ``world`` are the same on
-    every rank: plain values, saved once. The RNG streams are per rank. ``saved_keys``: the
-    tensor keys of the checkpoint being loaded (lets the optimizer ask for older key names)."""
+    every rank: plain values, saved once. The RNG streams are per rank. ``checkpoint_dir``: the
+    checkpoint being loaded (the optimizer reads older layouts of its state from it)."""
     model_sd = _unwrap(model).sharded_state_dict()
     state = {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, saved_keys=saved_keys
+            model_sd, is_loading=is_loading, checkpoint_dir=checkpoint_dir
         ),
         "loop": loop_state,
         "world": dist.get_world_size(),
@@ -239,10 +238,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
     then cannot be matched to ranks and keep their fresh seeding (said on rank 0)."""
     saved_world = dist_checkpointing.load_common_state_dict(str(path)).get("world")
     same_world = saved_world == dist.get_world_size()
-    saved_keys = set(dist_checkpointing.load_tensors_metadata(str(path)))
     state = dist_checkpointing.load(
         _sharded_state(
-            model, optimizer, {}, is_loading=True, with_rng=same_world, saved_keys=saved_keys
+            model, optimizer, {}, is_loading=True, with_rng=same_world, checkpoint_dir=path
         ),
         str(path),
     )

@@ -7,9 +7,10 @@ adapter keeps the same contract (``step() -> (success, grad_norm, num_zeros)``, 
 ``get_grad_norm``, ``state_dict``, ``sharded_state_dict`` for dist_checkpointing) and:
 
 * reads each parameter's gradient from DDP's ``param.main_grad`` (fp32 grad buffer);
-* keeps an fp32 master copy for every bf16 parameter (fp32 parameters are their own master);
-  with the layer-wise distributed optimizer only for the parameters this rank updates (the
-  layer-wise optimizer holds them, see :mod:`megatron_ext.distributed.layerwise`);
+* updates fp32 masters of bf16 parameters (fp32 parameters are their own master), which the
+  wrapped optimizer keeps: AdamW on every rank for all of them
+  (:mod:`megatron_ext.megatron.replicated`), the layer-wise distributed optimizer only for the
+  parameters this rank updates (:mod:`megatron_ext.distributed.layerwise`);
 * computes the global gradient norm and zero count once, counting tensor-parallel duplicates and
   shared (tied) parameters once, reduced over the model-parallel group (dense) and the
   expert-model-parallel group (MoE experts);
@@ -18,30 +19,35 @@ adapter keeps the same contract (``step() -> (success, grad_norm, num_zeros)``, 
 The wrapped optimizer is built by a factory over named parameters (:mod:`.optimizer_factories`),
 so the matrix optimizers and the layer-wise distributed optimizer slot in without touching the
 training loop.
+
+One checkpoint form for every optimizer: state keyed by parameter,
+``optimizer.layerwise.<state key>.<model shard tag>`` (whole tensors as ShardedTensors, scalars
+as ShardedObjects), written by one replica, loadable at any data-parallel size. Older layouts
+are read by :mod:`megatron_ext.megatron.legacy_state`, chosen once in
+:meth:`MegatronExtOptimizer.sharded_state_dict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map,
-    make_sharded_optimizer_tensor,
-    optim_state_to_sharding_state,
-)
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
 from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
-from megatron_ext.optimizers.kl_soap import LEGACY_STATE_KEYS
+
+#: Key prefix of the name-keyed optimizer state (named after the optimizer that introduced it;
+#: kept so that checkpoints written since then load as they are).
+STATE_PREFIX = "optimizer.layerwise"
 
 
 class MegatronExtOptimizer(MegatronOptimizer):
@@ -49,26 +55,19 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     Args:
         named_params: the model's ``(name, parameter)`` pairs, forward order.
-        inner_factory: builds the wrapped optimizer over the named master parameters.
+        inner_factory: builds the wrapped optimizer over the trained named parameters; it keeps
+            the fp32 masters and writes the model parameters (:data:`.InnerFactory`).
         config: megatron-core ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``...).
     """
 
     def __init__(
         self, named_params: NamedParams, inner_factory: InnerFactory, config: McOptimizerConfig
     ) -> None:
-        from megatron_ext.distributed.layerwise import fp32_master
-
         trained = [(n, p) for n, p in named_params if p.requires_grad]
         self.master_names = [n for n, _ in trained]
         self.model_params = [p for _, p in trained]
-        # Whether the wrapped optimizer keeps the masters (and writes the model parameters).
-        self._inner_masters = bool(getattr(inner_factory, "owns_masters", False))
-        if self._inner_masters:
-            inner = inner_factory(trained)
-            self.master_params = [inner.master(n) for n in self.master_names]
-        else:
-            self.master_params = [fp32_master(p) for p in self.model_params]
-            inner = inner_factory(list(zip(self.master_names, self.master_params, strict=True)))
+        inner = inner_factory(trained)
+        self.master_params = [inner.master(n) for n in self.master_names]
         super().__init__(inner, config)
         self.is_stub_optimizer = False  # read by the base class's param_groups property
         self._param_sync_in_forward = False
@@ -84,11 +83,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
         for name, p in zip(self.master_names, self.model_params, strict=True):
             grad = getattr(p, "main_grad", None)
             grads[name] = p.grad if grad is None else grad
-        if self._inner_masters:  # only the masters this rank updates get gradients
-            self.optimizer.set_grads(grads)
-            return False
-        for name, master in zip(self.master_names, self.master_params, strict=True):
-            master.grad = None if grads[name] is None else grads[name].float()
+        self.optimizer.set_grads(grads)  # layer-wise: only the masters this rank updates
         return False
 
     def _norm_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -162,11 +157,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
     # -- step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        self._step_inner()
-        if not self._inner_masters:
-            for p, master in zip(self.model_params, self.master_params, strict=True):
-                if master is not p:
-                    p.data.copy_(master.data)
+        self._step_inner()  # the wrapped optimizer rounds its masters into the model
         return True
 
     @torch.no_grad()
@@ -188,13 +179,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
 
     def reload_model_params(self, state_dict: dict | None = None) -> None:
         """Refresh fp32 masters from the model parameters (after the model was loaded)."""
-        if self._inner_masters:
-            self.optimizer.reload_masters()
-            return
-        with torch.no_grad():
-            for p, master in zip(self.model_params, self.master_params, strict=True):
-                if master is not p:
-                    master.data.copy_(p.data)
+        self.optimizer.reload_masters()
 
     def _layerwise(self) -> bool:
         from megatron_ext.distributed.domains import LayerwiseDomains
@@ -249,26 +234,14 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if self._layerwise():
             self.optimizer.finish()
 
-    # -- state ----------------------------------------------------------------------------
-    def _fp32_masters(self) -> list[torch.Tensor]:
-        return [m for p, m in zip(self.model_params, self.master_params, strict=True) if m is not p]
-
+    # -- state: keyed by parameter, independent of the data-parallel size -------------------
     def state_dict(self) -> dict[str, Any]:
-        if self._inner_masters:  # name-keyed, masters included
-            return {"layerwise": self.optimizer.named_state()}
-        return {"optimizer": self.optimizer.state_dict(), "fp32_masters": self._fp32_masters()}
+        """``{"layerwise": {parameter name: {state key: value}}}``, fp32 masters included."""
+        return {"layerwise": self.optimizer.named_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "layerwise" in state_dict:  # see _layerwise_sharded_state
-            self.optimizer.load_named_state(state_dict["layerwise"])
-            return
-        optim = state_dict["optimizer"]
-        if "common_step" in optim["state"]:
-            self._restore_common_per_param_step(optim, optim["state"].pop("common_step"))
-        self.optimizer.load_state_dict(optim)
-        with torch.no_grad():
-            for mine, saved in zip(self._fp32_masters(), state_dict["fp32_masters"], strict=True):
-                mine.copy_(saved)
+        """Load :meth:`state_dict` output (the union of the saving ranks' entries is enough)."""
+        self.optimizer.load_named_state(state_dict["layerwise"])
 
     def _init_state(self) -> None:
         """Create the wrapped optimizer's state before loading into it: one step with zero
@@ -291,46 +264,30 @@ class MegatronExtOptimizer(MegatronOptimizer):
         model_sharded_state_dict: dict,
         is_loading: bool = False,
         metadata: dict | None = None,
-        saved_keys: Collection[str] | None = None,
+        checkpoint_dir: str | Path | None = None,
     ) -> dict[str, Any]:
-        """Optimizer state as ShardedTensors laid out like the model parameters they belong to
-        (so dist_checkpointing can save and reshard it). ``saved_keys``: the tensor keys of the
-        checkpoint about to be loaded, so that state saved under an older key is asked for
-        under that key (see :func:`_saved_key`)."""
+        """The name-keyed state for dist_checkpointing (:meth:`named_sharded_state`).
+        ``checkpoint_dir``: the checkpoint about to be loaded; if it holds an older layout,
+        that layout's reader says what to ask for (its loaded form is this one)."""
         self.finish_param_sync()
         if is_loading:
             self._init_state()
-        if self._layerwise():
-            return self._layerwise_sharded_state(model_sharded_state_dict, saved_keys)
-        state = self.state_dict()
-        # The wrapped optimizer numbers parameters in its own group order; map those ids to the
-        # model parameters' sharded tensors.
-        model_of = {id(m): p for p, m in zip(self.model_params, self.master_params, strict=True)}
-        inner_order = [model_of[id(m)] for g in self.optimizer.param_groups for m in g["params"]]
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, inner_order)
-        inner_id = {id(p): i for i, p in enumerate(inner_order)}
-        state["fp32_masters"] = [
-            make_sharded_optimizer_tensor(
-                id_map[inner_id[id(p)]], master, prefix="optimizer.state.fp32_param"
-            )
-            for p, master in zip(self.model_params, self.master_params, strict=True)
-            if master is not p
-        ]
-        step = self._extract_common_per_param_step(state["optimizer"])
-        optim_state_to_sharding_state(state["optimizer"], id_map, exclude_keys="step")
-        if step is not None:
-            state["optimizer"]["state"]["common_step"] = step
-        return state
+        if is_loading and checkpoint_dir is not None:
+            from megatron_ext.megatron import legacy_state
 
-    # -- layer-wise state: keyed by parameter, independent of the data-parallel size -----------
-    def _model_shard_keys(self, model_sharded_state_dict: dict) -> dict[str, Any]:
-        """Each parameter's ShardedTensor in the model checkpoint (key + global offset name it
-        independently of data-parallel size, ownership and pipeline stage)."""
+            older = legacy_state.older_layout(checkpoint_dir)
+            if older is not None:
+                return older.sharded_state(self, model_sharded_state_dict)
+        return self.named_sharded_state(model_sharded_state_dict)
+
+    def model_shards(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        """Each trained parameter's ShardedTensor (or factory) in the model checkpoint (key +
+        global offset name it independently of data-parallel size, ownership and stage)."""
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.model_params)
         return {n: id_map[i] for i, n in enumerate(self.master_names)}
 
     @staticmethod
-    def _shard_tag(sh: Any) -> str:
+    def shard_tag(sh: Any) -> str:
         """``key@offsets`` of a model shard; for a ShardedTensorFactory (e.g. SwiGLU's fc1, saved
         as its gate and up halves) the first tensor it builds, which carries the layer offset."""
         while not hasattr(sh, "global_offset"):
@@ -339,17 +296,15 @@ class MegatronExtOptimizer(MegatronOptimizer):
                 sh = sh[0]
         return f"{sh.key}@{'_'.join(str(o) for o in sh.global_offset)}"
 
-    def _layerwise_sharded_state(
-        self, model_sharded_state_dict: dict, saved_keys: Collection[str] | None = None
-    ) -> dict[str, Any]:
-        """The state of every parameter this rank holds, one entry per (parameter, state key):
-        tensors as whole ShardedTensors, scalars as ShardedObjects, keyed by the parameter's
-        model shard so a checkpoint loads at any data-parallel size. The owner writes (replica
-        0); replicated parameters are written by data-parallel rank 0, tensor-parallel
-        duplicates by TP rank 0. A bf16 parameter's fp32 master is one more entry
-        (``optimizer.layerwise.fp32_param.<shard>``), held and written by its owner only."""
+    def named_sharded_state(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        """The state of every parameter this rank holds, one entry per (parameter, state key),
+        ``optimizer.layerwise.<state key>.<model shard tag>``: tensors as whole ShardedTensors,
+        scalars as ShardedObjects, so a checkpoint loads at any data-parallel size. One replica
+        writes each (replica 0): the wrapped optimizer's ``saves`` (the layer-wise owner, or
+        data-parallel rank 0 when every rank steps everything), tensor-parallel duplicates by
+        TP rank 0. A bf16 parameter's fp32 master is one more entry (``fp32_param``)."""
         opt = self.optimizer
-        shards = self._model_shard_keys(model_sharded_state_dict)
+        shards = self.model_shards(model_sharded_state_dict)
         params = dict(zip(self.master_names, self.master_params, strict=True))
         tp_main = {  # a tensor-parallel duplicate (e.g. a norm) is written by TP rank 0 only
             n: not parallel_state.model_parallel_is_initialized()
@@ -359,27 +314,13 @@ class MegatronExtOptimizer(MegatronOptimizer):
         state: dict[str, dict[str, Any]] = {}
         for name, st in opt.named_state().items():
             replica = 0 if opt.saves(name) and tp_main[name] else 1 + dist.get_rank()
-            tag = self._shard_tag(shards[name])
+            tag = self.shard_tag(shards[name])
             entry = {}
             for k, v in st.items():
-                key = f"optimizer.layerwise.{k}.{tag}"
+                key = f"{STATE_PREFIX}.{k}.{tag}"
                 if torch.is_tensor(v) and v.dim() > 0:
-                    k, key = _saved_key(k, tag, saved_keys)
                     entry[k] = ShardedTensor.from_rank_offsets(key, v, replica_id=replica)
                 else:
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
         return {"layerwise": state}
-
-
-def _saved_key(name: str, tag: str, saved_keys: Collection[str] | None) -> tuple[str, str]:
-    """State entry ``name`` of the parameter whose model shard is ``tag``, and its checkpoint
-    key: ``optimizer.layerwise.<name>.<tag>``, or the older name a checkpoint being loaded used
-    instead (KL-SOAP's factors before they were held as ``L·Q``: the optimizer converts that
-    state on its next step)."""
-    key = f"optimizer.layerwise.{name}.{tag}"
-    legacy = LEGACY_STATE_KEYS.get(name)
-    if saved_keys is None or key in saved_keys or legacy is None:
-        return name, key
-    legacy_key = f"optimizer.layerwise.{legacy}.{tag}"
-    return (legacy, legacy_key) if legacy_key in saved_keys else (name, key)

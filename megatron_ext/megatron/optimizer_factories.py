@@ -1,9 +1,10 @@
 """What the optimizer adapter wraps, built from a recipe's ``optimizer`` section.
 
-:func:`inner_factory` returns a factory over named parameters: AdamW over the fp32 masters, or
-the layer-wise distributed optimizer (the matrix optimizer for hidden matrices, AdamW for the
-rest; dense weights planned over the data-parallel group, expert weights over the
-expert-data-parallel group). :class:`~.optimizer.MegatronExtOptimizer` calls it.
+:func:`inner_factory` returns a factory over named parameters: AdamW over fp32 masters on every
+rank (:class:`~.replicated.ReplicatedOptimizer`), or the layer-wise distributed optimizer (the
+matrix optimizer for hidden matrices, AdamW for the rest; dense weights planned over the
+data-parallel group, expert weights over the expert-data-parallel group).
+:class:`~.optimizer.MegatronExtOptimizer` calls it.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ __all__ = [
 ]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
-# Builds the wrapped optimizer over the (named) fp32 master parameters -- or, when the factory
-# has ``owns_masters = True``, over the model parameters: the optimizer then keeps its own fp32
-# masters and answers ``master(name)``, ``set_grads``, ``reload_masters`` (the layer-wise one).
+# Builds the wrapped optimizer over the trained model parameters. The optimizer keeps its own
+# fp32 masters and answers ``master(name)``, ``set_grads``, ``reload_masters``, ``step``,
+# ``param_groups``, ``state`` and the name-keyed state (``named_state``, ``load_named_state``,
+# ``saves``): the layer-wise optimizer, or the replicated one for plain AdamW.
 InnerFactory = Callable[[NamedParams], Any]
 
 
@@ -66,11 +68,25 @@ def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
 
 
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
-    """Plain AdamW over every parameter (each data-parallel rank steps all of them)."""
+    """Plain AdamW over fp32 masters of every parameter, each data-parallel rank stepping all
+    of them (:class:`~.replicated.ReplicatedOptimizer`); rank 0 of a parameter's data-parallel
+    group (expert-data-parallel for MoE experts) writes its state."""
 
-    def build(named: NamedParams) -> torch.optim.Optimizer:
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        return torch.optim.AdamW(weight_decay_groups(trainable), **hyperparameters(cfg)["adamw"])
+    def build(named: NamedParams) -> Any:
+        from megatron_ext.megatron.replicated import ReplicatedOptimizer
+
+        expert = {n for n, p in named if is_expert_param(p)}
+        distributed = parallel_state.model_parallel_is_initialized()
+        dense_rank = parallel_state.get_data_parallel_rank() if distributed else 0
+        expert_rank = parallel_state.get_expert_data_parallel_rank() if distributed else 0
+
+        def writer(name: str) -> bool:
+            return (expert_rank if name in expert else dense_rank) == 0
+
+        def adamw(masters: NamedParams) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(weight_decay_groups(masters), **hyperparameters(cfg)["adamw"])
+
+        return ReplicatedOptimizer(named, adamw, writer)
 
     return build
 
@@ -111,7 +127,6 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
             )
         return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
 
-    build.owns_masters = True  # type: ignore[attr-defined]  # masters only for held params
     return build
 
 
