@@ -62,6 +62,13 @@ def test_hf_to_mcore_then_check(tmp_path: Path) -> None:
     assert figures["max_abs_diff"] <= 1e-4 and figures["cosine"] >= 0.99999
     assert figures["argmax_agreement"] == 1.0
     assert figures["expert_selection_agreement"] == [1.0, 1.0]
+    back = tmp_path / "back"
+    proc = _cli("mcore-to-hf", str(out), str(back))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reloaded = Qwen3MoeForCausalLM.from_pretrained(back).state_dict()
+    original = Qwen3MoeForCausalLM.from_pretrained(hf_dir).state_dict()
+    assert set(reloaded) == set(original)
+    assert all(torch.equal(reloaded[k], original[k]) for k in original)
 
 
 def test_not_a_model_directory_exits_2(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""``megatron-ext convert hf-to-mcore|check``: Hugging Face <-> megatron-core checkpoints.
+"""``megatron-ext convert hf-to-mcore|mcore-to-hf|check``: HF <-> megatron-core checkpoints.
 
+``mcore-to-hf CKPT OUT`` writes an HF directory ``AutoModelForCausalLM.from_pretrained`` loads.
 ``hf-to-mcore HF_DIR OUT`` writes ``OUT/model.json`` (the recipe's ``model:`` fields) and
 ``OUT/step_000000`` (the model's weights with megatron-core ``dist_checkpointing``), and says which
 RMSNorm epsilon it used and where it came from. ``check HF_DIR MCORE_CKPT [--json FILE]`` runs
@@ -19,6 +20,7 @@ from megatron_ext.run.commands import Command, register_command
 
 WEIGHTS = "step_000000"
 FIELDS = "model.json"
+HF_CONFIG = "hf_config.json"  # the HF config the weights came from: mcore-to-hf writes it back
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = sub.add_parser("hf-to-mcore", help="an HF model directory -> a megatron-core checkpoint")
     a.add_argument("hf_dir", type=Path)
     a.add_argument("out", type=Path)
+    b = sub.add_parser("mcore-to-hf", help="a hf-to-mcore checkpoint -> an HF model directory")
+    b.add_argument("mcore_ckpt", type=Path)
+    b.add_argument("out", type=Path)
     c = sub.add_parser("check", help="logit and routing parity of a conversion (fp32)")
     c.add_argument("hf_dir", type=Path)
     c.add_argument("mcore_ckpt", type=Path, help="the OUT folder hf-to-mcore wrote")
@@ -37,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def convert_main(args: argparse.Namespace) -> int:
     """Run ``megatron-ext convert ACTION``; returns the exit code."""
+    if args.convert_command == "mcore-to-hf":
+        return _mcore_to_hf(args)
     raw = read_hf_config(args.hf_dir)
     if args.convert_command == "hf-to-mcore":
         return _hf_to_mcore(args, raw)
@@ -70,6 +77,8 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     (args.out / WEIGHTS).mkdir()
     dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(args.out / WEIGHTS))
     (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+    hf_config = {**full, "rms_norm_eps": eps.value}
+    (args.out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     print(
         f"wrote {args.out}/{WEIGHTS} and {args.out}/{FIELDS} ({raw['model_type']}, "
         f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}"
@@ -88,6 +97,30 @@ def load_mcore(ckpt: Path):
     state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt / WEIGHTS))
     gpt.load_state_dict(state["model"])
     return gpt.eval()
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> int:
+    if not (args.mcore_ckpt / HF_CONFIG).is_file():
+        raise ConfigError(
+            f"{args.mcore_ckpt}: no {HF_CONFIG}; mcore-to-hf converts checkpoints written by "
+            "hf-to-mcore (the HF config they came from is kept there)"
+        )
+    if args.out.exists() and any(args.out.iterdir()):
+        raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_ext.convert.to_hf import mcore_to_hf_state
+
+    fields = json.loads((args.mcore_ckpt / FIELDS).read_text(encoding="utf-8"))
+    raw = json.loads((args.mcore_ckpt / HF_CONFIG).read_text(encoding="utf-8"))
+    gpt = load_mcore(args.mcore_ckpt)
+    state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    hf = AutoModelForCausalLM.from_config(config)
+    hf.load_state_dict(mcore_to_hf_state(state, fields), strict=True)
+    hf.save_pretrained(args.out)
+    print(f"wrote {args.out} ({config.model_type}, rms_norm_eps={config.rms_norm_eps:g})")
+    return 0
 
 
 def _empty_mcore(fields: dict):
@@ -119,7 +152,7 @@ def _check(args: argparse.Namespace, raw: dict) -> int:
 register_command(
     Command(
         name="convert",
-        usage="hf-to-mcore|check ...",
+        usage="hf-to-mcore|mcore-to-hf|check ...",
         help="Hugging Face <-> megatron-core checkpoints, and their logit parity",
         add_arguments=add_arguments,
         run=convert_main,
