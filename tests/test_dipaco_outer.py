@@ -23,6 +23,8 @@ from megatron_ext.dipaco.inner import InnerOptimizer, inner_schedule, inner_step
 from megatron_ext.dipaco.layout import ModuleId, PathLayout, model_parts
 from megatron_ext.dipaco.outer import OuterConfig, outer_step, path_weights
 from megatron_ext.dipaco.store import assign_params, split_by_level
+from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
+from megatron_ext.zo.probes import probe_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V, D = 11, 6
@@ -287,3 +289,35 @@ def test_path_specific_parameters_are_never_averaged() -> None:
     a, b = specific[0], specific[1]
     assert set(a) == {"decoder.layers.1.weight", "decoder.layers.1.bias"}
     assert not torch.equal(a["decoder.layers.1.weight"], b["decoder.layers.1.weight"])
+
+
+def test_zero_order_inner_step_matches_spsa_written_out() -> None:
+    """dipaco.inner=spsa: one step is ĝ = (1/k) Σ_j [L(θ+εz_j) − L(θ−εz_j)]/(2ε) z_j with the
+    probes keyed by (seed, path, phase, step, j), then Adam with coupled decay (float64)."""
+    model = TinyGPT(dtype=torch.float64)
+    theta0 = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    opt = SPSAInner(model, n_pert=4, eps=1e-3, weight_decay=0.1, betas=(0.9, 0.95), seed=5, path=2)
+    batch = batches(3, 1)[0]
+    spsa_inner_steps(opt, [batch], [0.01], first_step=7, phase=1, loss_fn=lm_loss)
+    ours = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+    ref = TinyGPT(dtype=torch.float64)
+    gains = torch.cat([torch.full((p.numel(),), p.ndim == 1) for p in ref.parameters()])
+    z = probe_rows([(5, 2, 1, 7, j) for j in range(4)], gains, dtype=torch.float64)
+
+    def loss_at(theta: torch.Tensor) -> float:
+        torch.nn.utils.vector_to_parameters(theta, ref.parameters())
+        with torch.no_grad():
+            return float(lm_loss(ref, batch))
+
+    g = sum((loss_at(theta0 + 1e-3 * zj) - loss_at(theta0 - 1e-3 * zj)) / 2e-3 * zj for zj in z) / 4
+    g = g + 0.1 * theta0  # coupled weight decay
+    m, v = 0.1 * g, 0.05 * g * g
+    expected = theta0 - 0.01 * (m / 0.1) / ((v / 0.05).sqrt() + 1e-8)
+    torch.testing.assert_close(ours, expected, rtol=1e-9, atol=1e-12)
+    assert not torch.equal(ours, theta0)
+    again = SPSAInner(
+        model, n_pert=4, eps=1e-3, weight_decay=0.1, betas=(0.9, 0.95), seed=5, path=2
+    )
+    again.load_state_dict(opt.state_dict())
+    assert again.adam.steps == 1 and torch.equal(again.adam.m, opt.adam.m)

@@ -54,6 +54,7 @@ def test_frequency_bias_on_random_logits_and_a_path_nobody_wants() -> None:
     q = np.bincount(np.argmax(z + b, axis=1), minlength=5) / len(z)
     np.testing.assert_allclose(q, f, atol=0.005)
     assert q[4] == 0.0
+    assert fit_frequency_bias(z[:, :1], np.array([1.0])).tolist() == [0.0]  # one path
 
 
 def test_generative_routing_gives_balanced_shards_and_consistent_routes() -> None:

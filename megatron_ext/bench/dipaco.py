@@ -195,7 +195,11 @@ def _trends(data: Path, work: Path, clean) -> dict[str, Any]:
     out = {"dipaco_2x2_discriminative": base}
     for name, extra in variants.items():
         overrides = [*small_overrides(data, work / f"trend_{name}"), *extra]
-        small_run(RECIPE, overrides)
+        try:
+            small_run(RECIPE, overrides)
+        except RuntimeError as exc:  # a figure is missing, the others stand
+            print(f"trend {name}: run failed: {str(exc)[-500:]}")
+            continue
         out[name] = json.loads((work / f"trend_{name}" / "summary.json").read_text())["perplexity"]
     for name, ppl in out.items():
         print(f"trend {name:<28} " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()))

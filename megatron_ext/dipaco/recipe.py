@@ -51,6 +51,14 @@ class DipacoConfig:
     sqrt_p_scaling: bool = spec(True, help="multiply a module's delta by sqrt(P_{l,e})")
     alpha_weighting: bool = spec(True, help="weigh path deltas by shard tokens (else uniform)")
     inner_warmup_steps: int = spec(0, ge=0, help="warm-up of the one cosine over phases*tau")
+    inner: str = spec(
+        "gradient",
+        choices=("gradient", "spsa"),
+        help="gradient: optimizer.name on backprop gradients; spsa: zero-order SPSA estimates "
+        "(the shared megatron_ext.zo step) with Adam, no backward pass",
+    )
+    spsa_n_pert: int = spec(8, ge=1, help="inner: spsa: probe directions per step")
+    spsa_eps: float = spec(1e-3, gt=0.0, help="inner: spsa: perturbation size")
     # routing
     routing: str = spec(
         "discriminative",

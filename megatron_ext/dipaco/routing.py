@@ -128,6 +128,8 @@ def fit_frequency_bias(
     f = np.asarray(target_freq, dtype=np.float64)
     want = np.rint(f * n).astype(np.int64)
     bias = np.zeros(p)
+    if p == 1:  # one path takes every row
+        return bias
 
     def error(b: np.ndarray) -> float:
         q = np.bincount(np.argmax(z + b, axis=1), minlength=p) / n

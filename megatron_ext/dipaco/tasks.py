@@ -29,6 +29,7 @@ from megatron_ext.dipaco.plan import score_id
 from megatron_ext.dipaco.queue import Lease
 from megatron_ext.dipaco.routing import fit_discriminative, fit_generative, shards
 from megatron_ext.dipaco.store import assign_params, load_tensors, save_tensors, split_by_level
+from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
 from megatron_ext.errors import ConfigError
 
 __all__ = ["run_task"]
@@ -179,15 +180,20 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
     modules = [ctx.module(phase, m)[0] for m in ctx.layout.path_modules(path)]
     assign_params(pm.model, *modules, specific)
     val_before = _val_loss(ctx, val)
-    optimizer = InnerOptimizer(list(pm.model.named_parameters()), recipe.optimizer)
+    optimizer = _inner_optimizer(ctx, path)
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)
     sched = inner_schedule(recipe.optimizer, d.phases, d.tau, d.inner_warmup_steps)
     steps = range(phase * d.tau, (phase + 1) * d.tau)
-    batches = (stream.step_batch(recipe, STREAM_BATCH, path, phase, k) for k in steps)
+    batches = _checked(
+        ctx, (stream.step_batch(recipe, STREAM_BATCH, path, phase, k) for k in steps)
+    )
     where = f"train phase {phase} path {path}"
     lrs = [sched.lr_at(k) for k in steps]
-    losses = inner_steps(pm.model, optimizer, _checked(ctx, batches), lrs, lm_loss, where)
+    if d.inner == "spsa":
+        losses = spsa_inner_steps(optimizer, batches, lrs, steps[0], phase, lm_loss, where)
+    else:
+        losses = inner_steps(pm.model, optimizer, batches, lrs, lm_loss, where)
     parts, out = split_by_level(pm.state(), ctx.layout), ctx.out(lease)
     for level in range(ctx.layout.num_levels):
         save_tensors(out / f"l{level}.pt", parts[level])
@@ -203,6 +209,22 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
         "loss_last": losses[-1],
         "loss_mean": float(np.mean(losses)),
     }
+
+
+def _inner_optimizer(ctx: TaskContext, path: int) -> Any:
+    """The recipe's inner optimizer over the worker's model (gradient or zero-order)."""
+    model, opt = ctx.path_model.model, ctx.recipe.optimizer
+    if ctx.d.inner == "spsa":
+        return SPSAInner(
+            model,
+            n_pert=ctx.d.spsa_n_pert,
+            eps=ctx.d.spsa_eps,
+            weight_decay=opt.weight_decay,
+            betas=(opt.adam_beta1, opt.adam_beta2),
+            seed=ctx.recipe.training.seed,
+            path=path,
+        )
+    return InnerOptimizer(list(model.named_parameters()), opt)
 
 
 def outer(ctx: TaskContext, lease: Lease, phase: int, level: int, index: int) -> dict[str, Any]:
