@@ -149,6 +149,60 @@ def _check(args: argparse.Namespace, raw: dict) -> int:
     return 0
 
 
+def add_tools_arguments(parser: argparse.ArgumentParser) -> None:
+    """``eps-sweep MODEL``."""
+    sub = parser.add_subparsers(dest="tools_command", metavar="ACTION", required=True)
+    e = sub.add_parser("eps-sweep", help="logit sensitivity to the RMSNorm epsilon (CSV + PNG)")
+    e.add_argument("model", type=Path, help="an HF model directory or a hf-to-mcore folder")
+    e.add_argument("--out", type=Path, default=Path("eps_sweep"), help="prefix of .csv/.png")
+    e.add_argument("--tokens", type=int, default=32)
+    e.add_argument("--sequences", type=int, default=16)
+    e.add_argument("--seed", type=int, default=0)
+
+
+def tools_main(args: argparse.Namespace) -> int:
+    """``megatron-ext tools eps-sweep MODEL``: prints the table, writes CSV and PNG."""
+    import torch
+
+    from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
+
+    if (args.model / FIELDS).is_file():
+        gpt = load_mcore(args.model)
+        fields = json.loads((args.model / FIELDS).read_text(encoding="utf-8"))
+        eps, source = fields["layernorm_epsilon"], f"{args.model / FIELDS}"
+    else:
+        from megatron_ext.convert.hf import hf_to_mcore_state
+        from megatron_ext.convert.parity import build_mcore
+
+        raw = read_hf_config(args.model)
+        choice = choose_epsilon(raw)
+        hf = _load_hf(args.model)
+        fields = model_fields({**hf.config.to_dict(), **raw}, choice.value)
+        gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
+        eps, source = choice.value, choice.source
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.sequences, args.tokens)
+    tokens = torch.randint(0, fields["vocab_size"], shape, generator=generator)
+    rows = eps_sweep(gpt, eps, tokens)
+    print(f"correct epsilon {eps:g} (from {source})")
+    print("multiple,epsilon,cosine,argmax_agreement")
+    for r in rows:
+        print(f"{r['multiple']:g},{r['epsilon']:g},{r['cosine']:.8f},{r['argmax_agreement']:.4f}")
+    csv_path, png_path = write_sweep(rows, args.out, f"{args.model.name}: eps {eps:g}")
+    print(f"wrote {csv_path} and {png_path}")
+    return 0
+
+
+register_command(
+    Command(
+        name="tools",
+        usage="eps-sweep ...",
+        help="model diagnostics: the RMSNorm epsilon sensitivity sweep",
+        add_arguments=add_tools_arguments,
+        run=tools_main,
+    )
+)
+
 register_command(
     Command(
         name="convert",

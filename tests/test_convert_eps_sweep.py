@@ -1,0 +1,56 @@
+"""``eps-sweep`` on tiny random Qwen3-MoE models: with the embedding variance near the epsilon
+(1e-5) the curve peaks at 1x and falls at 0.1x; with variance 1e-2 it barely moves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
+from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
+from megatron_ext.convert.parity import build_mcore
+
+
+def _model(variance: float):
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    hf = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        embed = hf.model.embed_tokens.weight
+        embed.mul_(variance**0.5 / embed.std())
+    fields = model_fields(hf.config.to_dict(), 1e-5)
+    return build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
+
+
+def test_near_epsilon_model_peaks_at_one_and_falls_at_a_tenth(tmp_path: Path) -> None:
+    tokens = torch.randint(0, 96, (16, 16), generator=torch.Generator().manual_seed(1))
+    rows = {r["multiple"]: r for r in eps_sweep(_model(1e-5), 1e-5, tokens)}
+    print({m: round(r["cosine"], 6) for m, r in rows.items()})
+    assert rows[1.0]["cosine"] == pytest.approx(1.0, abs=1e-12)
+    assert max(rows, key=lambda m: rows[m]["cosine"]) == 1.0
+    assert rows[0.1]["cosine"] < 0.999
+    assert rows[10.0]["cosine"] < rows[3.0]["cosine"] < 1.0
+    flat = {r["multiple"]: r for r in eps_sweep(_model(1e-2), 1e-5, tokens)}
+    assert flat[0.1]["cosine"] > 0.99999 and flat[0.1]["argmax_agreement"] == 1.0
+    csv_path, png_path = write_sweep(list(rows.values()), tmp_path / "sweep", "tiny")
+    assert csv_path.read_text().startswith("multiple,epsilon,cosine,argmax_agreement")
+    assert png_path.stat().st_size > 1000
