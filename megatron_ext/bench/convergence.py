@@ -13,13 +13,11 @@ AdamW at equal tokens) are for the reader to check.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench.common import launch_run, read_metrics
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe, once per optimizer: final losses, step time, optimizer share, curves"
@@ -66,40 +64,20 @@ def run_variant(
     recipe: str, overrides: list[str], name: str, extra: tuple[str, ...], out: Path
 ) -> Path:
     """One launcher run; returns its run directory. The run's own log goes to ``run.log``."""
-    run_dir = out / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "megatron_ext.launch.cli",
-        "launch",
-        recipe,
+    variant = [
         *overrides,
         f"optimizer.name={name.split('+')[0]}",
         *extra,
-        f"run_dir={run_dir}",
         "checkpoint.load=none",
         "checkpoint.save_interval=0",
         "checkpoint.save_at_end=false",
     ]
-    with open(run_dir / "run.log", "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        tail = (run_dir / "run.log").read_text(errors="replace").strip().splitlines()[-5:]
-        raise RuntimeError(
-            f"the {name} run failed (exit {done.returncode}); last lines of {run_dir}/run.log:\n"
-            + "\n".join(tail)
-        )
-    return run_dir
+    return launch_run(recipe, variant, out / name, name)
 
 
 def summarize(run_dir: Path, last: int) -> dict[str, Any]:
     """Figures of one run from its ``metrics.jsonl``."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if line.strip()]
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "val_loss" in r]
-    if not train:
-        raise RuntimeError(f"{run_dir}/metrics.jsonl has no training steps")
+    train, evals = read_metrics(run_dir)
     times = [r["step_time_s"] for r in train[1:]] or [train[0]["step_time_s"]]
     opt_times = [r["optimizer_s"] for r in train[1:] if "optimizer_s" in r]
     step_time = statistics.median(times)

@@ -192,8 +192,9 @@ class CheckpointConfig:
     load: str = spec(
         "auto",
         help="'auto' = resume from run_dir/checkpoints if present; "
-        "'none'; or a checkpoint directory",
+        "'none'; or a checkpoint directory (a step_000000 one gives only its weights)",
     )
+    save_initial: bool = spec(False, help="also write step_000000 before the first step")
     keep_last: int = spec(2, ge=1)
 
 

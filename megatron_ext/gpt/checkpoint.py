@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron import fp32_weight_masters
 
 LATEST = "latest"
 
@@ -48,7 +49,9 @@ class Checkpointer:
 
     def should_save(self, step: int, last_step: int) -> bool:
         """Every ``save_interval`` completed steps (0: never), and at ``last_step`` when
-        ``save_at_end``."""
+        ``save_at_end``; step 0 (before the first step) when ``save_initial``."""
+        if step == 0:
+            return self.config.save_initial
         every = self.config.save_interval
         return bool(every and step % every == 0) or (step == last_step and self.config.save_at_end)
 
@@ -238,7 +241,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
     then cannot be matched to ranks and keep their fresh seeding (said on rank 0)."""
     saved_world = dist_checkpointing.load_common_state_dict(str(path)).get("world")
     same_world = saved_world == dist.get_world_size()
-    state = dist_checkpointing.load(
+    if dist_checkpointing.load_common_state_dict(str(path))["loop"]["step"] == 0:
+        return load_initial_weights(path, model, optimizer, same_world)
+    state = fp32_weight_masters.load(  # dist_checkpointing.load; masters of fp32-era norms
         _sharded_state(
             model, optimizer, {}, is_loading=True, with_rng=same_world, checkpoint_dir=path
         ),
@@ -257,3 +262,25 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
         )
     verify_replicas(model)
     return state["loop"]
+
+
+def load_initial_weights(
+    path: Path, model: torch.nn.Module, optimizer: Any, same_world: bool
+) -> dict[str, Any]:
+    """Start from a step-0 checkpoint (``checkpoint.save_initial``): it holds no optimizer
+    state, so only the weights are loaded (converted to this run's dtype: a bf16 run starts
+    from an fp32 run's step 0 and vice versa), the RNG streams when the world size matches,
+    and the optimizer's fp32 masters are taken from the loaded weights. This is how a precision
+    A/B gives every run the same initial weights."""
+    request = {"model": _unwrap(model).sharded_state_dict()}
+    if same_world:
+        request["rng"] = _per_rank("rng", rng_state())
+    state = dist_checkpointing.load(request, str(path))
+    _unwrap(model).load_state_dict(state["model"])
+    optimizer.reload_model_params()
+    if same_world:
+        set_rng_state(state["rng"])
+    if dist.get_rank() == 0:
+        print(f"megatron-ext: initial weights from {path} (step 0)", flush=True)
+    verify_replicas(model)
+    return {"step": 0, "consumed_samples": 0}

@@ -62,6 +62,8 @@ def train(recipe: Recipe) -> dict[str, Any]:
         f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}"
     )
     log.info(update_rms_note(recipe.optimizer))
+    if run.start_step == 0 and checkpointer.should_save(0, t.steps):  # checkpoint.save_initial
+        checkpointer.save(0, run.model, run.optimizer, {"step": 0, "consumed_samples": 0})
     try:
         for step in range(run.start_step, t.steps):
             t0 = time.perf_counter()

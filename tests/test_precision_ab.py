@@ -1,0 +1,137 @@
+"""BF16 as Megatron-LM runs it, the A/B's common start and ``megatron-ext bench precision``.
+
+* checkpoints from when bf16 models kept fp32 norms (``tests/fixtures/precision_fp32_norms``)
+  still load: every parameter is bf16 now, each norm's fp32 master is the saved weight bit for
+  bit, and training continues on the old code's curve;
+* the CPU A/B, fp32 vs bf16, end to end through the launcher: the bf16 run starts from the fp32
+  run's step-0 checkpoint, and the JSON, PNG and printed figures are written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext.bench.precision import build_report, parse_precisions
+from megatron_ext.errors import ConfigError
+from tests.conftest import DIST, ROOT, run_torchrun
+from tests.test_training import TEXT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "precision_fp32_norms"
+
+
+@pytest.fixture(scope="module")
+def recipe_file(tmp_path_factory) -> Path:
+    """The fixtures' recipe (see their README), on the TEXT corpus."""
+    root = tmp_path_factory.mktemp("ab")
+    corpus = root / "corpus.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    recipe = {
+        "trainer": "gpt",
+        "model": {
+            "num_layers": 2,
+            "hidden_size": 32,
+            "num_attention_heads": 2,
+            "num_query_groups": 1,
+            "ffn_hidden_size": 64,
+            "make_vocab_size_divisible_by": 2,
+        },
+        "optimizer": {"name": "muon", "lr": 3e-3, "min_lr": 3e-4},
+        "data": {"path": str(root / "data" / "corpus"), "source": [str(corpus)]},
+        "training": {
+            "steps": 3,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "seq_length": 16,
+            "precision": "bf16",
+            "lr_decay_style": "constant",
+        },
+        "logging": {"log_interval": 1, "tensorboard": False, "progress_bar": "off"},
+        "checkpoint": {"save_interval": 0, "keep_last": 1},
+        "launch": {"nproc_per_node_cpu": 2, "threads_per_rank": 1},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_checkpoints_with_fp32_norms_still_load(recipe_file, tmp_path, optimizer):
+    old = json.loads((FIXTURES / "losses.json").read_text())[optimizer]
+    proc = run_torchrun(
+        DIST / "precision_legacy_load.py",
+        2,
+        str(recipe_file),
+        str(FIXTURES / optimizer / "step_000003"),
+        f"optimizer.name={optimizer}",
+        f"run_dir={tmp_path}",
+        "training.steps=5",
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["start"] == 3 and result["norms"] == 5  # 2 layers x 2 norms + the final one
+    # The old code continued with fp32 norms, this one with bf16 norms from the same masters.
+    for new, ref in zip(result["losses"], old["steps_4_5"], strict=True):
+        assert abs(new - ref) <= 2e-3 * ref, (result["losses"], old["steps_4_5"])
+
+
+def test_the_report_compares_at_matched_tokens():
+    def run(losses):
+        n = len(losses)
+        return {
+            "steps": list(range(1, n + 1)),
+            "tokens": [10 * s for s in range(1, n + 1)],
+            "loss": losses,
+            "final_loss": sum(losses[-2:]) / 2,
+            "tokens_per_s_per_device": 100.0,
+            "tflops_per_device": 0.5,
+            "step_time_s": 1.0,
+            "memory": None,
+        }
+
+    runs = {"bf16": run([4.0, 3.0, 2.0, 1.0]), "mxfp8": run([4.0, 3.5, 2.5, 1.5])}
+    report = build_report(["bf16", "mxfp8"], runs, 2, {"tflops": 2.0, "basis": "x"}, noise=0.25)
+    assert report["matched_tokens"] == [10, 20, 30, 40] and report["matched_window"] == 1
+    mx = report["results"]["mxfp8"]
+    assert mx["matched_loss"] == [4.0, 3.5, 2.5, 1.5]
+    assert mx["final_loss_delta"] == 0.5 and mx["delta_over_noise"] == 2.0
+    assert mx["mfu"] == 0.25 and "(FP8/FP4 runs too" in report["mfu_basis"]
+    runs["mxfp8"]["tokens"] = [11, 21, 31, 41]
+    with pytest.raises(RuntimeError, match="other token counts"):
+        build_report(["bf16", "mxfp8"], runs, 2, {"tflops": 2.0, "basis": "x"}, noise=None)
+
+
+def test_unknown_or_repeated_precisions_are_refused():
+    assert parse_precisions("bf16, mxfp8") == ["bf16", "mxfp8"]
+    for bad in ("bf16,fp8", "bf16,bf16", ""):
+        with pytest.raises(ConfigError, match="known: fp32, bf16"):
+            parse_precisions(bad)
+
+
+def test_cpu_ab_fp32_vs_bf16_end_to_end(recipe_file, tmp_path):
+    """A real A/B: both runs through the launcher, the second from the first's step 0."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "megatron_ext.launch.cli", "bench", "precision"]
+    cmd += [str(recipe_file), "training.steps=4", "--precisions", "fp32,bf16", "--last", "2"]
+    cmd += ["--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "loss at matched tokens" in done.stdout and "MFU against: CPU" in done.stdout
+    report = json.loads((out / "precision.json").read_text())
+    fp32, bf16 = (report["results"][p] for p in ("fp32", "bf16"))
+    start = out / "fp32" / "checkpoints" / "step_000000"
+    assert report["start_checkpoint"] == str(start) and (start / "metadata.json").is_file()
+    assert f"initial weights from {start}" in (out / "bf16" / "run.log").read_text()
+    curves = report["curves"]
+    assert curves["fp32"]["tokens"] == curves["bf16"]["tokens"] == [64, 128, 192, 256]
+    # the same weights, data and seed: the first losses differ by bf16 rounding only
+    assert abs(curves["bf16"]["loss"][0] - curves["fp32"]["loss"][0]) < 5e-3
+    assert bf16["final_loss_delta"] == bf16["final_loss"] - fp32["final_loss"]
+    for r in (fp32, bf16):
+        assert r["tokens_per_s_per_device"] > 0 and r["mfu"] > 0
+        assert r["memory"]["peak_rss_bytes"] > 0 and r["memory"]["peak_allocated_bytes"] is None
+    assert (out / "precision.png").stat().st_size > 10_000
