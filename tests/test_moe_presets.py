@@ -145,3 +145,12 @@ def test_megatron_core_accepts_each_preset(preset: str) -> None:
     assert config.moe_router_enable_expert_bias == m.moe_router_enable_expert_bias
     assert config.moe_z_loss_coeff == m.moe_z_loss_coeff
     assert config.moe_aux_loss_coeff == m.moe_aux_loss_coeff
+
+
+def test_describe_names_each_expanded_field_and_its_source() -> None:
+    from megatron_ext.config.moe_presets import describe_moe_preset
+
+    text = describe_moe_preset(_recipe("model.moe_preset=olmoe", *TINY).model)
+    assert "model.moe_router_pre_softmax=True (preset)" in text
+    assert "model.num_moe_experts=8 (recipe; preset 64)" in text
+    assert describe_moe_preset(_recipe().model) == ""

@@ -223,3 +223,18 @@ def moe_transformer_fields(model: Any) -> dict[str, Any]:
         "moe_shared_expert_overlap": model.moe_shared_expert_overlap,
         "moe_layer_freq": mcore_layer_freq(model.moe_layer_freq),
     }
+
+
+def describe_moe_preset(model: Any) -> str:
+    """The expanded preset of a built ``ModelConfig``, one ``field=value (source)`` per line,
+    for ``--dry-run``; '' without a preset. A value differing from the preset's came from the
+    recipe."""
+    if not model.moe_preset:
+        return ""
+    fields = preset_fields(model.moe_preset, vars(model))
+    lines = [f"model.moe_preset={model.moe_preset} expands to (megatron-core fields):"]
+    for name, value in fields.items():
+        got = getattr(model, name)
+        source = "preset" if got == value else f"recipe; preset {value!r}"
+        lines.append(f"  model.{name}={got!r} ({source})")
+    return "\n".join(lines)
