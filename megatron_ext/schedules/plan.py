@@ -47,7 +47,14 @@ from megatron_ext.schedules.lr import LRSchedule
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
 
-__all__ = ["TrainingSchedule", "batch_rule", "run_steps", "training_schedule"]
+__all__ = [
+    "TrainingSchedule",
+    "batch_rule",
+    "run_steps",
+    "samples_at",
+    "steps_for_samples",
+    "training_schedule",
+]
 
 
 @dataclass(frozen=True)
@@ -150,11 +157,18 @@ def batch_rule(recipe: Recipe) -> BatchRule:
 
 def run_steps(recipe: Recipe) -> int:
     """The run's optimizer steps: ``training.steps``, or the first count of steps whose
-    consumed tokens reach ``training.train_tokens`` (the last step may pass it)."""
+    consumed tokens reach ``training.train_tokens`` (the last step may pass it; as Megatron-LM
+    counts ``--train-samples`` under a step schedule)."""
     t = recipe.training
     if t.train_tokens is None:
         return t.steps
-    rule, samples = batch_rule(recipe), -(-t.train_tokens // t.seq_length)
+    return steps_for_samples(recipe, -(-t.train_tokens // t.seq_length))[0]
+
+
+def steps_for_samples(recipe: Recipe, samples: int) -> tuple[int, bool]:
+    """The first step count whose consumed samples reach ``samples`` under the recipe's batch
+    rule, and whether it consumes exactly ``samples``."""
+    rule = batch_rule(recipe)
     step, consumed = 0, 0
     while consumed < samples:
         batch = rule.batch(step, consumed)
@@ -162,7 +176,14 @@ def run_steps(recipe: Recipe) -> int:
         need = -(-(samples - consumed) // batch)
         take = need if until is None else min(until, need)
         step, consumed = step + take, consumed + take * batch
-    return step
+    return step, consumed == samples
+
+
+def samples_at(recipe: Recipe, step: int) -> int:
+    """Samples consumed by the first ``step`` steps under the recipe's batch rule."""
+    stages = resolve_stages(batch_rule(recipe), max(step, 1))
+    stage = [s for s in stages if s.first_step < max(step, 1)][-1]
+    return stage.first_sample + (step - stage.first_step) * stage.global_batch
 
 
 def training_schedule(recipe: Recipe) -> TrainingSchedule:

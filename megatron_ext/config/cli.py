@@ -1,0 +1,130 @@
+"""``megatron-ext recipe from-megatron-args ARGS_FILE_OR_SCRIPT -o recipe.yaml``: a recipe from a
+Megatron-LM argument list or launch script (:mod:`megatron_ext.config.from_megatron`).
+
+The recipe it writes starts with comments naming every flag it could not map (with the
+reason), the torchrun flags (as ``megatron-ext launch`` options) and its notes; the same lists
+go to stderr. A missing required flag, or a recipe that does not validate, is one line and exit
+code 2 (nothing written). No torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_ext.config.from_megatron import Conversion, convert
+from megatron_ext.config.load import recipe_from_dict
+from megatron_ext.config.megatron_args import read_megatron_args
+from megatron_ext.errors import ConfigError
+from megatron_ext.run.commands import Command, register_command
+
+__all__ = ["add_arguments", "recipe_main", "render"]
+
+# torchrun flag -> megatron-ext launch option (master_addr/port: the rendezvous endpoint)
+LAUNCH_OPTIONS = {"nproc-per-node": "--nproc-per-node", "nnodes": "--nnodes"}
+LAUNCH_OPTIONS |= {"node-rank": "--node-rank", "rdzv-id": "--rdzv-id"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
+    p = sub.add_parser(
+        "from-megatron-args",
+        help="write a recipe from a Megatron-LM argument list or launch script",
+        description="Map Megatron-LM flags (model, MoE, batch and step schedule, LR schedule, "
+        "precision, parallel sizes, optimizer, data) onto a recipe; every flag it cannot map is "
+        "listed with the reason.",
+    )
+    p.add_argument("source", help="a file of Megatron-LM flags, or a launch script (.sh)")
+    p.add_argument("-o", "--output", required=True, help="the recipe YAML to write")
+    p.add_argument(
+        "--script-args",
+        nargs="*",
+        default=[],
+        metavar="ARG",
+        help="the script's positional arguments ($1, $2, ...), e.g. checkpoint and data paths",
+    )
+
+
+def recipe_main(args: argparse.Namespace) -> int:
+    source = Path(args.source)
+    if not source.is_file():
+        raise ConfigError(f"{source}: no such file")
+    conversion = convert(read_megatron_args(source.read_text(), args.script_args))
+    recipe = recipe_from_dict(conversion.recipe)  # a bad value stops here, nothing written
+    recipe.check()
+    text = render(conversion, str(source))
+    Path(args.output).write_text(text, encoding="utf-8")
+    summary = [
+        f"wrote {args.output}: {len(conversion.mapped)} flags mapped, "
+        f"{len(conversion.launcher)} for the launcher, {len(conversion.unmapped)} not mapped",
+        *(line[2:] for line in _comments(conversion)),
+    ]
+    print("\n".join(summary), file=sys.stderr)
+    return 0
+
+
+def launch_options(conversion: Conversion) -> list[str]:
+    """torchrun's flags as ``megatron-ext launch`` options."""
+    values = {}
+    for text in conversion.launcher:
+        name, *rest = text[2:].split(" ", 1)
+        values[name.replace("_", "-")] = rest[0] if rest else ""
+    options = [f"{LAUNCH_OPTIONS[k]} {v}" for k, v in values.items() if k in LAUNCH_OPTIONS]
+    if "master-addr" in values:
+        port = values.get("master-port", "29500")
+        options.append(f"--rdzv-endpoint {values['master-addr']}:{port}")
+    return options
+
+
+def _comments(conversion: Conversion) -> list[str]:
+    lines = []
+    if conversion.launcher:
+        lines.append(
+            f"# launcher flags: megatron-ext launch RECIPE {' '.join(launch_options(conversion))}"
+        )
+    lines.append(f"# not mapped ({len(conversion.unmapped)}):")
+    lines += [f"#   {flag}: {reason}" for flag, reason in conversion.unmapped]
+    lines += [f"# note: {note}" for note in conversion.notes]
+    return lines
+
+
+def render(conversion: Conversion, source: str) -> str:
+    """The recipe YAML with its comment header."""
+    head = [f"# from {source} by `megatron-ext recipe from-megatron-args`", *_comments(conversion)]
+    body = yaml.safe_dump(_schema_order(conversion.recipe), sort_keys=False)
+    return "\n".join(head) + "\n" + body
+
+
+def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
+    """Sections and their keys in the schema's field order (as a recipe file reads)."""
+    import dataclasses
+    import typing
+
+    from megatron_ext.config.schema import Recipe
+
+    hints = typing.get_type_hints(Recipe)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Recipe):
+        if f.name not in recipe:
+            continue
+        value = recipe[f.name]
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints[f.name]):
+            order = [g.name for g in dataclasses.fields(hints[f.name])]
+            value = {k: value[k] for k in sorted(value, key=order.index)}
+        out[f.name] = value
+    return out
+
+
+register_command(
+    Command(
+        name="recipe",
+        usage="from-megatron-args ...",
+        help="recipes from Megatron-LM argument lists",
+        add_arguments=add_arguments,
+        run=recipe_main,
+    )
+)

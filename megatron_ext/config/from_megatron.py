@@ -1,0 +1,315 @@
+"""A megatron-ext recipe from Megatron-LM's flags (``megatron-ext recipe from-megatron-args``).
+
+:func:`convert` maps the flags of Megatron-LM's pretraining scripts (read by
+:mod:`.megatron_args`) onto the recipe: model shape, GQA, MoE, sequence, batch (including
+``--step-batch-size-schedule``), run length, LR schedule (WSD too), precision, parallel sizes,
+optimizer, data and tokenizer paths, logging, evaluation and checkpoint intervals. A field the
+script does not set gets **Megatron-LM's default** where it differs from the recipe's (e.g.
+LayerNorm, learned absolute positions, GeLU, biases, tied embeddings, dropout 0.1, linear decay,
+``adam_beta2`` 0.999), so the recipe describes the run the script would have made.
+
+Every flag ends up in exactly one list: mapped, for the launcher (torchrun's own flags: give
+them to ``megatron-ext launch``), or **not mapped, with the reason** — none is dropped silently.
+A required flag that is missing or whose value is an unresolved shell variable is a
+ConfigError (exit 2). Sample counts become steps through the recipe's own batch stages
+(:mod:`megatron_ext.schedules`), inexact ones are noted. Choice spellings that differ between
+Megatron-LM (Emerging-Optimizers) and megatron-ext are translated once, here
+(:mod:`.megatron_flags`; the drop-in optimizer uses them too).
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_ext.config.megatron_args import Flag, MegatronArgs
+from megatron_ext.config.megatron_flags import (
+    CONSUMED,
+    MEGATRON_DEFAULTS,
+    MUON_COEFFICIENTS,
+    MUON_SCALE_MODES,
+    OPTIMIZERS,
+    PLAIN,
+    REASONS,
+    REQUIRED,
+    TORCHRUN,
+)
+from megatron_ext.errors import ConfigError
+
+__all__ = ["Conversion", "convert", "translate"]
+
+
+@dataclass
+class Conversion:
+    """A recipe (nested dict) and where every flag went."""
+
+    recipe: dict[str, Any] = field(default_factory=dict)
+    mapped: list[str] = field(default_factory=list)  # flags as written
+    launcher: list[str] = field(default_factory=list)  # torchrun flags
+    unmapped: list[tuple[str, str]] = field(default_factory=list)  # (flag, reason)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, path: str, value: Any) -> None:
+        node = self.recipe
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    def get(self, path: str, default: Any = None) -> Any:
+        node: Any = self.recipe
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+
+def translate(table: dict[str, str], value: str, what: str) -> str:
+    """Megatron-LM's spelling of a choice -> megatron-ext's; ConfigError when it has none."""
+    if value not in table:
+        raise ConfigError(
+            f"{what}={value!r} has no counterpart in megatron-ext: use one of {', '.join(table)}"
+        )
+    return table[value]
+
+
+def convert(args: MegatronArgs) -> Conversion:
+    """The recipe for Megatron-LM flags ``args`` (see the module docstring)."""
+    out = Conversion(recipe={"trainer": "gpt"})
+    for path, value in MEGATRON_DEFAULTS.items():
+        out.set(path, value)
+    keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)  # source order
+    flags = {key: args.last(key) for key in keys}
+    _check_required(flags)
+    for key, repeats in args.repeated().items():
+        if len({f.values for f in repeats}) == 1:
+            continue  # the same value each time
+        shown = ", ".join(repr(" ".join(f.values)) for f in repeats)
+        out.notes.append(f"--{key} is given {len(repeats)} times ({shown}): the last is used")
+    for key, flag in flags.items():  # one field each first: the special ones read them
+        if key in PLAIN and flag is not None:
+            _plain(out, flag, *PLAIN[key])
+    special = _special_flags(out, flags)
+    for key, flag in flags.items():
+        if key in special or key in PLAIN or flag is None:
+            continue
+        if key in TORCHRUN:
+            out.launcher.append(flag.text)
+            if key == "master-port" and _value(flag) and _value(flag).isdigit():  # type: ignore[union-attr]
+                out.set("launch.master_port", int(flag.values[0]))
+        elif key in CONSUMED:
+            out.mapped.append(flag.text)
+        else:
+            out.unmapped.append((flag.text, REASONS.get(key, "no megatron-ext counterpart")))
+    return out
+
+
+def _check_required(flags: dict[str, Flag | None]) -> None:
+    missing = [f"--{k}" for k in REQUIRED if flags.get(k) is None]
+    if flags.get("train-iters") is None and flags.get("train-samples") is None:
+        missing.append("--train-iters or --train-samples")
+    if flags.get("global-batch-size") is None and flags.get("step-batch-size-schedule") is None:
+        missing.append("--global-batch-size or --step-batch-size-schedule")
+    if missing:
+        raise ConfigError(f"required Megatron-LM flag(s) missing: {', '.join(missing)}")
+    unresolved = [
+        flags[k].text  # type: ignore[union-attr]
+        for k in (*REQUIRED, "train-iters", "train-samples", "global-batch-size")
+        if flags.get(k) is not None and any("$" in v for v in flags[k].values)  # type: ignore[union-attr]
+    ]
+    if unresolved:
+        raise ConfigError(
+            f"required flag value(s) are unresolved shell variables: {'; '.join(unresolved)} "
+            f"(pass the script's positional arguments with --script-args, or edit the script)"
+        )
+
+
+def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | None) -> None:
+    if kind is None:
+        if flag.values:
+            out.unmapped.append((flag.text, "a switch given a value"))
+            return
+        out.set(path, True)
+    elif len(flag.values) != 1 or "$" in flag.values[0]:
+        out.unmapped.append((flag.text, "needs exactly one resolved value"))
+        return
+    else:
+        try:
+            value = kind(flag.values[0])
+        except ValueError:
+            out.unmapped.append((flag.text, f"not a valid {kind.__name__}"))
+            return
+        choices = _field_metadata(path).get("choices")
+        if choices and value not in choices:
+            out.unmapped.append((flag.text, f"megatron-ext has {', '.join(map(str, choices))}"))
+            return
+        out.set(path, value)
+    out.mapped.append(flag.text)
+
+
+def _field_metadata(path: str) -> Any:
+    """The recipe field's validation metadata (choices, bounds)."""
+    import dataclasses
+    import typing
+
+    from megatron_ext.config.schema import Recipe
+
+    cls: Any = Recipe
+    *parents, leaf = path.split(".")
+    for part in parents:
+        cls = typing.get_type_hints(cls)[part]
+    return {f.name: f for f in dataclasses.fields(cls)}[leaf].metadata
+
+
+def _value(flag: Flag | None) -> str | None:
+    return flag.values[0] if flag is not None and len(flag.values) == 1 else None
+
+
+def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
+    """The flags that are not one field each; returns the keys handled."""
+    handled: set[str] = set()
+
+    def take(key: str, reason: str | None = None) -> Flag | None:
+        flag = flags.get(key)
+        if flag is not None:
+            handled.add(key)
+            (
+                out.mapped.append(flag.text)
+                if reason is None
+                else out.unmapped.append((flag.text, reason))
+            )
+        return flag
+
+    if take("swiglu"):
+        out.set("model.activation", "swiglu")
+    if take("disable-bias-linear"):
+        out.set("model.add_bias_linear", False)
+    if take("add-bias-linear"):
+        out.set("model.add_bias_linear", True)
+    gqa, groups = flags.get("group-query-attention"), flags.get("num-query-groups")
+    if gqa is not None:
+        take("group-query-attention")
+        take("num-query-groups")
+        out.set("model.num_query_groups", int(_value(groups) or 1))
+    elif groups is not None:
+        take("num-query-groups", "Megatron-LM ignores it without --group-query-attention")
+    for key, value in (("bf16", "bf16"),):
+        if take(key):
+            out.set("training.precision", value)
+    precision = out.get("training.precision", "fp32")
+    for key in ("fp16", "fp8-format", "fp8-recipe", "fp4-format"):
+        take(key, f"megatron-ext's training.precision is fp32 or bf16: the recipe uses {precision}")
+    percent = _value(flags.get("rotary-percent"))
+    if percent is not None:
+        take("rotary-percent", None if float(percent) == 1.0 else "partial rotary is not supported")
+    seq = _value(flags.get("seq-length"))
+    positions = _value(flags.get("max-position-embeddings"))
+    if positions is not None:
+        same = seq is not None and int(positions) >= int(seq)
+        take("max-position-embeddings", None if same else "must be >= --seq-length")
+    init = _value(flags.get("lr-warmup-init"))
+    if init is not None:
+        take("lr-warmup-init", None if float(init) == 0.0 else "megatron-ext warms up from 0")
+    name = _value(flags.get("optimizer"))
+    if name is not None:
+        if name in OPTIMIZERS:
+            take("optimizer")
+            out.set("optimizer.name", OPTIMIZERS[name])
+        else:
+            take("optimizer", f"megatron-ext has {', '.join(sorted(set(OPTIMIZERS.values())))}")
+    if out.get("optimizer.name") in ("muon", "mop", "lion"):
+        out.set("optimizer.match_update_rms", False)
+        out.notes.append(
+            "optimizer.match_update_rms: false keeps Megatron-LM's update scale (megatron-ext's "
+            "default scales every update to AdamW's RMS, one LR for all: set it true for that)"
+        )
+        if out.get("optimizer.name") == "muon" and flags.get("muon-momentum") is None:
+            out.set("optimizer.muon_momentum", 0.9)  # Megatron-LM's --muon-momentum default
+    for key, table, path in (
+        ("muon-scale-mode", MUON_SCALE_MODES, "optimizer.muon_scale_mode"),
+        ("muon-coefficient-type", MUON_COEFFICIENTS, "optimizer.muon_coefficient_type"),
+    ):
+        value = _value(flags.get(key))
+        if value is not None:
+            if value in table:
+                take(key)
+                out.set(path, table[value])
+            else:
+                take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
+    _data(out, flags, take)
+    _samples(out, flags, take)
+    return handled
+
+
+def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
+    data = flags.get("data-path")
+    if data is not None and len(data.values) == 1:
+        take("data-path")
+        out.set("data.path", data.values[0])
+    elif data is not None:
+        take("data-path", "a blend of several prefixes: give one indexed-dataset prefix")
+    kind = _value(flags.get("tokenizer-type"))
+    model = _value(flags.get("tokenizer-model"))
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        take("tokenizer-type")
+        out.set("data.tokenizer", "sentencepiece")
+        if model is not None:
+            take("tokenizer-model")
+            out.set("data.tokenizer_model", model)
+    elif kind is not None:
+        take("tokenizer-type", "megatron-ext reads byte or SentencePiece tokenizers")
+        take("tokenizer-model", f"the model of --tokenizer-type {kind}")
+    load, save = _value(flags.get("load")), _value(flags.get("save"))
+    if load is not None:
+        reason = None if load == save else "megatron-ext resumes from run_dir/checkpoints"
+        take("load", reason)
+        if reason is None:
+            out.set("checkpoint.load", "auto")
+
+
+def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
+    """Sample-counted flags: the run in tokens, LR positions in steps of the stage table."""
+    from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.schedules.plan import run_steps, samples_at, steps_for_samples
+
+    seq = int(out.get("training.seq_length"))
+    samples = _value(flags.get("train-samples"))
+    if samples is not None:
+        take("train-samples")
+        out.set("training.train_tokens", int(samples) * seq)
+    recipe = recipe_from_dict(out.recipe)
+    t = recipe.training
+    t.steps = run_steps(recipe)
+
+    def steps(key: str, count: int) -> int:
+        n, exact = steps_for_samples(recipe, count)
+        if not exact:
+            out.notes.append(f"--{key} {count:,} samples ends inside step {n:,}: rounded up")
+        return n
+
+    decay = _value(flags.get("lr-decay-samples"))
+    if decay is not None:
+        take("lr-decay-samples")
+        t.lr_decay_steps = steps("lr-decay-samples", int(decay))
+        out.set("training.lr_decay_steps", t.lr_decay_steps)
+    warmup = _value(flags.get("lr-warmup-samples"))
+    if warmup is not None:
+        take("lr-warmup-samples")
+        out.set("training.lr_warmup_steps", steps("lr-warmup-samples", int(warmup)))
+    window = _value(flags.get("lr-wsd-decay-samples"))
+    if window is not None:  # a window of samples that ends where the decay ends
+        take("lr-wsd-decay-samples")
+        end = t.lr_decay_steps or t.steps
+        start = steps("lr-wsd-decay-samples", max(0, samples_at(recipe, end) - int(window)))
+        out.set("training.lr_wsd_decay_steps", end - start)
+    fraction = _value(flags.get("lr-warmup-fraction"))
+    if fraction is not None:  # Megatron-LM: a fraction of the decay
+        take("lr-warmup-fraction")
+        end = t.lr_decay_steps or t.steps
+        n = round(float(fraction) * end)
+        out.set("training.lr_warmup_steps", n)
+        out.notes.append(f"--lr-warmup-fraction {fraction} of {end:,} decay steps: {n:,} steps")

@@ -1,0 +1,139 @@
+"""Read a Megatron-LM argument list: a file of flags, or a launch script in the style of its
+``examples/*/train_*.sh`` (shell variables, arrays of flags, ``torchrun ... pretrain_gpt.py``).
+
+What is understood of the shell: line continuations, comments, ``NAME=value`` and
+``export NAME=value`` (the last assignment wins), ``$NAME``, ``${NAME}``, ``${NAME:-default}``,
+the positional ``$1 … $9`` (from ``script_args``), and quoted array elements holding several
+words (``"--fp8-format hybrid"``). A flag is a token starting with ``--``; its values are the
+tokens after it up to the next flag or shell syntax. Both branches of an ``if`` are read (the
+flags of each appear; :class:`MegatronArgs` keeps every occurrence, the caller reports
+repeats). Nothing is executed and the environment is not read: a variable the script does not
+set keeps its ``${...:-default}`` or stays unresolved (``$NAME`` in the value).
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Flag", "MegatronArgs", "read_megatron_args"]
+
+_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)(\+?)=(.*)$")
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+_SHELL_WORDS = {"(", ")", "\\", "then", "fi", "do", "done", "else", "]]", "]", ";", "&&", "||"}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``--name value ...`` occurrence (name without the dashes, as written)."""
+
+    name: str
+    values: tuple[str, ...]
+    line: int  # 1-based line of the source
+
+    @property
+    def text(self) -> str:
+        return " ".join([f"--{self.name}", *self.values])
+
+
+@dataclass
+class MegatronArgs:
+    """Every flag of the source in order, and the shell variables it set."""
+
+    flags: list[Flag] = field(default_factory=list)
+    variables: dict[str, str] = field(default_factory=dict)
+
+    def last(self, name: str) -> Flag | None:
+        """The last occurrence of ``--name`` (dashes or underscores alike), or None."""
+        key = _key(name)
+        found = [f for f in self.flags if _key(f.name) == key]
+        return found[-1] if found else None
+
+    def repeated(self) -> dict[str, list[Flag]]:
+        """Flags given more than once (e.g. in both branches of an ``if``), by key."""
+        seen: dict[str, list[Flag]] = {}
+        for f in self.flags:
+            seen.setdefault(_key(f.name), []).append(f)
+        return {k: v for k, v in seen.items() if len(v) > 1}
+
+
+def _key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def read_megatron_args(text: str, script_args: Sequence[str] = ()) -> MegatronArgs:
+    """Parse ``text`` (see the module docstring); ``script_args`` are ``$1``, ``$2``, ..."""
+    out = MegatronArgs(variables={str(i + 1): v for i, v in enumerate(script_args)})
+    for number, line in _logical_lines(text):
+        stripped = line.strip()
+        match = _ASSIGN.match(stripped)
+        if match and not match.group(3).startswith("("):
+            words = _split(_expand(match.group(3), out.variables))
+            out.variables[match.group(1)] = words[0] if words else ""
+            continue
+        if match:  # an array: its elements follow the "("
+            stripped = match.group(3)[1:]
+        out.flags.extend(_flags(_split(_expand(stripped, out.variables)), number))
+    return out
+
+
+def _logical_lines(text: str) -> list[tuple[int, str]]:
+    """Lines with backslash continuations joined, each with its first line's number."""
+    lines, current, start = [], "", 1
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not current:
+            start = number
+        if raw.rstrip().endswith("\\"):
+            current += raw.rstrip()[:-1] + " "
+            continue
+        lines.append((start, current + raw))
+        current = ""
+    if current:
+        lines.append((start, current))
+    return lines
+
+
+def _expand(text: str, variables: dict[str, str]) -> str:
+    def value(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(3)
+        if name in variables:
+            return variables[name]
+        if m.group(2) is not None:  # ${NAME:-default}
+            return m.group(2).strip("\"'")
+        return m.group(0)  # unresolved: left as written
+
+    return _VAR.sub(value, text)
+
+
+def _split(text: str) -> list[str]:
+    """Shell words (comments dropped); an unbalanced quote falls back to whitespace."""
+    try:
+        words = shlex.split(text, comments=True)
+    except ValueError:
+        words = text.split("#", 1)[0].split()
+    out: list[str] = []
+    for w in words:  # a quoted array element "--flag value" is two words
+        out.extend(shlex.split(w) if w.startswith("--") and " " in w else [w])
+    return out
+
+
+def _flags(words: list[str], line: int) -> list[Flag]:
+    flags: list[Flag] = []
+    name: str | None = None
+    values: list[str] = []
+    for w in [*words, ")"]:
+        boundary = w.startswith("--") or w in _SHELL_WORDS or w.endswith((";", ")"))
+        if boundary and name is not None:
+            flags.append(Flag(name, tuple(values), line))
+            name, values = None, []
+        if w.startswith("--") and len(w) > 2:
+            name, eq, value = w[2:].partition("=")  # argparse's --flag=value
+            if eq:
+                values.append(value)
+        elif name is not None and not boundary:
+            values.append(w)
+    return flags

@@ -1,0 +1,148 @@
+"""The tables of :mod:`.from_megatron`: which Megatron-LM flag sets which recipe field,
+Megatron-LM's defaults where the recipe's differ, the required flags, torchrun's flags, and the
+spellings of choices that differ between Megatron-LM (Emerging-Optimizers) and megatron-ext.
+
+No torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "CONSUMED",
+    "MEGATRON_DEFAULTS",
+    "MUON_COEFFICIENTS",
+    "MUON_SCALE_MODES",
+    "OPTIMIZERS",
+    "PLAIN",
+    "REASONS",
+    "REQUIRED",
+    "TORCHRUN",
+]
+
+#: Megatron-LM / Emerging-Optimizers name -> megatron-ext name (names absent: no counterpart)
+MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "shape", "unit_rms_norm": "unit_rms"}
+MUON_COEFFICIENTS = {"simple": "quintic", "polar_express": "polar_express"}
+OPTIMIZERS = {"adam": "adamw", "muon": "muon", "lion": "lion", "soap": "kl_soap"}
+OPTIMIZERS |= {"kl_soap": "kl_soap", "mop": "mop"}
+
+# Megatron-LM 0.19's defaults where the recipe's differ (arguments.py, TransformerConfig,
+# OptimizerConfig, SchedulerConfig).
+MEGATRON_DEFAULTS: dict[str, Any] = {
+    "model.normalization": "LayerNorm",
+    "model.position_embedding_type": "learned_absolute",
+    "model.activation": "gelu",
+    "model.add_bias_linear": True,
+    "model.untie_embeddings_and_output_weights": False,
+    "model.hidden_dropout": 0.1,
+    "model.attention_dropout": 0.1,
+    "model.moe_token_dispatcher_type": "allgather",
+    "optimizer.name": "adamw",
+    "optimizer.adam_beta2": 0.999,
+    "optimizer.weight_decay": 0.01,
+    "training.lr_decay_style": "linear",
+    "training.lr_wsd_decay_style": "exponential",
+    "data.split": "969,30,1",
+    "logging.log_interval": 100,
+}
+REQUIRED = (
+    "num-layers",
+    "hidden-size",
+    "num-attention-heads",
+    "seq-length",
+    "micro-batch-size",
+    "lr",
+    "data-path",
+)
+TORCHRUN = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "rdzv-id"}
+TORCHRUN |= {"rdzv-endpoint", "rdzv-backend", "standalone"}
+
+_I, _F, _S = int, float, str
+# flag -> (recipe field, converter); converter None = a switch that sets True
+PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
+    "num-layers": ("model.num_layers", _I),
+    "hidden-size": ("model.hidden_size", _I),
+    "ffn-hidden-size": ("model.ffn_hidden_size", _I),
+    "num-attention-heads": ("model.num_attention_heads", _I),
+    "kv-channels": ("model.kv_channels", _I),
+    "vocab-size": ("model.vocab_size", _I),
+    "make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", _I),
+    "normalization": ("model.normalization", _S),
+    "norm-epsilon": ("model.layernorm_epsilon", _F),
+    "position-embedding-type": ("model.position_embedding_type", _S),
+    "rotary-base": ("model.rotary_base", _I),
+    "init-method-std": ("model.init_method_std", _F),
+    "hidden-dropout": ("model.hidden_dropout", _F),
+    "attention-dropout": ("model.attention_dropout", _F),
+    "untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", None),
+    "qk-layernorm": ("model.qk_layernorm", None),
+    "transformer-impl": ("model.transformer_impl", _S),
+    "num-experts": ("model.num_moe_experts", _I),
+    "moe-router-topk": ("model.moe_router_topk", _I),
+    "moe-ffn-hidden-size": ("model.moe_ffn_hidden_size", _I),
+    "moe-router-score-function": ("model.moe_router_score_function", _S),
+    "moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", None),
+    "moe-router-load-balancing-type": ("model.moe_router_load_balancing_type", _S),
+    "moe-aux-loss-coeff": ("model.moe_aux_loss_coeff", _F),
+    "moe-token-dispatcher-type": ("model.moe_token_dispatcher_type", _S),
+    "moe-grouped-gemm": ("model.moe_grouped_gemm", None),
+    "seq-length": ("training.seq_length", _I),
+    "micro-batch-size": ("training.micro_batch_size", _I),
+    "global-batch-size": ("training.global_batch_size", _I),
+    "step-batch-size-schedule": ("training.step_batch_size_schedule", _S),
+    "train-iters": ("training.steps", _I),
+    "seed": ("training.seed", _I),
+    "lr-decay-style": ("training.lr_decay_style", _S),
+    "lr-decay-iters": ("training.lr_decay_steps", _I),
+    "lr-warmup-iters": ("training.lr_warmup_steps", _I),
+    "lr-wsd-decay-style": ("training.lr_wsd_decay_style", _S),
+    "lr-wsd-decay-iters": ("training.lr_wsd_decay_steps", _I),
+    "eval-interval": ("training.eval_interval", _I),
+    "eval-iters": ("training.eval_iters", _I),
+    "lr": ("optimizer.lr", _F),
+    "min-lr": ("optimizer.min_lr", _F),
+    "weight-decay": ("optimizer.weight_decay", _F),
+    "adam-beta1": ("optimizer.adam_beta1", _F),
+    "adam-beta2": ("optimizer.adam_beta2", _F),
+    "adam-eps": ("optimizer.adam_eps", _F),
+    "clip-grad": ("optimizer.clip_grad", _F),
+    "muon-momentum": ("optimizer.muon_momentum", _F),
+    "muon-nesterov": ("optimizer.muon_nesterov", None),
+    "muon-num-ns-steps": ("optimizer.muon_num_ns_steps", _I),
+    "muon-extra-scale-factor": ("optimizer.muon_extra_scale_factor", _F),
+    "muon-tp-mode": ("optimizer.tp_mode", _S),
+    "lion-beta1": ("optimizer.lion_beta1", _F),
+    "lion-beta2": ("optimizer.lion_beta2", _F),
+    "tensor-model-parallel-size": ("parallel.tensor_model_parallel_size", _I),
+    "pipeline-model-parallel-size": ("parallel.pipeline_model_parallel_size", _I),
+    "context-parallel-size": ("parallel.context_parallel_size", _I),
+    "expert-model-parallel-size": ("parallel.expert_model_parallel_size", _I),
+    "sequence-parallel": ("parallel.sequence_parallel", None),
+    "split": ("data.split", _S),
+    "log-interval": ("logging.log_interval", _I),
+    "save-interval": ("checkpoint.save_interval", _I),
+    "save": ("run_dir", _S),
+}
+# flags whose only effect is already the recipe's (consumed, nothing to set)
+CONSUMED = {"use-mcore-models": "megatron-ext always builds megatron-core models"}
+# why a common flag is not mapped (the rest: "no megatron-ext counterpart")
+REASONS = {
+    "overlap-grad-reduce": "the layer-wise optimizer schedules its own gradient sync",
+    "overlap-param-gather": "the layer-wise optimizer overlaps its all-gather with the forward",
+    "use-distributed-optimizer": "matrix optimizers are sharded layer-wise; AdamW is replicated",
+    "tensorboard-dir": "TensorBoard goes to run_dir/tensorboard (logging.tensorboard)",
+    "wandb-project": "no W&B logging",
+    "wandb-exp-name": "no W&B logging",
+    "no-load-optim": "a resume loads the whole checkpoint",
+    "no-load-rng": "a resume loads the whole checkpoint",
+    "rampup-batch-size": "refused by megatron-ext (and ignored by megatron-core 0.19): use "
+    "--step-batch-size-schedule",
+    "decoupled-lr": "one learning rate for every parameter",
+    "decoupled-min-lr": "one learning rate for every parameter",
+    "mock-data": "megatron-ext trains on an indexed dataset (data.path)",
+    "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
+    "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
+    "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
+}
