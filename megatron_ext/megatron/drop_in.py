@@ -1,0 +1,245 @@
+"""A drop-in for megatron-core's ``get_megatron_optimizer``: swap the optimizer of a Megatron-LM
+(or Megatron-Bridge) training script by changing one import::
+
+    # from megatron.core.optimizer import get_megatron_optimizer
+    from megatron_ext.megatron.drop_in import get_megatron_optimizer
+
+Same signature as megatron-core 0.19's (a test compares them). For ``config.optimizer`` in
+``adam``/``sgd`` it returns what megatron-core returns (it calls it). For ``muon``,
+``kl_soap``, ``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
+(each hidden matrix updated by the data-parallel rank that owns it, AdamW on embeddings, output
+layer, norms and biases) behind megatron-ext's ``MegatronOptimizer`` adapter
+(:class:`~.optimizer.MegatronExtOptimizer`), so the script's loop — megatron-core's
+forward/backward schedule, ``finalize_model_grads``, ``optimizer.step()``, its
+``OptimizerParamScheduler``, ``dist_checkpointing`` — is unchanged.
+
+megatron-core's ``OptimizerConfig`` maps onto megatron-ext's ``optimizer:`` section
+(:func:`extension_config`): the shared fields (``lr``, ``min_lr``, ``weight_decay``,
+``adam_beta1/2``, ``adam_eps``, ``clip_grad``), ``muon_*`` (for MOP too: MOP is Muon with the
+exact polar factor), ``muon_tp_mode`` -> ``tp_mode``, ``lion_beta1/2``,
+``soap_shampoo_beta`` -> ``kl_soap_shampoo_beta``, ``soap_precondition_frequency`` ->
+``kl_soap_refresh_every``. **Extra fields**: any attribute set on the config instance under a
+megatron-ext field name (``config.kl_soap_factor_eps = 1e-10``, ``config.update_rms = 0.2``,
+``config.muon_ns_method = "gram"``) is taken as is; any other extra attribute is an error.
+Fields megatron-ext cannot honour (``muon_split_qkv``: the layer-wise Muon orthogonalises a
+fused QKV weight whole; ``muon_fp32_matmul_prec``: its Newton–Schulz precision is
+``muon_ns_precision``) are named once in a warning on rank 0.
+
+Requirements, each checked with a message naming the fix: bf16 or fp32 parameters (no fp16
+loss scaling); the model chunks' DDP with ``use_distributed_optimizer=False`` (the optimizer
+needs whole gradients; it shards by matrix itself); megatron-core's weight-decay convention
+(``config_overrides`` None or megatron-core's standard ones, no ``decoupled_lr``); the
+process groups of ``parallel_state`` (``pg_collection`` None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer as mc_get_megatron_optimizer
+from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import ParamKey
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_ext.config.from_megatron import translate
+from megatron_ext.config.load import recipe_from_dict
+from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES
+from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.optimizer import MegatronExtOptimizer
+from megatron_ext.megatron.optimizer_factories import inner_factory
+
+__all__ = ["EXTENSION_OPTIMIZERS", "extension_config", "get_megatron_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_OPTIMIZERS = ("muon", "kl_soap", "mop", "lion")
+_SHARED = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
+_MOMENTUM = ("momentum", "nesterov", "extra_scale_factor")
+# megatron-core field -> megatron-ext field, per optimizer (beyond the shared ones); the choice
+# fields whose spellings differ are translated (_TRANSLATED)
+_MAPPED: dict[str, dict[str, str]] = {
+    "muon": {
+        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps")},
+        "muon_tp_mode": "tp_mode",
+    },
+    "mop": {**{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM}, "muon_tp_mode": "tp_mode"},
+    "lion": {"lion_beta1": "lion_beta1", "lion_beta2": "lion_beta2"},
+    "kl_soap": {
+        "soap_shampoo_beta": "kl_soap_shampoo_beta",
+        "soap_precondition_frequency": "kl_soap_refresh_every",
+    },
+}
+_TRANSLATED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
+    "muon": {
+        "muon_scale_mode": ("muon_scale_mode", MUON_SCALE_MODES),
+        "muon_coefficient_type": ("muon_coefficient_type", MUON_COEFFICIENTS),
+    },
+    "mop": {"muon_scale_mode": ("mop_scale_mode", MUON_SCALE_MODES)},
+}
+# megatron-core fields megatron-ext does not honour, per optimizer, and why
+_NOT_HONOURED: dict[str, dict[str, str]] = {
+    "muon": {
+        "muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole",
+        "muon_fp32_matmul_prec": "Newton–Schulz runs at optimizer.muon_ns_precision",
+    },
+    "mop": {"muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole"},
+}
+
+
+def get_megatron_optimizer(
+    config: McOptimizerConfig,
+    model_chunks: list[MegatronModule],
+    config_overrides: dict[ParamKey, ParamGroupOverride] | None = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: ProcessGroupCollection | None = None,
+    dump_param_to_param_group_map: str | None = None,
+) -> MegatronOptimizer:
+    """megatron-core's optimizer for ``adam``/``sgd``; megatron-ext's layer-wise one for
+    ``muon``/``kl_soap``/``mop``/``lion`` (see the module docstring)."""
+    if config.optimizer not in EXTENSION_OPTIMIZERS:
+        return mc_get_megatron_optimizer(
+            config,
+            model_chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+            dump_param_to_param_group_map=dump_param_to_param_group_map,
+        )
+    _check_supported(config, model_chunks, config_overrides, pg_collection)
+    ext = extension_config(config)
+    named = _named_parameters(model_chunks)
+    optimizer = MegatronExtOptimizer(named, inner_factory(ext), config)
+    _tag_param_groups(optimizer, config)
+    if dump_param_to_param_group_map is not None:
+        _dump_groups(ext.name, named, dump_param_to_param_group_map)
+    return optimizer
+
+
+def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
+    """megatron-ext's ``optimizer:`` section for megatron-core's ``config`` (validated as a
+    recipe section: a bad value is one ConfigError naming the field)."""
+    name = config.optimizer
+    raw: dict[str, Any] = {"name": name}
+    for f in _SHARED:  # megatron-core leaves min_lr None by default: the section's 0 then
+        if getattr(config, f) is not None or f == "lr":
+            raw[f] = getattr(config, f)
+    for theirs, ours in _MAPPED[name].items():
+        raw[ours] = getattr(config, theirs)
+    for theirs, (ours, table) in _TRANSLATED.get(name, {}).items():
+        raw[ours] = translate(table, getattr(config, theirs), theirs)
+    if name == "kl_soap" and not config.soap_use_kl_shampoo:
+        raise ConfigError(
+            "optimizer=kl_soap with soap_use_kl_shampoo=False: megatron-ext's KL-SOAP always "
+            "uses KL-Shampoo factors; set soap_use_kl_shampoo=True"
+        )
+    if name == "muon" and config.muon_scalar_optimizer != "adam":
+        raise ConfigError(
+            f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: megatron-ext trains the "
+            f"non-matrix parameters with AdamW; set muon_scalar_optimizer='adam'"
+        )
+    ours = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    # megatron-core's fields, and the attributes its __post_init__ adds
+    known = {f.name for f in dataclasses.fields(McOptimizerConfig)} | set(vars(McOptimizerConfig()))
+    for key, value in vars(config).items():
+        if key in known or key.startswith("_"):
+            continue
+        if key not in ours:
+            raise ConfigError(
+                f"OptimizerConfig has an extra attribute {key!r} that is no megatron-ext "
+                f"optimizer field (those are the recipe's optimizer.* names, e.g. "
+                f"kl_soap_factor_eps, update_rms, muon_ns_method)"
+            )
+        raw[key] = value
+    ignored = [
+        f"{k}={getattr(config, k)!r} ({why})" for k, why in _NOT_HONOURED.get(name, {}).items()
+    ]
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if ignored and rank0:
+        logger.warning("megatron-ext %s does not use: %s", name, "; ".join(ignored))
+    section = recipe_from_dict({"optimizer": raw}).optimizer
+    section.check()
+    return section
+
+
+def _check_supported(
+    config: McOptimizerConfig,
+    model_chunks: list[MegatronModule],
+    config_overrides: dict[ParamKey, ParamGroupOverride] | None,
+    pg_collection: ProcessGroupCollection | None,
+) -> None:
+    name = config.optimizer
+    if config.fp16:
+        raise ConfigError(f"optimizer={name}: fp16 (loss scaling) is not supported; use bf16")
+    for chunk in model_chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer:
+            raise ConfigError(
+                f"optimizer={name}: the model's DDP has use_distributed_optimizer=True, which "
+                f"leaves each rank a gradient shard; megatron-ext's layer-wise optimizer needs "
+                f"whole gradients (it shards by matrix itself): build DDP with "
+                f"use_distributed_optimizer=False"
+            )
+    if config.decoupled_lr is not None or config.apply_wd_to_qk_layernorm:
+        raise ConfigError(
+            f"optimizer={name}: decoupled_lr and apply_wd_to_qk_layernorm are not supported "
+            f"(megatron-ext: one LR; no weight decay on biases and 1-D tensors)"
+        )
+    if config_overrides is not None and config_overrides != get_standard_config_overrides(config):
+        raise ConfigError(
+            f"optimizer={name}: only megatron-core's standard config_overrides (no weight "
+            f"decay on biases and 1-D tensors) are supported; pass config_overrides=None"
+        )
+    if pg_collection is not None:
+        raise ConfigError(
+            f"optimizer={name}: pg_collection is not supported; megatron-ext's layer-wise "
+            f"optimizer uses megatron-core's parallel_state groups (pass pg_collection=None)"
+        )
+
+
+def _named_parameters(model_chunks: list[MegatronModule]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The chunks' parameters, named as in the model inside DDP and ``Float16Module``
+    (``chunk<i>.`` first when there are several chunks, i.e. virtual pipeline stages)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    named = []
+    for i, chunk in enumerate(model_chunks):
+        module = chunk
+        while isinstance(module, (DistributedDataParallel, Float16Module)):
+            module = module.module  # the GPTModel's own names, as the GPT trainer uses
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        named += [(prefix + n, p) for n, p in module.named_parameters()]
+    return named
+
+
+def _tag_param_groups(optimizer: MegatronExtOptimizer, config: McOptimizerConfig) -> None:
+    """The keys megatron-core's ``OptimizerParamScheduler`` and Megatron-LM's logging read on
+    each group: ``wd_mult`` (0 on the no-decay groups), ``lr_mult``, ``max_lr``/``min_lr``,
+    ``default_config`` (the group whose LR is logged)."""
+    for group in optimizer.param_groups:
+        group.setdefault("wd_mult", 1.0 if group.get("weight_decay", 0.0) > 0 else 0.0)
+        group.setdefault("lr_mult", 1.0)
+        group.setdefault("is_decoupled_lr", False)
+        group.setdefault("max_lr", config.lr)
+        group.setdefault("min_lr", config.min_lr)
+        group.setdefault("default_config", True)
+
+
+def _dump_groups(name: str, named: list[tuple[str, torch.nn.Parameter]], path: str) -> None:
+    """``{parameter name: optimizer}`` as JSON on rank 0 (megatron-core's option writes group
+    indices; here a parameter's group is the optimizer the router gives it)."""
+    from megatron_ext.optimizers.routing import route_parameter
+
+    routes = {n: route_parameter(n, tuple(p.shape), matrix_optimizer=name) for n, p in named}
+    if torch.distributed.get_rank() == 0:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(routes, f, indent=1)
