@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
 from megatron_ext.bench.common import optimizer_state_bytes, write_json
+from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
 
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)"
+    )
     parser.add_argument(
         "--interleave",
         action="store_true",
@@ -89,10 +93,14 @@ def run(args: argparse.Namespace) -> int:
     )
 
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("bench optimizers: --device cuda needs a CUDA GPU, and torch sees none")
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     shapes = workload_shapes()
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on any device
+    weights = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
     numel = sum(w.numel() for w in weights)
 
     emerging = _import_emerging()
@@ -125,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             qr_fp32_matmul_prec="highest",
         )
 
-    matmul_gflops = measured_matmul_gflops()
+    matmul_gflops = measured_matmul_gflops(device=args.device)
     sample = _one_of_each_shape(grads)
     polar = [_polar64(torch, g) for g in sample]
     ns_settings = {  # coefficients, method, steps
@@ -141,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
 
     def timed_step(opt: Any, params: list[Any]) -> float:
         set_grads(params)
+        sync()
         start = time.perf_counter()
         opt.step()
+        sync()
         return time.perf_counter() - start
 
     modes = []
@@ -227,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
     ratios = _ratios(results)
     report = {
         "workload": {"matrices": len(shapes), "parameters": numel, "grad_std": 1e-3},
-        "machine": {"threads": args.threads, "matmul_gflops_fp32": matmul_gflops},
+        "machine": {
+            "device": args.device,
+            "threads": args.threads,
+            "matmul_gflops_fp32": matmul_gflops,
+        },
         "steps": args.steps,
         "warmup": args.warmup,
         "interleave": args.interleave,

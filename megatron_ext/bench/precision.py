@@ -269,7 +269,8 @@ def plot(report: dict[str, Any], runs: dict[str, Any], path: Path, title: str) -
             delta = [a - b for a, b in zip(r["loss"], ref["loss"], strict=True)]
             diff.plot(r["tokens"], delta, lw=1, color=line.get_color(), label=name)
     if report["noise"] is not None:
-        diff.axhspan(-report["noise"], report["noise"], color="grey", alpha=0.2, label="noise")
+        label = f"±{report['noise']:.4f}: final-loss noise (second seed)"
+        diff.axhspan(-report["noise"], report["noise"], color="grey", alpha=0.2, label=label)
     diff.axhline(0.0, color="black", lw=0.8)
     ax.set_title(title, fontsize=9)
     diff.set_title(f"per-step loss minus {report['reference']}'s")
