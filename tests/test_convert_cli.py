@@ -54,6 +54,10 @@ def test_hf_to_mcore_then_check(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layernorm_epsilon=1e-06 from the qwen3_moe HF class default" in proc.stdout
     assert json.loads((out / "model.json").read_text())["layernorm_epsilon"] == 1e-6
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(out / "step_000000"))
+    assert common["loop"]["step"] == 0  # the GPT trainer's weights-only start
     report = tmp_path / "parity.json"
     proc = _cli("check", str(hf_dir), str(out), "--json", str(report))
     assert proc.returncode == 0, proc.stderr[-3000:]

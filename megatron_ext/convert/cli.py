@@ -20,6 +20,7 @@ from megatron_ext.run.commands import Command, register_command
 
 WEIGHTS = "step_000000"
 FIELDS = "model.json"
+INITIAL_LOOP = {"step": 0, "consumed_samples": 0}
 HF_CONFIG = "hf_config.json"  # the HF config the weights came from: mcore-to-hf writes it back
 
 
@@ -75,7 +76,10 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / WEIGHTS).mkdir()
-    dist_checkpointing.save({"model": gpt.sharded_state_dict()}, str(args.out / WEIGHTS))
+    # A step-0 checkpoint: the GPT trainer starts from its weights alone (checkpoint.load=
+    # OUT/step_000000). world 0 matches no run, so no RNG streams are asked of it.
+    initial = {"model": gpt.sharded_state_dict(), "loop": INITIAL_LOOP, "world": 0}
+    dist_checkpointing.save(initial, str(args.out / WEIGHTS))
     (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
     hf_config = {**full, "rms_norm_eps": eps.value}
     (args.out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
