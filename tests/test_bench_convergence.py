@@ -31,7 +31,7 @@ def test_summary_figures_are_means_of_the_last_k(tmp_path: Path) -> None:
     _write_metrics(tmp_path / "r", [5.0, 4.0, 3.0, 2.0], {2: 3.5, 4: 2.5})
     s = summarize(tmp_path / "r", last=2)
     assert s["train_loss"] == 2.5  # mean of 3.0 and 2.0
-    assert s["val_loss"] == 3.0  # mean of the last two evaluations
+    assert s["val_loss"] == 2.5  # the evaluation after the last step
     assert s["step_time_s"] == 1.0  # median, the first (start-up) step left out
     assert s["optimizer_share"] == 0.25
     assert s["max_grad_norm"] == 4.0

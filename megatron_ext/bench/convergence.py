@@ -4,7 +4,8 @@ Each variant runs through the normal launcher (``megatron-ext launch RECIPE ...`
 seed, data order, token count and LR schedule — only ``optimizer.name`` (and a variant's own
 overrides, e.g. KL-SOAP's Newton–Schulz roots) differs, and with update-RMS matching one
 ``optimizer.lr`` serves them all. From each run's ``metrics.jsonl`` it prints the final
-training and validation loss (means of the last K logged values), the median step time and the
+training loss (mean of the last K steps), the validation loss after the last step, the median
+step time and the
 optimizer's share of it, and the largest gradient norm; it writes one PNG with the loss curves
 and a JSON with every figure. Figures, not pass/fail: expectations (e.g. KL-SOAP ≤ Muon ≈ MOP <
 AdamW at equal tokens) are for the reader to check.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,7 @@ def summarize(run_dir: Path, last: int) -> dict[str, Any]:
         "steps": train[-1]["step"],
         "tokens": train[-1]["consumed_tokens"],
         "train_loss": statistics.fmean(r["loss"] for r in train[-last:]),
-        "val_loss": statistics.fmean(r["val_loss"] for r in evals[-last:]) if evals else None,
+        "val_loss": evals[-1]["val_loss"] if evals else None,  # after the last step
         "step_time_s": step_time,
         "optimizer_share": statistics.median(opt_times) / step_time if opt_times else None,
         "max_grad_norm": max(r["grad_norm"] for r in train),
@@ -106,7 +108,7 @@ def _fmt(value: float | None, spec: str) -> str:
 def report(results: dict[str, dict[str, Any]], last: int) -> str:
     lines = [
         f"{'optimizer':<12} {'train loss':>10} {'val loss':>9} {'s/step':>8} {'opt share':>9} "
-        f"{'max gnorm':>9}   (losses: means of the last {last} logged values)"
+        f"{'max gnorm':>9}   (train: mean of the last {last} steps; val: after the last)"
     ]
     for name, r in results.items():
         lines.append(
@@ -133,9 +135,16 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         if c["val_loss"]:
             val_tokens = [c["tokens"][c["step"].index(s)] for s in c["val_step"]]
             zoom.plot(val_tokens, c["val_loss"], "o--", ms=3, color=line.get_color())
-    tail = [v for r in results.values() for v in r["curve"]["loss"][len(r["curve"]["loss"]) // 2 :]]
+    half = max(max(r["curve"]["tokens"]) for r in results.values()) / 2
+    tail = [
+        v
+        for r in results.values()
+        for t, v in zip(r["curve"]["tokens"], r["curve"]["loss"], strict=True)
+        if t >= half
+    ]
+    zoom.set_xlim(half, 2 * half)
     zoom.set_ylim(min(tail) * 0.97, max(tail) * 1.03)
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=8)
     zoom.set_title("second half (dots: validation)")
     for a in (ax, zoom):
         a.set_xlabel("tokens")
