@@ -83,16 +83,16 @@ def test_the_shipped_trainers_register_themselves() -> None:
 
 
 def test_unregistered_trainer_is_one_config_error_naming_the_registered_ones(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"trainer='dipaco' is not a registered trainer; "):
-        load_recipe(write(tmp_path, gpt_recipe(trainer="dipaco")))
-    with pytest.raises(ConfigError, match=r"\(did you mean 'soma'\?\).*gpt, soma"):
+    with pytest.raises(ConfigError, match=r"trainer='hivemind' is not a registered trainer; "):
+        load_recipe(write(tmp_path, gpt_recipe(trainer="hivemind")))
+    with pytest.raises(ConfigError, match=r"\(did you mean 'soma'\?\).*dipaco, gpt, soma"):
         load_recipe(write(tmp_path, gpt_recipe(trainer="smoa")))
 
 
 def test_unregistered_trainer_fails_at_launch_validation_with_exit_2(tmp_path) -> None:
     """Not a dry run: had validation passed, torchrun would start two ranks that fail later
     (exit 1, their tracebacks); the launcher must stop first with one line and exit 2."""
-    recipe = write(tmp_path, gpt_recipe(trainer="dipaco", run_dir=str(tmp_path / "run")))
+    recipe = write(tmp_path, gpt_recipe(trainer="hivemind", run_dir=str(tmp_path / "run")))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     start = time.perf_counter()
     proc = subprocess.run(
@@ -105,8 +105,8 @@ def test_unregistered_trainer_fails_at_launch_validation_with_exit_2(tmp_path) -
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stdout == ""
     (line,) = proc.stderr.splitlines()
-    assert line.startswith("megatron-ext: error: trainer='dipaco' is not a registered trainer")
-    assert line.endswith("registered trainers: gpt, soma"), line
+    assert line.startswith("megatron-ext: error: trainer='hivemind' is not a registered trainer")
+    assert line.endswith("registered trainers: dipaco, gpt, soma"), line
     assert not (tmp_path / "run").exists()
     assert time.perf_counter() - start < 60  # no rendezvous was waited for
 
