@@ -1,0 +1,128 @@
+"""``megatron-ext bench ramp RECIPE``: the recipe at its constant global batch and under a
+doubling batch ramp, at equal tokens, side by side.
+
+Both runs go through the normal launcher with the same seed, data order, model and LR recipe.
+The constant run is ``training.steps`` steps of ``training.global_batch_size``; the ramp run
+starts at ``--start`` sequences and doubles every ``--double-every`` steps up to that batch
+(√B learning rate at every stage, warmup tied to the ramp) and runs until it has consumed the
+same number of tokens (``training.train_tokens``). Prints the final training loss (mean of the
+last K steps), the last validation loss and the step counts; writes one PNG of both loss curves
+against tokens and a JSON. Figures, not pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.bench.common import launch_run, read_metrics
+from megatron_ext.errors import ConfigError
+
+DESCRIPTION = "constant batch vs a doubling batch ramp at equal tokens: final losses, curves"
+
+RUN = ("checkpoint.load=none", "checkpoint.save_interval=0", "checkpoint.save_at_end=false")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe file or shipped recipe name (a GPT recipe)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
+    p.add_argument("--start", type=int, default=4, help="the ramp's first global batch")
+    p.add_argument("--double-every", type=int, default=32, help="optimizer steps per doubling")
+    p.add_argument("--last", type=int, default=20, help="K: final loss = mean of the last K")
+    p.add_argument("--out", default="runs/bench_ramp", help="folder of the runs, PNG and JSON")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+
+
+def summarize(run_dir: Path, last: int) -> dict[str, Any]:
+    train, evals = read_metrics(run_dir)
+    return {
+        "steps": train[-1]["step"],
+        "tokens": train[-1]["consumed_tokens"],
+        "train_loss": statistics.fmean(r["loss"] for r in train[-last:]),
+        "val_loss": evals[-1]["val_loss"] if evals else None,
+        "curve": {
+            "tokens": [r["consumed_tokens"] for r in train],
+            "loss": [r["loss"] for r in train],
+            "global_batch": [r["global_batch"] for r in train],
+            "val_tokens": [r["consumed_tokens"] for r in evals],
+            "val_loss": [r["val_loss"] for r in evals],
+        },
+    }
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_ext.atomic import atomic_path
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        c = r["curve"]
+        (line,) = ax.plot(c["tokens"], c["loss"], lw=0.8, alpha=0.8, label=f"{name} (train)")
+        ax.plot(
+            c["val_tokens"],
+            c["val_loss"],
+            "o--",
+            ms=3,
+            color=line.get_color(),
+            label=f"{name} (validation)",
+        )
+    ax.set_xlabel("consumed tokens")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ext.bench.common import write_json
+    from megatron_ext.config.load import load_recipe
+    from megatron_ext.schedules.plan import training_schedule
+
+    recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails before any run
+    if recipe.trainer != "gpt":
+        raise ConfigError(
+            f"bench ramp needs a GPT recipe, {args.recipe} is trainer {recipe.trainer}"
+        )
+    tokens = training_schedule(recipe).total_tokens
+    ramp = [
+        f"training.batch_ramp.start={args.start}",
+        f"training.batch_ramp.double_every={args.double_every}",
+        "training.lr_warmup_steps=0",  # the warmup is the ramp's
+        f"training.train_tokens={tokens}",
+    ]
+    load_recipe(args.recipe, [*args.overrides, *ramp])
+    out = Path(args.out)
+    results = {}
+    for name, extra in (("constant", []), ("ramp", ramp)):
+        print(f"[ramp] {name}: running", flush=True)
+        run_dir = launch_run(args.recipe, [*args.overrides, *RUN, *extra], out / name, name)
+        results[name] = summarize(run_dir, args.last)
+    for name, r in results.items():
+        val = "–" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+        print(
+            f"{name:<9} steps {r['steps']:>5}  tokens {r['tokens']:>10,}  "
+            f"train loss (last {args.last}) {r['train_loss']:.4f}  val loss {val}"
+        )
+    title = f"{args.recipe}: constant batch vs ramp {args.start} x2 every {args.double_every}"
+    plot(results, out / "ramp.png", title)
+    print(f"wrote {out / 'ramp.png'}")
+    payload = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "ramp": ramp,
+        "results": {n: {k: v for k, v in r.items() if k != "curve"} for n, r in results.items()},
+        "curves": {n: r["curve"] for n, r in results.items()},
+    }
+    for path in filter(None, (str(out / "ramp.json"), args.json)):
+        write_json(payload, path)
+    return 0
