@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-from megatron_ext.convert.hf import choose_epsilon, model_fields, read_hf_config
 from megatron_ext.errors import ConfigError
 from megatron_ext.run.commands import Command, register_command
 
@@ -43,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def convert_main(args: argparse.Namespace) -> int:
     """Run ``megatron-ext convert ACTION``; returns the exit code."""
+    # torch and the converters load only when a conversion runs (--help stays torch-free)
+    from megatron_ext.convert.hf import read_hf_config
+
     if args.convert_command == "mcore-to-hf":
         return _mcore_to_hf(args)
     raw = read_hf_config(args.hf_dir)
@@ -61,6 +63,9 @@ def _load_hf(hf_dir: Path):
 
 
 def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
+    # torch and the converters load only when a conversion runs (--help stays torch-free)
+    from megatron_ext.convert.hf import choose_epsilon, model_fields
+
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
     eps = choose_epsilon(raw)
@@ -166,9 +171,11 @@ def add_tools_arguments(parser: argparse.ArgumentParser) -> None:
 
 def tools_main(args: argparse.Namespace) -> int:
     """``megatron-ext tools eps-sweep MODEL``: prints the table, writes CSV and PNG."""
+    # torch and the converters load only when a conversion runs (--help stays torch-free)
     import torch
 
     from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
+    from megatron_ext.convert.hf import choose_epsilon, model_fields, read_hf_config
 
     if (args.model / FIELDS).is_file():
         gpt = load_mcore(args.model)
