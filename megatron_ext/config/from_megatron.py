@@ -202,7 +202,11 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
             out.set("training.precision", value)
     precision = out.get("training.precision", "fp32")
     for key in ("fp16", "fp8-format", "fp8-recipe", "fp4-format"):
-        take(key, f"megatron-ext's training.precision is fp32 or bf16: the recipe uses {precision}")
+        take(
+            key,
+            f"not translated into training.precision (fp8_tensorwise, fp8_delayed, ...: set it "
+            f"by hand); the recipe uses {precision}",
+        )
     percent = _value(flags.get("rotary-percent"))
     if percent is not None:
         take("rotary-percent", None if float(percent) == 1.0 else "partial rotary is not supported")
