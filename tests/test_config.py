@@ -19,7 +19,7 @@ MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
 # The world size each cluster recipe is sized for; any other shipped recipe is a CPU recipe and
 # must validate at its own launch.nproc_per_node_cpu (what `megatron-ext launch` uses on CPU).
-CLUSTER_WORLD_SIZES = {"gpt_8b": 64, "gpt_1b": 8}
+CLUSTER_WORLD_SIZES = {"gpt_8b": 64, "gpt_1b": 8, "olmoe_1b_7b": 64, "qwen3_30b_a3b": 128}
 
 
 def base_recipe() -> dict:
