@@ -30,6 +30,9 @@ _NOW = {
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
     "postgresql": "extract(epoch from clock_timestamp())::double precision",
 }
+# An increasing row id: orders events written within the clock's resolution (SQLite's
+# julianday('now') has 1 ms), where ordering by time alone would be arbitrary.
+_SERIAL = {"sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT", "postgresql": "BIGSERIAL PRIMARY KEY"}
 
 
 class Database:
@@ -42,8 +45,10 @@ class Database:
         self.skip_locked = " FOR UPDATE SKIP LOCKED" if self.backend == "postgresql" else ""
 
     def sql(self, statement: str) -> str:
-        """``statement`` in this backend's dialect: ``?`` placeholders, ``{now}`` clock."""
+        """``statement`` in this backend's dialect: ``?`` placeholders, ``{now}`` clock,
+        ``{serial}`` an auto-incremented integer primary key."""
         text = statement.replace("{now}", _NOW[self.backend])
+        text = text.replace("{serial}", _SERIAL[self.backend])
         return text.replace("?", "%s") if self.backend == "postgresql" else text
 
     def execute(self, statement: str, params: Sequence[Any] = ()) -> int:

@@ -52,7 +52,7 @@ SCHEMA = (
         id TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL,
         started DOUBLE PRECISION NOT NULL, last_seen DOUBLE PRECISION NOT NULL, task TEXT)""",
     """CREATE TABLE IF NOT EXISTS dipaco_events (
-        id TEXT PRIMARY KEY, time DOUBLE PRECISION NOT NULL, task TEXT NOT NULL,
+        seq {serial}, time DOUBLE PRECISION NOT NULL, task TEXT NOT NULL,
         worker TEXT, token TEXT, event TEXT NOT NULL, detail TEXT)""",
     "CREATE INDEX IF NOT EXISTS dipaco_tasks_claim ON dipaco_tasks (state, priority, id)",
 )
@@ -270,11 +270,11 @@ class TaskQueue:
         return int(self.db.query("SELECT COUNT(*) FROM dipaco_tasks WHERE state <> 'done'")[0][0])
 
     def events(self, event: str | None = None) -> list[tuple[Any, ...]]:
-        """(time, task, worker, token, event, detail) rows in time order."""
+        """(time, task, worker, token, event, detail) rows in the order they were written."""
         where, params = ("WHERE event = ?", (event,)) if event else ("", ())
         return self.db.query(
             f"SELECT time, task, worker, token, event, detail FROM dipaco_events {where} "
-            "ORDER BY time, id",
+            "ORDER BY seq",
             params,
         )
 
@@ -292,8 +292,9 @@ class TaskQueue:
 
     def _event(self, db: Database, task: str, token: str | None, event: str, detail: str) -> None:
         db.execute(
-            "INSERT INTO dipaco_events VALUES (?, {now}, ?, ?, ?, ?, ?)",
-            (uuid.uuid4().hex, task, self.worker, token, event, detail),
+            "INSERT INTO dipaco_events (time, task, worker, token, event, detail) "
+            "VALUES ({now}, ?, ?, ?, ?, ?)",
+            (task, self.worker, token, event, detail),
         )
 
     def _seen(self, db: Database, task: str | None) -> None:
