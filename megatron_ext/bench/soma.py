@@ -1,9 +1,11 @@
 """``megatron-ext bench soma``: the batched SPSA update and routed inference, on this CPU.
 
 SPSA (one expert, d_t = d_E = 32, D = 2 unless overridden): the losses of all ``2·n_pert``
-perturbed bodies on one shared (B, T+1) batch —
+perturbed bodies on one shared (B, T+1) batch --
 
-* ``batched``: one forward with a perturbation axis (what the trainer runs);
+* ``batched eager``: one forward with a perturbation axis, the seven-kernel eager recurrence;
+* ``batched fused``: the same forward with each recurrent step one ``bmm`` plus one compiled
+  element-wise pass (``torch.compile``; absent, and said so, where it cannot compile);
 * two per-probe Python loops (one forward per perturbed body), measured in the same run:
   ``torch_nn``, the textbook loop -- the expert as standard ``torch.nn`` modules (``nn.LSTM``,
   which runs oneDNN's fused RNN kernel on CPU, ``nn.LayerNorm``, ``nn.Linear``), each probe's
@@ -11,15 +13,15 @@ perturbed bodies on one shared (B, T+1) batch —
   P = 1. The anchor (``naive``) is the faster of the two, so the speedup is not flattered by a
   slow loop.
 
-Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the speedup, the
-batched forward's achieved GFLOP/s (analytic FLOP count of the forward) against the machine's
-measured fp32 matmul rate, the speedup ceiling (anchor time / the forward's FLOPs at that
-matmul rate: what any batched forward could reach here), and the peak resident memory added
-by the batched update.
+Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the speedup of the
+faster batched variant, the batched forward's achieved GFLOP/s (analytic FLOP count of the
+forward) against the machine's measured fp32 matmul rate, the speedup ceiling (anchor time / the
+forward's FLOPs at that matmul rate: what any batched forward could reach here) and the share
+of it reached, and the peak resident memory added by the batched update.
 
-Routed inference: ``--windows`` held-out-sized windows of the python-stdlib corpus routed to the
-top-k of N freshly fit clusters (N = 8 and 64), experts randomly initialised (speed does not
-depend on training); tokens/s counts each window's input bytes once, routing included.
+Routed inference: the two sweeps of :mod:`._soma_inference` (equal total parameters, equal
+expert size) with the ratio N=256 / N=8 beside the paper's 9.19×. ``--inference-sweep`` runs
+only those, ``--spsa-only`` only the SPSA part.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from typing import Any
 from megatron_ext.bench.common import write_json
 
 DESCRIPTION = (
-    "SOMA: batched SPSA perturbed-tokens/s vs a per-probe loop, GFLOP/s vs matmul rate, peak "
-    "memory; routed inference tokens/s at N = 8 and 64 (figures + JSON)"
+    "SOMA: batched SPSA perturbed-tokens/s (eager and fused) vs a per-probe loop, GFLOP/s vs "
+    "matmul rate, peak memory; routed-inference sweeps over N at equal total parameters and at "
+    "equal expert size (figures + JSON)"
 )
 
 
@@ -53,9 +56,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="device of the SPSA timing (cpu, or cuda[:N] on a GPU host); routed inference "
         "always runs on the CPU",
     )
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 64], help="N for inference")
+    parser.add_argument(
+        "--experts", type=int, nargs="+", default=[8, 32, 256], help="N of the inference sweeps"
+    )
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--windows", type=int, default=128, help="windows per inference run")
+    parser.add_argument(
+        "--sweep-total",
+        type=int,
+        default=0,
+        help="total body parameters of the equal-total sweep (default: 8 experts of width 128)",
+    )
+    parser.add_argument(
+        "--inference-repeats", type=int, default=3, help="timed inference rounds (median)"
+    )
+    parser.add_argument(
+        "--fused",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the inference sweeps' forward: compiled (on), eager (off), or where measured to "
+        "help (auto); the SPSA timing always measures eager and fused",
+    )
+    part = parser.add_mutually_exclusive_group()
+    part.add_argument(
+        "--inference-sweep", action="store_true", help="only the routed-inference sweeps"
+    )
+    part.add_argument("--spsa-only", action="store_true", help="only the SPSA timing")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
 
 
@@ -186,6 +212,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.bench.common import matmul_gflops
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.model import batched_loss, naive_loss_loop
+    from megatron_ext.soma.scan import fused_available
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
@@ -201,37 +228,40 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     thetas = perturb(theta, z, 1e-3).to(device)
     pert_tokens = thetas.shape[0] * args.batch * args.seq
     module = torch_nn_expert(layout).to(device)
+    fused_ok, fused_why = fused_available(device)
+    batched = {"eager": lambda: batched_loss(thetas, emb, tokens, layout, fused="off")}
+    if fused_ok:
+        batched["fused"] = lambda: batched_loss(thetas, emb, tokens, layout, fused="on")
     loops = {
         "torch_nn": lambda: torch_nn_loss_loop(thetas, emb, tokens, layout, module),
         "own_kernels": lambda: naive_loss_loop(thetas, emb, tokens, layout),
     }
     with torch.inference_mode():
-        # The first call allocates the working set (later calls reuse the allocator's cache).
+        for fn in (*batched.values(), *loops.values()):
+            fn()  # warm-up (and the fused scan's compile)
+        # Peak memory of one more call (the allocator reuses what the warm-up allocated).
         if cuda:
             sync()
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            batched_loss(thetas, emb, tokens, layout)
+            batched[max(batched)]()
             sync()
             peak_bytes = torch.cuda.max_memory_allocated(device) - base
         else:
             with PeakRSS() as peak:
-                batched_loss(thetas, emb, tokens, layout)
+                batched[max(batched)]()
             peak_bytes = peak.added_bytes
-        for loop in loops.values():
-            loop()  # warm-up
-        batched_s, *loop_s = _interleaved_medians(
-            [lambda: batched_loss(thetas, emb, tokens, layout), *loops.values()],
-            args.repeats,
-            sync,
-        )
-        b = batched_loss(thetas, emb, tokens, layout)
-        diffs = {name: float((b - loop()).abs().max()) for name, loop in loops.items()}
-    anchors = dict(zip(loops, loop_s, strict=True))
+        seconds = _interleaved_medians([*batched.values(), *loops.values()], args.repeats, sync)
+        ref = batched["eager"]()
+        diffs = {name: float((fn() - ref).abs().max()) for name, fn in {**batched, **loops}.items()}
+    batched_s = dict(zip(batched, seconds[: len(batched)], strict=True))
+    anchors = dict(zip(loops, seconds[len(batched) :], strict=True))
+    best = min(batched_s, key=batched_s.__getitem__)
     anchor = min(anchors, key=anchors.__getitem__)
     naive_s = anchors[anchor]
     flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
     rate = matmul_gflops(device=args.device)
+    ceiling = naive_s / (flops / (rate * 1e9))
     return {
         "shape": {
             "d_model": args.d_model,
@@ -242,60 +272,72 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
             "body_parameters": layout.numel,
             "perturbed_tokens_per_update": pert_tokens,
         },
-        "batched_s": batched_s,
+        "fused_available": fused_ok,
+        "fused_unavailable_reason": fused_why,
+        "batched_variants_s": batched_s,
+        "batched_best": best,
+        "batched_s": batched_s[best],
         "naive_s": naive_s,
         "naive_anchor": anchor,
         "anchors_s": anchors,
-        "batched_tokens_per_s": pert_tokens / batched_s,
+        "batched_tokens_per_s": pert_tokens / batched_s[best],
         "naive_tokens_per_s": pert_tokens / naive_s,
-        "speedup": naive_s / batched_s,
-        "speedup_vs_own_kernels_loop": anchors["own_kernels"] / batched_s,
-        "speedup_ceiling": naive_s / (flops / (rate * 1e9)),
-        "gflops": flops / batched_s / 1e9,
+        "speedup": naive_s / batched_s[best],
+        "speedup_eager": naive_s / batched_s["eager"],
+        "fused_vs_eager": batched_s["eager"] / batched_s["fused"] if fused_ok else None,
+        "speedup_vs_own_kernels_loop": anchors["own_kernels"] / batched_s[best],
+        "speedup_ceiling": ceiling,
+        "fraction_of_ceiling": naive_s / batched_s[best] / ceiling,
+        "gflops": flops / batched_s[best] / 1e9,
         "naive_gflops": flops / naive_s / 1e9,
         "matmul_gflops": rate,
-        "fraction_of_matmul_rate": flops / batched_s / 1e9 / rate,
+        "fraction_of_matmul_rate": flops / batched_s[best] / 1e9 / rate,
         "device": str(device),
         "peak_mem_mb": peak_bytes / 2**20,
         "peak_mem_kind": "device memory allocated" if cuda else "process resident memory",
-        "max_loss_difference_batched_vs_loops": diffs,
+        "max_loss_difference_vs_batched_eager": diffs,
     }
 
 
-def _inference(args: argparse.Namespace) -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    from megatron_ext.soma.data import build_windows, window_texts
-    from megatron_ext.soma.evaluate import routed_throughput
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.router import RouterConfig, fit_router
-
-    windows = build_windows(["python-stdlib"], window_bytes=1025).windows
-    rng = np.random.default_rng(0)
-    held_out = windows[
-        rng.choice(len(windows), size=min(args.windows, len(windows)), replace=False)
-    ]
-    shape = ExpertShape(d_embed=32, d_model=args.d_model, num_blocks=args.blocks)
-    layout = BodyLayout.from_shape(shape)
-    gen = torch.Generator().manual_seed(0)
-    emb = init_embedding(shape, gen)
-    out: dict[str, Any] = {}
-    for n in args.experts:
-        t0 = time.perf_counter()
-        router, _ = fit_router(window_texts(windows), RouterConfig(n_clusters=n, seed=0))
-        fit_s = time.perf_counter() - t0
-        experts = [init_body(shape, gen) for _ in range(n)]
-        k = min(args.topk, n)
-        routed_throughput(held_out[:8], router, experts, emb, layout, k)  # warm-up
-        r = routed_throughput(held_out, router, experts, emb, layout, k)
-        out[f"n{n}_tokens_per_s"] = r["tokens_per_s"]
-        out[f"n{n}"] = {**r, "k": k, "windows": len(held_out), "router_fit_s": fit_s}
-    return out
+def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
+    s = spsa["shape"]
+    print(
+        f"SPSA losses of {2 * s['n_pert']} perturbed bodies (d={s['d_model']}, D={s['blocks']}, "
+        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, on {spsa['device']}"
+        f"{f', {threads} threads' if spsa['device'] == 'cpu' else ''}"
+    )
+    if not spsa["fused_available"]:
+        print(f"  fused scan UNAVAILABLE ({spsa['fused_unavailable_reason']}): eager only")
+    tokens = s["perturbed_tokens_per_update"]
+    print(f"  {'':24s} {'s/update':>10s} {'perturbed tok/s':>16s}")
+    for name, sec in spsa["anchors_s"].items():
+        tag = " (anchor)" if name == spsa["naive_anchor"] else ""
+        print(f"  {name + ' loop' + tag:24s} {sec:10.3f} {tokens / sec:16,.0f}")
+    for name, sec in spsa["batched_variants_s"].items():
+        print(f"  {'batched ' + name:24s} {sec:10.3f} {tokens / sec:16,.0f}")
+    fused = spsa["fused_vs_eager"]
+    print(
+        f"  speedup {spsa['speedup']:.2f}x (batched {spsa['batched_best']}) vs the "
+        f"{spsa['naive_anchor']} loop, target >= 2x; eager {spsa['speedup_eager']:.2f}x"
+        + (f"; fused/eager {fused:.2f}x" if fused else "")
+        + f"; {spsa['speedup_vs_own_kernels_loop']:.2f}x vs the own-kernels loop"
+    )
+    print(
+        f"  ceiling here {spsa['speedup_ceiling']:.1f}x (the anchor at {spsa['naive_gflops']:.1f} "
+        f"GFLOP/s vs matmul {spsa['matmul_gflops']:.1f}): reached "
+        f"{spsa['fraction_of_ceiling']:.0%} (target >= 55%); batched {spsa['gflops']:.1f} GFLOP/s"
+        f" = {spsa['fraction_of_matmul_rate']:.0%} of matmul; peak +{spsa['peak_mem_mb']:.0f} MB"
+    )
+    print(
+        "  max |loss - batched eager| "
+        + ", ".join(f"{k} {v:.1e}" for k, v in spsa["max_loss_difference_vs_batched_eager"].items())
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    from megatron_ext.bench._soma_inference import inference_sweeps, print_sweeps
 
     torch.set_num_threads(args.threads)
     try:
@@ -309,39 +351,13 @@ def run(args: argparse.Namespace) -> int:
             "(torch.cuda.is_available() is False); run with --device cpu"
         )
         return 2
-    spsa = _spsa(args)
-    s = spsa["shape"]
-    print(
-        f"SPSA losses of {2 * s['n_pert']} perturbed bodies (d={s['d_model']}, D={s['blocks']}, "
-        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, on {spsa['device']}"
-        f"{f', {args.threads} threads' if spsa['device'] == 'cpu' else ''}"
-    )
-    tokens = s["perturbed_tokens_per_update"]
-    print(f"  {'':22s} {'s/update':>10s} {'perturbed tok/s':>16s}")
-    for name, sec in spsa["anchors_s"].items():
-        tag = " (anchor)" if name == spsa["naive_anchor"] else ""
-        print(f"  {name + ' loop' + tag:22s} {sec:10.3f} {tokens / sec:16,.0f}")
-    print(f"  {'batched':22s} {spsa['batched_s']:10.3f} {spsa['batched_tokens_per_s']:16,.0f}")
-    print(
-        f"  speedup {spsa['speedup']:.2f}x vs the {spsa['naive_anchor']} loop (target >= 10x; "
-        f"{spsa['speedup_vs_own_kernels_loop']:.2f}x vs the own-kernels loop); ceiling here "
-        f"{spsa['speedup_ceiling']:.1f}x (the anchor runs at {spsa['naive_gflops']:.1f} GFLOP/s)"
-    )
-    print(
-        f"  batched {spsa['gflops']:.1f} GFLOP/s = {spsa['fraction_of_matmul_rate']:.0%} of "
-        f"matmul {spsa['matmul_gflops']:.1f} GFLOP/s; peak +{spsa['peak_mem_mb']:.0f} MB; "
-        "max |batched - loop| loss "
-        + ", ".join(f"{k} {v:.1e}" for k, v in spsa["max_loss_difference_batched_vs_loops"].items())
-    )
-    inference = _inference(args)
-    for n in args.experts:
-        r = inference[f"n{n}"]
-        print(
-            f"routed inference (CPU) N={n} k={r['k']}: {r['tokens_per_s']:,.0f} tokens/s over "
-            f"{r['windows']} windows (routing {r['routing_s']:.3f} s of {r['total_s']:.2f} s; "
-            f"router fit {r['router_fit_s']:.1f} s)"
-        )
-    report = {"spsa": spsa, "inference": inference}
+    report: dict[str, Any] = {}
+    if not args.inference_sweep:
+        report["spsa"] = _spsa(args)
+        _print_spsa(report["spsa"], args.threads)
+    if not args.spsa_only:
+        report["inference"] = inference_sweeps(args)
+        print_sweeps(report["inference"])
     print(json.dumps(report, indent=2))
     write_json(report, args.json)
     return 0

@@ -17,20 +17,29 @@ exactly ``D·(2d + 16d²) + d`` parameters (32,928 at d = 32, D = 2).
 
 The body lives in ONE flat vector (see :class:`~.layout.BodyLayout`); the forward takes ``P``
 of them, ``theta`` (P, numel), and runs all ``P`` bodies through one batched forward (``bmm``
-over the perturbation axis, one fused 4-gate ``baddbmm`` per time step), streamed over chunks
-of time steps so that intermediates stay small. Without autograd the recurrence writes into
-preallocated buffers; with autograd (``theta`` requiring grad) it builds the same values out of
-place.
+over the perturbation axis, one 4-gate matmul per time step), streamed over chunks of time
+steps so that intermediates stay small. Each chunk runs eagerly (the recurrence writing into
+preallocated buffers; out of place under autograd) or, with ``fused``, as one compiled graph
+(:mod:`.scan`). Routed inference uses the same forward with one batch per body
+(:func:`target_log_probs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.scan import (
+    Compiled,
+    FusedMode,
+    lstm_scan_cells,
+    lstm_scan_inplace,
+    use_fused,
+)
 
 NORM_EPS = 1e-5
 # Fastest of 4-64 MiB for batched_loss at d=32, P=128, B=16, T=256 on 2 CPU threads: bigger
@@ -45,62 +54,17 @@ def _gate_order(d: int, device: torch.device) -> torch.Tensor:
     ).to(device)
 
 
-def _lstm_scan_inplace(
-    xw: torch.Tensor, whh_t: torch.Tensor, h: torch.Tensor, n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """No-grad recurrence over one time chunk, with sigmoids only.
-
-    xw (P, tc, B, 4d) input projections and whh_t (P, d, 4d), gate order i, f, o, g with the g
-    columns pre-scaled by 2 (``g_scale=2`` in :func:`_block_weights`); carried state h (P, B, d)
-    and ``n = −2c`` (P, B, d) -> (out (P, tc, B, d), h, n). ``n`` is updated in place, ``h`` is
-    a view of ``out``'s last step.
-
-    On CPU tanh costs several sigmoids, so both tanh are rewritten exactly:
-    ``tanh(x) = 2σ(2x) − 1`` makes ``g = 2·σ(gate) − 1`` (one sigmoid over all four gates), and
-    ``tanh(c) = 1 − 2σ(−2c) = 1 − 2σ(n)`` makes ``h = o − 2·o·σ(n)`` one addcmul, with
-    ``n ← f·n − 4·i·σ_g + 2·i`` (that is ``c ← f·c + i·g``). Seven kernels per step, all
-    writing into preallocated buffers."""
-    p, tc, b, four_d = xw.shape
-    d = four_d // 4
-    out = xw.new_empty(p, tc, b, d)
-    gates = xw.new_empty(p, b, four_d)
-    tmp = xw.new_empty(p, b, d)
-    i_g, f_g, o_g, s_g = (gates[..., k * d : (k + 1) * d] for k in range(4))
-    for s in range(tc):
-        torch.baddbmm(xw[:, s], h, whh_t, out=gates)
-        gates.sigmoid_()
-        n.mul_(f_g).addcmul_(i_g, s_g, value=-4.0).add_(i_g, alpha=2.0)
-        torch.sigmoid(n, out=tmp)
-        h = torch.addcmul(o_g, o_g, tmp, value=-2.0, out=out[:, s])
-    return out, h, n
-
-
-def _lstm_scan_autograd(
-    xw: torch.Tensor, whh_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The recurrence out of place (differentiable), written plainly: unscaled gates i, f, o, g
-    and the cell state ``c`` itself."""
-    d = xw.shape[-1] // 4
-    hs = []
-    for s in range(xw.shape[1]):
-        gates = torch.baddbmm(xw[:, s], h, whh_t)
-        i_g, f_g, o_g = torch.sigmoid(gates[..., : 3 * d]).chunk(3, dim=-1)
-        c = f_g * c + i_g * torch.tanh(gates[..., 3 * d :])
-        h = o_g * torch.tanh(c)
-        hs.append(h)
-    return torch.stack(hs, dim=1), h, c
-
-
 def _block_weights(
-    w: dict[str, torch.Tensor], pre: str, perm: torch.Tensor, g_scale: float
+    w: dict[str, torch.Tensor], pre: str, perm: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's matrices for the batched forward, transposed for ``x @ W``: (w_ih_t (P, d, 4d),
     whh_t (P, d, 4d), fc1_t (P, d, 4d), fc2_t (P, 4d, d)). LSTM gates are reordered to
-    i, f, o, g with the g columns times ``g_scale``; norm gains are folded into the matrix that
-    follows them, (n·g)Wᵀ = n·(W·diag g)ᵀ."""
+    i, f, o, g with the g columns times 2 (what the scans expect, see
+    :func:`~.scan.lstm_scan_inplace`); norm gains are folded into the matrix that follows them,
+    (n·g)Wᵀ = n·(W·diag g)ᵀ."""
     d = perm.numel() // 4
     scale = torch.ones(4 * d, 1, dtype=w[f"{pre}.lstm.w_ih"].dtype, device=perm.device)
-    scale[3 * d :] = g_scale
+    scale[3 * d :] = 2.0
     w_ih = w[f"{pre}.lstm.w_ih"][:, perm] * scale * w[f"{pre}.norm1.gain"][:, None, :]
     w_hh = w[f"{pre}.lstm.w_hh"][:, perm] * scale
     fc1 = w[f"{pre}.mlp.fc1"] * w[f"{pre}.norm2.gain"][:, None, :]
@@ -152,28 +116,89 @@ def _check_inputs(
         )
 
 
+Blocks = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+State = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _body_chunk(
+    x: torch.Tensor,
+    blocks: Blocks,
+    state: State,
+    in_proj_t: torch.Tensor | None,
+    out_proj_t: torch.Tensor | None,
+    gain: torch.Tensor | None,
+    scan: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, State]:
+    """One chunk of tc time steps through the whole body: embeddings x (1 or P, tc·B, d_E) ->
+    (final hidden states (P, tc·B, d_E), each block's carried (h, n) after the chunk).
+
+    ``blocks`` from :func:`_block_weights`; ``state[i]`` block i's (h, n), each (P, B, d); a
+    wide body has ``in_proj_t`` (P, d_E, d) and ``out_proj_t`` (P, d, d_E) with the final norm's
+    gain folded in (``gain`` None), a narrow one only ``gain`` (P, 1, d)."""
+    if in_proj_t is not None:
+        x = torch.matmul(x, in_proj_t)
+    new_state = []
+    for (w_ih_t, whh_t, fc1_t, fc2_t), (h, n) in zip(blocks, state, strict=True):
+        (p, b, d), rows = h.shape, x.shape[1]
+        xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
+        out, h, n = scan(xw.view(p, rows // b, b, 4 * d), whh_t, h, n)
+        new_state.append((h, n))
+        x = x + out.view(p, rows, d)
+        u = F.gelu(torch.bmm(F.layer_norm(x, (d,), eps=NORM_EPS), fc1_t))
+        x = torch.baddbmm(x, u, fc2_t)
+    hid = F.layer_norm(x, (x.shape[-1],), eps=NORM_EPS)
+    return (hid * gain if out_proj_t is None else torch.bmm(hid, out_proj_t)), new_state
+
+
+def _fused_body_chunk(
+    x: torch.Tensor,
+    blocks: Blocks,
+    state: State,
+    in_proj_t: torch.Tensor | None,
+    out_proj_t: torch.Tensor | None,
+    gain: torch.Tensor | None,
+) -> tuple[torch.Tensor, State]:
+    """:func:`_body_chunk` with the out-of-place scan: what :data:`_FUSED` compiles into one
+    graph (matmuls as library calls, every element-wise run between them -- norms, residuals,
+    GELU, the LSTM gates of each step -- fused into loops)."""
+    return _body_chunk(x, blocks, state, in_proj_t, out_proj_t, gain, lstm_scan_cells)
+
+
+_FUSED = Compiled(_fused_body_chunk)
+
+
 def _hidden_chunks(
-    theta: torch.Tensor, emb: torch.Tensor, inputs: torch.Tensor, layout: BodyLayout, steps: int
+    theta: torch.Tensor,
+    emb: torch.Tensor,
+    inputs: torch.Tensor,
+    layout: BodyLayout,
+    steps: int,
+    fused: FusedMode,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Stream the forward over time: yields ``(t0, h)`` with h (P, tc, B, d_E) the final hidden
     states of steps ``t0 .. t0+tc-1`` (time-major inside the chunk).
 
     Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
-    chunk at a time and no intermediate ever spans the whole window."""
+    chunk at a time and no intermediate ever spans the whole window. Without autograd ``fused``
+    picks the eager chunk (in-place scan) or the compiled one (:func:`~.scan.use_fused`); with
+    autograd the chunk runs eagerly with the out-of-place scan."""
     shape = layout.shape
     w = layout.views(theta)
     p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
-    grad = torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad)
-    scan = _lstm_scan_autograd if grad else _lstm_scan_inplace
-    perm = _gate_order(d, theta.device)
-
-    g_scale = 1.0 if grad else 2.0  # see _lstm_scan_inplace
-    blocks = [_block_weights(w, f"blocks.{blk}", perm, g_scale) for blk in range(shape.num_blocks)]
-    state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
-    if shape.wide:
-        out_proj_t = (w["out_proj"] * w["final_norm.gain"][:, None, :]).transpose(1, 2)
+    if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
+        run = functools.partial(_body_chunk, scan=lstm_scan_cells)
+    elif use_fused(fused, theta.device):
+        run = _FUSED
     else:
-        final_gain = w["final_norm.gain"][:, None, :]
+        run = functools.partial(_body_chunk, scan=lstm_scan_inplace)
+    perm = _gate_order(d, theta.device)
+    blocks = [_block_weights(w, f"blocks.{blk}", perm) for blk in range(shape.num_blocks)]
+    state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
+    gain = w["final_norm.gain"][:, None, :]
+    in_proj_t, out_proj_t = None, None
+    if shape.wide:
+        in_proj_t = w["in_proj"].transpose(1, 2)
+        out_proj_t, gain = (w["out_proj"] * gain).transpose(1, 2), None
 
     # Time-major (1 or P, T, B, d_E): shared tokens stay one copy, broadcast by the matmuls.
     per_body = inputs.dim() == 3
@@ -183,17 +208,7 @@ def _hidden_chunks(
         # (1, tc·B, d) while it is the same for every body (block 0 without in_proj): the
         # first norm is then computed once and broadcast by the matmul.
         x = emb_tm[:, t0 : t0 + tc].reshape(emb_tm.shape[0], tc * b, e)
-        if shape.wide:
-            x = torch.matmul(x, w["in_proj"].transpose(1, 2))
-        for blk, (w_ih_t, whh_t, fc1_t, fc2_t) in enumerate(blocks):
-            xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
-            out, h, cell = scan(xw.view(p, tc, b, 4 * d), whh_t, *state[blk])
-            state[blk] = (h, cell)
-            x = x + out.view(p, tc * b, d)
-            u = F.gelu(torch.bmm(F.layer_norm(x, (d,), eps=NORM_EPS), fc1_t))
-            x = torch.baddbmm(x, u, fc2_t)
-        hid = F.layer_norm(x, (d,), eps=NORM_EPS)
-        hid = torch.bmm(hid, out_proj_t) if shape.wide else hid * final_gain
+        hid, state = run(x, blocks, state, in_proj_t, out_proj_t, gain)
         yield t0, hid.view(p, tc, b, e)
 
 
@@ -204,6 +219,7 @@ def body_hidden(
     layout: BodyLayout,
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    fused: FusedMode = "auto",
 ) -> torch.Tensor:
     """(P, numel) bodies, (V, d_E) embedding, (B, T) byte ids -> (P, B, T, d_E) final hidden
     states (after the final norm, and after ``out_proj`` for a wide body), in ``theta``'s dtype.
@@ -215,7 +231,8 @@ def body_hidden(
     tokens = tokens.long()
     b, t_len = tokens.shape[-2:]
     _, steps = _chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes)
-    parts = [h.transpose(1, 2) for _, h in _hidden_chunks(theta, emb, tokens, layout, steps)]
+    chunks = _hidden_chunks(theta, emb, tokens, layout, steps, fused)
+    parts = [h.transpose(1, 2) for _, h in chunks]
     return torch.cat(parts, dim=2)
 
 
@@ -236,12 +253,68 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def log_probs(
-    theta: torch.Tensor, emb: torch.Tensor, tokens: torch.Tensor, layout: BodyLayout
+    theta: torch.Tensor,
+    emb: torch.Tensor,
+    tokens: torch.Tensor,
+    layout: BodyLayout,
+    *,
+    fused: FusedMode = "auto",
 ) -> torch.Tensor:
     """(P, numel), (V, d_E), (B, T) or per-body (P, B, T) inputs -> (P, B, T, V)
     log-probabilities (nats) of the byte following each position."""
-    hidden = body_hidden(theta, emb, tokens, layout)
+    hidden = body_hidden(theta, emb, tokens, layout, fused=fused)
     return F.log_softmax(logits(hidden, decoder_weight(theta, emb, layout)), dim=-1)
+
+
+def target_log_probs(
+    theta: torch.Tensor,
+    emb: torch.Tensor,
+    tokens: torch.Tensor,
+    layout: BodyLayout,
+    *,
+    start: int = 0,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    fused: FusedMode = "auto",
+) -> torch.Tensor:
+    """(P, numel) bodies, (V, d_E) embedding, byte windows (B, T+1) shared by every body or
+    (P, B, T+1) one batch per body -> (P, B, T − start): the log-probability (nats) of each
+    target byte ``tokens[..., t+1]`` after reading ``tokens[..., : t+1]``, for t = start..T−1.
+
+    Positions before ``start`` are read (they set the LSTM state) but never projected to
+    logits. Streams over bodies and time so that no intermediate exceeds about
+    ``max_chunk_bytes``; small chunks are also what keeps this fast on CPU, since the allocator
+    recycles them instead of faulting in fresh pages on every call."""
+    if tokens.dim() not in (2, 3) or tokens.shape[-1] < 2:
+        raise ValueError(
+            f"tokens must be (B, T+1) or per-body (P, B, T+1) with T >= 1, got "
+            f"{tuple(tokens.shape)}"
+        )
+    tokens = tokens.long()  # byte windows may arrive as uint8, which would index as a mask
+    inputs = tokens[..., :-1]
+    _check_inputs(theta, emb, inputs, layout)
+    p, (b, t_len) = theta.shape[0], inputs.shape[-2:]
+    if not 0 <= start < t_len:
+        raise ValueError(f"start={start} must be in 0..{t_len - 1} for {t_len} targets")
+    per_body = tokens.dim() == 3
+    targets_tm = tokens[..., 1:].transpose(-1, -2)  # (P or 1, T, B) time-major
+    targets_tm = targets_tm if per_body else targets_tm[None]
+    bodies, steps = _chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
+    out = []
+    for first in range(0, p, bodies):
+        part = theta[first : first + bodies]
+        pc, rows = part.shape[0], slice(first, first + bodies) if per_body else slice(None)
+        weight = decoder_weight(part, emb, layout)
+        cols = []
+        for t0, hid in _hidden_chunks(part, emb, inputs[rows], layout, steps, fused):
+            lo = max(start - t0, 0)  # first scored step of this chunk
+            if lo >= hid.shape[1]:
+                continue
+            z = logits(hid[:, lo:], weight)  # (pc, tc', B, V)
+            y = targets_tm[rows, t0 + lo : t0 + hid.shape[1]].expand(pc, -1, -1)
+            ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none")
+            cols.append(ce.view(pc, -1, b))
+        out.append(-torch.cat(cols, dim=1).transpose(1, 2))
+    return torch.cat(out)
 
 
 def batched_loss(
@@ -251,43 +324,32 @@ def batched_loss(
     layout: BodyLayout,
     *,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    fused: FusedMode = "auto",
 ) -> torch.Tensor:
     """(P, numel) bodies, (V, d_E) embedding, (B, T+1) byte windows -> (P,) mean next-byte
     cross-entropy in nats over the B·T targets (inputs ``tokens[:, :-1]``, targets
-    ``tokens[:, 1:]``).
-
-    Streams over bodies and time so that no intermediate exceeds about ``max_chunk_bytes``: the
-    logits of a chunk are reduced to per-body sums before the next chunk is computed. Small
-    chunks are also what keeps this fast on CPU, since the allocator recycles them instead of
-    faulting in fresh pages on every call."""
+    ``tokens[:, 1:]``), streamed as :func:`target_log_probs` is."""
     if tokens.dim() != 2 or tokens.shape[1] < 2:
         raise ValueError(f"tokens must be (B, T+1) with T >= 1, got {tuple(tokens.shape)}")
-    tokens = tokens.long()  # byte windows may arrive as uint8, which would index as a mask
-    inputs, targets_tm = tokens[:, :-1], tokens[:, 1:].T  # targets (T, B), time-major
-    _check_inputs(theta, emb, inputs, layout)
-    p, (b, t_len) = theta.shape[0], inputs.shape
-    bodies, steps = _chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
-    losses = []
-    for start in range(0, p, bodies):
-        part = theta[start : start + bodies]
-        weight = decoder_weight(part, emb, layout)
-        total = part.new_zeros(part.shape[0])
-        for t0, hid in _hidden_chunks(part, emb, inputs, layout, steps):
-            z = logits(hid, weight)  # (bodies, tc, B, V)
-            y = targets_tm[t0 : t0 + hid.shape[1]].reshape(-1).repeat(part.shape[0])
-            ce = F.cross_entropy(z.view(-1, z.shape[-1]), y, reduction="none")
-            total = total + ce.view(part.shape[0], -1).sum(dim=1)
-        losses.append(total / (b * t_len))
-    return torch.cat(losses)
+    lp = target_log_probs(theta, emb, tokens, layout, max_chunk_bytes=max_chunk_bytes, fused=fused)
+    return -lp.mean(dim=(1, 2))
 
 
 def naive_loss_loop(
-    thetas: torch.Tensor, emb: torch.Tensor, tokens: torch.Tensor, layout: BodyLayout
+    thetas: torch.Tensor,
+    emb: torch.Tensor,
+    tokens: torch.Tensor,
+    layout: BodyLayout,
+    *,
+    fused: FusedMode = "off",
 ) -> torch.Tensor:
     """(P, numel) -> (P,): :func:`batched_loss` one body at a time (the per-probe Python loop
-    that the batched forward replaces; the benchmark's anchor)."""
+    that the batched forward replaces; one of the benchmark's anchors)."""
     return torch.cat(
-        [batched_loss(thetas[i : i + 1], emb, tokens, layout) for i in range(len(thetas))]
+        [
+            batched_loss(thetas[i : i + 1], emb, tokens, layout, fused=fused)
+            for i in range(len(thetas))
+        ]
     )
 
 
