@@ -8,7 +8,9 @@
   the run complete with every module at its last version;
 - faults: a worker SIGKILLed mid-task and a zombie SIGSTOPped past its lease change nothing
   (their tasks are re-leased, the zombie's completion is rejected and its files discarded);
-- a base checkpoint that does not match the model is a ConfigError.
+- a base checkpoint that does not match the model is a ConfigError;
+- ``bench dipaco``'s bytes per outer step (parameter-server accounting on both sides) are 1/τ
+  of DDP's on the same tokens with every part shared, and less with path-specific parts.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 from megatron_ext.config import load_recipe
 from megatron_ext.dipaco.checks import load_base_checkpoint
 from megatron_ext.dipaco.faults import fault_run, max_abs_difference
-from megatron_ext.dipaco.measure import small_overrides, write_small_corpus
-from megatron_ext.dipaco.store import attempt_dir
+from megatron_ext.dipaco.measure import comm_bytes, small_overrides, small_run, write_small_corpus
+from megatron_ext.dipaco.recipe import DipacoConfig
+from megatron_ext.dipaco.store import attempt_dir, load_tensors
 from megatron_ext.errors import ConfigError
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
@@ -137,3 +140,53 @@ def test_killed_and_zombie_workers_change_nothing(data: Path, launched, tmp_path
     assert task.startswith("train/") and not attempt_dir(recipe.run_dir, task, token).exists()
     assert figures["rejected_zombie_completions"] == 1 and figures["inner_steps_lost"] >= 3
     assert max_abs_difference(recipe, load_recipe("dipaco_tiny", launched)) == 0.0
+
+
+def test_bytes_per_outer_step_are_one_over_tau_of_ddp_and_less_with_own_parts(
+    data: Path, launched, tmp_path
+) -> None:
+    """``bench dipaco``'s communication figures, counted from the runs' files (parameter-server
+    accounting on both sides): with every part shared the outer step moves exactly 1/τ of
+    DDP's bytes on the same tokens; with the embedding path-specific it moves less, by exactly
+    the embedding's share of the model (measured independently: the embedding tensor of the
+    base model), and the path-specific bytes move nowhere."""
+    recipe = load_recipe("dipaco_tiny", launched)
+    tau = recipe.section(DipacoConfig).tau
+    shared = comm_bytes(recipe)
+    assert shared["path_specific_param_bytes"] == 0
+    assert shared["bytes_ratio_vs_ddp"] == pytest.approx(1 / tau, rel=1e-12)
+    assert shared["ring"]["bytes_ratio_vs_ddp"] < 1 / tau
+    # the run wrote every path's modules: up = down = the modules' bytes times their paths
+    for m in shared["modules"].values():
+        assert m["up_bytes"] == m["down_bytes"] == m["paths"] * m["module_bytes"] > 0
+
+    overrides = [
+        *small_overrides(data, tmp_path / "own"),
+        "dipaco.level_parts=[0-1, 2-3 final_layernorm output_layer]",
+        "dipaco.path_specific=embedding",
+    ]
+    small_run("dipaco_tiny", overrides)
+    own_recipe = load_recipe("dipaco_tiny", overrides)
+    own = comm_bytes(own_recipe)
+    base = load_tensors(
+        attempt_dir(own_recipe.run_dir, "base", _token(own_recipe, "base")) / "model.pt"
+    )
+    embedding = sum(
+        t.numel() * t.element_size() for n, t in base.items() if n.startswith("embedding.")
+    )
+    model = sum(t.numel() * t.element_size() for t in base.values())
+    assert own["path_specific_param_bytes"] == embedding > 0
+    assert own["path_model_bytes"] == model
+    assert own["bytes_ratio_vs_ddp"] < 1 / tau
+    assert own["bytes_ratio_vs_ddp"] == pytest.approx((1 - embedding / model) / tau, rel=1e-12)
+
+
+def _token(recipe, task: str) -> str:
+    from megatron_ext.dipaco.queue import TaskQueue
+    from megatron_ext.dipaco.recipe import queue_url
+
+    queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="test")
+    try:
+        return queue.token(task)
+    finally:
+        queue.close()

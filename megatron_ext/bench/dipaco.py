@@ -4,9 +4,14 @@ A small DiPaCo run (``dipaco_tiny`` shrunk: 2x2 paths of a 4-block width-32 GPT,
 τ = 3 inner steps, 600 paragraphs of the Python Language Reference, real worker processes on an
 SQLite queue) is trained first; then
 
-- ``comm``: bytes per outer step from that run's files, per module and in total (Δ up, weights
-  down; path-specific parts move 0 bytes), beside data-parallel training of the same tokens (a
-  ring all-reduce of the whole model every step for τ steps), and their ratio (target ≤ 1/τ);
+- ``comm``: bytes per outer step from that run's files, per module and in total, beside
+  data-parallel training (DDP) of the same tokens, counted the same way on both sides:
+  parameter-server accounting (the headline keys): each path sends every shared module it
+  trained up to that module's outer executor and receives the new version down (path-specific
+  parts move 0 bytes), while each of DDP's P workers sends its whole-model gradient up and
+  receives the weights down at every one of τ steps; the ratio is 1/τ without path-specific
+  parts and below with them. ``comm.ring`` counts both as ring all-reduces instead (a module
+  over the P_{l,e} paths that use it; DDP over all P workers, every step);
 - ``outer``: one outer step split into load / reduce / step / write against P_{l,e} and the
   module size;
 - ``queue``: claim + complete latency and throughput with N concurrent clients, on SQLite and
@@ -98,15 +103,25 @@ def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def _print_comm(comm: dict[str, Any]) -> None:
+    print(f"comm accounting: {comm['accounting']}")
     for name, m in comm["modules"].items():
         print(
             f"module {name}: {m['paths']} paths x {m['module_bytes']:,} B -> up "
-            f"{m['up_bytes']:,} B, down {m['down_bytes']:,} B"
+            f"{m['up_bytes']:,} B, down {m['down_bytes']:,} B (ring all-reduce "
+            f"{m['ring_bytes']:,} B)"
         )
+    ring = comm["ring"]
     print(
         f"outer step: {comm['bytes_per_outer_step']:,} B; DDP on the same tokens: "
         f"{comm['ddp_bytes_same_tokens']:,} B; ratio {comm['bytes_ratio_vs_ddp']:.4f} "
-        f"(1/tau = {comm['one_over_tau']:.4f}); path-specific parts: 0 B"
+        f"(1/tau = {comm['one_over_tau']:.4f}); path-specific parts "
+        f"({comm['path_specific_param_bytes']:,} B per path): 0 B moved"
+    )
+    ratio = ring["bytes_ratio_vs_ddp"]
+    print(
+        f"as ring all-reduces: outer step {ring['bytes_per_outer_step']:,} B; DDP "
+        f"{ring['ddp_bytes_same_tokens']:,} B; ratio "
+        + (f"{ratio:.4f}" if ratio is not None else "n/a (one worker)")
     )
 
 

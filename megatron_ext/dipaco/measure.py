@@ -1,10 +1,16 @@
 """Measurements behind ``megatron-ext bench dipaco`` (figures, never pass/fail).
 
-- :func:`comm_bytes`: bytes per outer step, read from a finished run's files: each path sends
-  its trained copy of every shared module it uses (Δ up) and receives each new version (weights
-  down); path-specific parts never leave their path. Beside it, data-parallel training of the
-  same tokens: P workers taking τ synchronous steps, each an all-reduce of the whole model
-  (a ring all-reduce puts 2(P − 1)·M bytes on the wire for M model bytes).
+- :func:`comm_bytes`: bytes per outer step, read from a finished run's files, beside
+  data-parallel training (DDP) of the same tokens, under one model of transfer on both sides.
+  The headline figures use *parameter-server* accounting: a worker sends what it computed to the
+  holder of the global copy and receives the new copy back. DiPaCo: each path sends its trained
+  copy of every shared module it uses (Δ up) to that module's outer executor and receives the
+  new version (weights down); path-specific parts never leave their path. DDP: P workers (one
+  per path, same tokens) each send their gradient of the whole model and receive the new
+  weights at each of the τ steps, ``τ·P·2·M`` bytes for M model bytes. Without path-specific
+  parts the ratio is exactly 1/τ; they lower it. The same run is also counted as *ring
+  all-reduces* on both sides (``comm.ring``): module (l, e) all-reduced over its P_{l,e} paths
+  once per outer step, ``2(P_{l,e} − 1)·S`` bytes, against DDP's ``τ·2(P − 1)·M``.
 - :func:`outer_timing`: one outer step split into load / reduce / step / write, for synthetic
   modules of several sizes used by several paths.
 - :func:`queue_latency`: claim + complete latency and throughput with N concurrent clients.
@@ -99,8 +105,10 @@ def small_run(recipe: str, overrides: Sequence[str], workers: int = 1) -> float:
 
 
 def comm_bytes(recipe: Recipe) -> dict[str, Any]:
-    """Bytes per outer step of a finished run (see the module docstring), per module and in
-    total, with the data-parallel reference of the same tokens."""
+    """Bytes per outer step of a finished run's last phase (see the module docstring), per
+    module and in total, with DDP on the same tokens, both counted parameter-server style and
+    as ring all-reduces. Every byte count is measured: the tensors of the files the run wrote
+    (numel × element size), nothing taken from the config."""
     d, layout = recipe.section(DipacoConfig), path_layout(recipe)
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="bench")
 
@@ -109,43 +117,55 @@ def comm_bytes(recipe: Recipe) -> dict[str, Any]:
 
     try:
         phase = d.phases - 1
-        modules = {}
+        modules, sent = {}, {}
+        for p in range(layout.num_paths):
+            folder = done(train_id(phase, p))
+            sent[p] = {
+                level: _tensor_bytes(load_tensors(folder / f"l{level}.pt"))
+                for level in range(layout.num_levels)
+            }
+            sent[p][None] = _tensor_bytes(load_tensors(folder / "state.pt")["specific"])
         for m in layout.modules:
-            new = load_tensors(done(outer_id(phase, m)) / "module.pt")["params"]
+            size = _tensor_bytes(load_tensors(done(outer_id(phase, m)) / "module.pt")["params"])
             users = layout.paths_of(m)
-            up = sum(
-                _tensor_bytes(load_tensors(done(train_id(phase, p)) / f"l{m.level}.pt"))
-                for p in users
-            )
-            down = len(users) * _tensor_bytes(new)
             modules[m.name] = {
                 "paths": len(users),
-                "module_bytes": _tensor_bytes(new),
-                "up_bytes": up,
-                "down_bytes": down,
+                "module_bytes": size,
+                "up_bytes": sum(sent[p][m.level] for p in users),
+                "down_bytes": len(users) * size,
+                "ring_bytes": 2 * (len(users) - 1) * size,
             }
-        specific = load_tensors(done(train_id(phase, 0)) / "state.pt")["specific"]
     finally:
         queue.close()
-    # one path: one module per level, plus its own part
-    path_modules = layout.path_modules(0)
-    path_bytes = sum(modules[m.name]["module_bytes"] for m in path_modules)
-    path_bytes += _tensor_bytes(specific)
+    p, tau = layout.num_paths, d.tau
+    # a DDP worker holds one whole dense model: a path's modules and its own part
+    model_bytes = [sum(parts.values()) for parts in sent.values()]
+    if len(set(model_bytes)) != 1:
+        raise RuntimeError(f"the paths' models differ in size: {model_bytes} bytes")
+    m_bytes = model_bytes[0]
     ours = sum(m["up_bytes"] + m["down_bytes"] for m in modules.values())
-    p = layout.num_paths
-    ddp = d.tau * 2 * (p - 1) * path_bytes if p > 1 else d.tau * 2 * path_bytes
+    ddp = tau * sum(2 * b for b in model_bytes)  # every worker: gradient up, weights down
+    ours_ring = sum(m["ring_bytes"] for m in modules.values())
+    ddp_ring = tau * 2 * (p - 1) * m_bytes
     return {
+        "accounting": "parameter server on both sides: DiPaCo paths send each shared module "
+        "up and receive its new version (per outer step); DDP's P workers send the whole "
+        "model's gradient up and receive its weights, every one of tau steps",
         "modules": modules,
         "path_specific_bytes_moved": 0,
-        "path_specific_param_bytes": _tensor_bytes(specific),
-        "path_model_bytes": path_bytes,
+        "path_specific_param_bytes": sent[0][None],
+        "path_model_bytes": m_bytes,
         "bytes_per_outer_step": ours,
         "ddp_bytes_same_tokens": ddp,
         "bytes_ratio_vs_ddp": ours / ddp,
-        "one_over_tau": 1.0 / d.tau,
-        "ddp_model": "P workers, tau steps, ring all-reduce of the whole path model per step: "
-        "tau * 2(P-1) * path_model_bytes (P = 1: tau * 2 * path_model_bytes); without "
-        "path-specific parts the ratio is P / ((P-1) tau), approaching 1/tau as P grows",
+        "one_over_tau": 1.0 / tau,
+        "ring": {
+            "accounting": "ring all-reduce on both sides: module (l,e) over its P_{l,e} paths, "
+            "2(P_{l,e}-1)*S per outer step; DDP over P workers, 2(P-1)*M per step, tau steps",
+            "bytes_per_outer_step": ours_ring,
+            "ddp_bytes_same_tokens": ddp_ring,
+            "bytes_ratio_vs_ddp": ours_ring / ddp_ring if ddp_ring else None,
+        },
     }
 
 
