@@ -8,13 +8,15 @@
   the run complete with every module at its last version;
 - faults: a worker SIGKILLed mid-task and a zombie SIGSTOPped past its lease change nothing
   (their tasks are re-leased, the zombie's completion is rejected and its files discarded);
-- a base checkpoint that does not match the model is a ConfigError;
+- the base model can be an ordinary GPT run's checkpoint (its weights exactly); a base
+  checkpoint that does not match the model is a ConfigError;
 - ``bench dipaco``'s bytes per outer step (parameter-server accounting on both sides) are 1/τ
   of DDP's on the same tokens with every part shared, and less with path-specific parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_ext.config import load_recipe
 from megatron_ext.dipaco.checks import load_base_checkpoint
@@ -31,6 +35,7 @@ from megatron_ext.dipaco.measure import comm_bytes, small_overrides, small_run, 
 from megatron_ext.dipaco.recipe import DipacoConfig
 from megatron_ext.dipaco.store import attempt_dir, load_tensors
 from megatron_ext.errors import ConfigError
+from tests.conftest import run_torchrun
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -190,3 +195,104 @@ def _token(recipe, task: str) -> str:
         return queue.token(task)
     finally:
         queue.close()
+
+
+def _gpt_run(data: Path, recipe, root: Path) -> Path:
+    """A tiny ordinary GPT-trainer run (1 gloo rank, 3 AdamW steps) of the DiPaCo recipe's
+    model, on its tokenizer and dataset; returns its run_dir."""
+    spec = {
+        "trainer": "gpt",
+        "model": dataclasses.asdict(recipe.model),
+        "optimizer": {"name": "adamw", "lr": 3e-3, "min_lr": 3e-4},
+        "data": {
+            "path": f"{data}/docs",
+            "tokenizer": "sentencepiece",
+            "tokenizer_model": f"{data}/sp.model",
+            "split": "98,2,0",
+        },
+        "training": {
+            "steps": 3,
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "seq_length": recipe.training.seq_length,
+            "lr_warmup_steps": 1,
+            "eval_iters": 0,
+            "seed": 7,
+        },
+        "logging": {"tensorboard": False, "progress_bar": "off"},
+    }
+    root.mkdir(parents=True)
+    (root / "gpt.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    run_torchrun(
+        "megatron_ext.launch.cli",
+        1,
+        "train",
+        str(root / "gpt.yaml"),
+        f"run_dir={root / 'run'}",
+        module=True,
+    )
+    return root / "run"
+
+
+def _flat_checkpoint(folder: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors by GPTModel parameter name, read with
+    torch.distributed.checkpoint's own converter (no megatron-core, no process group): the
+    layers are stacked on a first axis there (``decoder.layers.<rest>``), and the local spec's
+    layer norms are filed under Transformer Engine's fused names (megatron-core's
+    ``sharded_state_dict_keys_map`` of a TransformerLayer)."""
+    fused = {
+        "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    }
+    dcp_to_torch_save(folder, out)
+    flat = torch.load(out, weights_only=False)
+    params = {}
+    for key, value in flat.items():
+        if torch.is_tensor(value) and not key.startswith("optimizer."):
+            if key.startswith("decoder.layers."):
+                rest = key.removeprefix("decoder.layers.")
+                rest = fused.get(rest, rest)
+                for i, layer in enumerate(value):
+                    params[f"decoder.layers.{i}.{rest}"] = layer
+            else:
+                params[key] = value
+    return params
+
+
+def test_the_base_model_can_be_a_gpt_trainer_checkpoint(data: Path, launched, tmp_path) -> None:
+    """dipaco.base_checkpoint naming an ordinary GPT run's checkpoint (its checkpoints folder:
+    the latest) gives base weights equal to that checkpoint's, bit for bit; a GPT checkpoint
+    of another model (another ffn width) stops the worker with one ConfigError line, exit 2, before
+    anything is written."""
+    recipe = load_recipe("dipaco_tiny", launched)
+    gpt = _gpt_run(data, recipe, tmp_path / "gpt")
+    step = gpt / "checkpoints" / "step_000003"
+    assert (gpt / "checkpoints" / "latest").read_text().strip() == step.name
+    expected = _flat_checkpoint(step, tmp_path / "flat.pt")
+
+    overrides = [
+        *small_overrides(data, tmp_path / "dipaco"),
+        f"dipaco.base_checkpoint={gpt / 'checkpoints'}",
+    ]
+    proc = run(["dipaco", "worker", "dipaco_tiny", *overrides, "--max-tasks", "2"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dipaco = load_recipe("dipaco_tiny", overrides)
+    base = load_tensors(attempt_dir(dipaco.run_dir, "base", _token(dipaco, "base")) / "model.pt")
+    assert set(base) == set(expected) and len(base) == 2 + 6 * 4 + 1
+    for name, tensor in base.items():
+        assert torch.equal(tensor, expected[name]), name
+    # the GPT run trained: its weights are not the initialisation DiPaCo would start from
+    first = load_tensors(attempt_dir(recipe.run_dir, "base", _token(recipe, "base")) / "model.pt")
+    assert not torch.equal(base["output_layer.weight"], first["output_layer.weight"])
+
+    bad = [
+        *small_overrides(data, tmp_path / "bad"),
+        f"dipaco.base_checkpoint={gpt / 'checkpoints'}",
+        "model.ffn_hidden_size=96",  # the GPT run's is 64
+    ]
+    proc = run(["dipaco", "worker", "dipaco_tiny", *bad])
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("megatron-ext: error:")]
+    assert len(errors) == 1 and "does not match the model" in errors[0], proc.stderr[-2000:]
+    assert "step_000003" in errors[0] and "dipaco.base_checkpoint" in errors[0]
+    assert not (tmp_path / "bad").exists()

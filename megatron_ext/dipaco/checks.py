@@ -33,13 +33,24 @@ def run_fingerprint(recipe: Recipe) -> str:
 
 
 def load_base_checkpoint(
-    path: str | Path, reference: dict[str, torch.Tensor]
+    path: str | Path,
+    reference: dict[str, torch.Tensor],
+    model: torch.nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The base model's parameters from ``path`` (a ``model.pt`` of a DiPaCo base task, or any
-    ``torch.save``'d GPTModel state dict, optionally under a ``model`` key), checked against
-    ``reference`` (the model's own parameters): same names, shapes and dtypes."""
+    """The base model's parameters from ``path``, checked against ``reference`` (the model's
+    own parameters): same names, shapes and dtypes. ``path`` is a GPT-trainer checkpoint folder
+    (``run_dir/checkpoints/step_NNNNNN``, or ``run_dir/checkpoints`` for its latest; read with
+    ``model``, a GPTModel of the recipe: :mod:`.gpt_base`), or a file: a ``model.pt`` of a
+    DiPaCo base task, or any ``torch.save``'d GPTModel state dict, optionally under a
+    ``model`` key."""
     path = Path(path)
     fix = "point dipaco.base_checkpoint at a base model of this model config, or set it to ''"
+    if path.is_dir():
+        if model is None:
+            raise ValueError("a GPT checkpoint folder is read through the model: pass model")
+        from megatron_ext.dipaco.gpt_base import load_gpt_checkpoint
+
+        return load_gpt_checkpoint(path, model, reference)
     if not path.is_file():
         raise ConfigError(f"dipaco.base_checkpoint={str(path)!r} does not exist; {fix}")
     try:
@@ -70,8 +81,10 @@ def load_base_checkpoint(
     return params
 
 
-def check_base_checkpoint(recipe: Recipe, reference: dict[str, torch.Tensor]) -> None:
+def check_base_checkpoint(
+    recipe: Recipe, reference: dict[str, torch.Tensor], model: torch.nn.Module
+) -> None:
     """Stop before anything is written when the recipe's base checkpoint cannot be used."""
     d = recipe.section(DipacoConfig)
     if d.base_checkpoint:
-        load_base_checkpoint(d.base_checkpoint, reference)
+        load_base_checkpoint(d.base_checkpoint, reference, model)

@@ -82,7 +82,10 @@ class DipacoConfig:
     )
     # base model
     base_checkpoint: str = spec(
-        "", help="a base model file (model.pt of a base run); '' = train it (training.steps)"
+        "",
+        help="the base model: a GPT run's checkpoint folder (run_dir/checkpoints/step_NNNNNN, "
+        "or run_dir/checkpoints for its latest), or a state-dict file (model.pt of a DiPaCo "
+        "base task); '' = train it here (training.steps)",
     )
     # task queue and workers
     queue: str = spec("", help="sqlite:///file.db or postgresql://...; '' = run_dir/queue.db")

@@ -108,7 +108,8 @@ def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     if ctx.d.base_checkpoint:
         from megatron_ext.dipaco.checks import load_base_checkpoint
 
-        save_tensors(out, load_base_checkpoint(ctx.d.base_checkpoint, pm.init_state))
+        weights = load_base_checkpoint(ctx.d.base_checkpoint, pm.init_state, pm.model)
+        save_tensors(out, weights)
         return {"steps": 0, "from": ctx.d.base_checkpoint}
     _, dataset = ctx.corpus
     stream = ShardStream(dataset, ctx.split()["train"])

@@ -216,4 +216,5 @@ def _check_before_writing(recipe: Recipe) -> None:
             f"{data.tokenizer_model!r} does not exist: give the tokenizer the base was trained with"
         )
     tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model)
-    check_base_checkpoint(recipe, PathModel(recipe, tokenizer.vocab_size).init_state)
+    path_model = PathModel(recipe, tokenizer.vocab_size)
+    check_base_checkpoint(recipe, path_model.init_state, path_model.model)
