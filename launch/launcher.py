@@ -13,7 +13,9 @@ does not fit fails here with one message instead of on N ranks after the rendezv
 
 :func:`build_launch_command` is the whole decision, free of side effects (it reads the recipe,
 nothing else): an environment mapping and a :class:`HostInfo` in, ``(argv, env)`` out.
-:func:`launch_main` probes the host, then prints (``--dry-run``) or runs the command.
+:func:`launch_main` probes the host, then prints (``--dry-run``) or checks this node
+(:mod:`.preflight`: the dataset, the run directory, the rendezvous port, free disk) and runs the
+command (:mod:`.supervise`: stop signals to the ranks, their errors reported once).
 
 This module never imports torch: it must work, and fail clearly, before any rank exists.
 """
@@ -37,17 +39,17 @@ from typing import NamedTuple
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.preflight import check_before_launch
+from megatron_ext.launch.supervise import run_ranks
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
+from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
 from megatron_ext.schedules.table import describe_schedule
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
 # ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
 RANK_ENTRY = ("-m", "megatron_ext.launch.cli", "train")
 DEFAULT_RDZV_ID = "megatron-ext"
-# The stop signals torchrun handles by terminating its ranks cleanly. Others (SIGUSR1 for a
-# SLURM time-limit warning, ...) are not forwarded: they would kill torchrun but not the ranks.
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,18 @@ class LaunchRequest:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+
+    def argv(self) -> list[str]:
+        """The ``megatron-ext launch`` arguments that ask for this again."""
+        flags = {
+            "--nproc-per-node": self.nproc_per_node,
+            "--nnodes": self.nnodes,
+            "--node-rank": self.node_rank,
+            "--rdzv-endpoint": self.rdzv_endpoint,
+            "--rdzv-id": self.rdzv_id,
+        }
+        given = [x for flag, v in flags.items() if v is not None for x in (flag, str(v))]
+        return [self.recipe, *self.overrides, *given]
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LaunchRequest:
@@ -127,7 +141,14 @@ def launch_main(args: argparse.Namespace) -> int:
             f"torch is not installed for {sys.executable}; install this package "
             "with its dependencies (make venv) or run inside the container"
         )
-    return run_forwarding_signals(argv, {**os.environ, **env})
+    recipe = read_recipe(request.recipe, request.overrides)
+    layout = resolve_layout(request, os.environ, host, recipe)
+    check_before_launch(recipe, layout.rdzv_endpoint, layout.node_rank)
+    resume = {LAUNCH_COMMAND_VAR: shlex.join(["megatron-ext", "launch", *request.argv()])}
+    stop = [getattr(signal, name) for name in recipe.training.exit_signals]
+    return run_ranks(
+        argv, {**os.environ, **env, **resume}, Path(recipe.run_dir), layout.node_rank, stop
+    )
 
 
 def build_launch_command(
@@ -361,27 +382,6 @@ def format_dry_run(argv: list[str], env: Mapping[str, str]) -> str:
     """A shell snippet that does what the launcher would: the variables, then the command."""
     exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
     return "\n".join([*exports, shlex.join(argv)])
-
-
-def run_forwarding_signals(argv: list[str], env: Mapping[str, str]) -> int:
-    """Run ``argv`` to completion; pass stop signals on; return its exit code.
-
-    The child gets its own process group so that a Ctrl-C at the terminal reaches torchrun
-    exactly once (from here) rather than twice (terminal and here), which would cut short
-    torchrun's shutdown of the ranks. Death by signal N returns 128+N, as a shell would.
-    """
-    child = subprocess.Popen(argv, env=dict(env), process_group=0)
-
-    def forward(signum: int, _frame: object) -> None:
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
-    try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code
 
 
 # --------------------------------------------------------------------------- helpers

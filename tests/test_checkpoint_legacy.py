@@ -95,7 +95,10 @@ def test_each_older_layout_resumes_as_the_old_code_did(recipe_file, tmp_path):
     for layout in EXPECTED:  # one torchrun start for both resumes
         run = [str(recipe_file), f"run_dir={tmp_path / layout}"]
         runs += [*run, f"checkpoint.load={CHECKPOINTS[layout]}", *OPTIMIZER[layout], "--"]
-    run_torchrun(DIST / "train_several.py", 2, *runs[:-1])
+    proc = run_torchrun(DIST / "train_several.py", 2, *runs[:-1])
+    for layout in EXPECTED:  # written before manifests: loaded unverified, and said so
+        note = f"{CHECKPOINTS[layout]} has no manifest (written before manifests): loading it"
+        assert f"megatron-ext: note: {note} unverified" in proc.stderr, proc.stderr[-2000:]
     for layout, (losses, norms) in EXPECTED.items():
         rows = [
             json.loads(r) for r in (tmp_path / layout / "metrics.jsonl").read_text().splitlines()

@@ -122,7 +122,7 @@ def test_run_passes_signals_on_and_returns_the_exit_code() -> None:
     )
     parent = (
         "import os, sys\n"
-        "from megatron_ext.launch.launcher import run_forwarding_signals\n"
+        "from megatron_ext.launch.supervise import run_forwarding_signals\n"
         f"sys.exit(run_forwarding_signals([sys.executable, '-c', {child!r}], os.environ))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
@@ -135,7 +135,7 @@ def test_run_passes_signals_on_and_returns_the_exit_code() -> None:
         proc.kill()
 
     killed = (
-        "import sys\nfrom megatron_ext.launch.launcher import run_forwarding_signals\n"
+        "import sys\nfrom megatron_ext.launch.supervise import run_forwarding_signals\n"
         "sys.exit(run_forwarding_signals([sys.executable, '-c', "
         "'import os; os.kill(os.getpid(), 9)'], {}))\n"
     )
@@ -160,3 +160,20 @@ def test_nothing_but_the_command_line_imports_the_launcher() -> None:
             ):
                 importers.append(str(path.relative_to(root)))
     assert importers == []
+
+
+def test_launch_checks_this_node_before_any_rank_starts(tmp_path: Path) -> None:
+    """A missing dataset (no data.source) and an unwritable run_dir stop the real launcher with
+    one line and exit 2 before torchrun starts (so no rank repeats the message)."""
+    recipe = write_recipe(tmp_path)  # data.path=/data/tokens, which does not exist
+    proc = run_cli("launch", recipe, f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "megatron-ext: error: data.path='/data/tokens': /data/tokens.bin and /data/tokens.idx "
+        "not found, and no data.source to build it from: build it (megatron-ext data build "
+        "FILES --output /data/tokens) or set data.source"
+    ]
+    (tmp_path / "file").write_text("")
+    proc = run_cli("launch", recipe, "data.source=[x]", f"run_dir={tmp_path / 'file' / 'r'}")
+    assert proc.returncode == 2 and "is not writable" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1

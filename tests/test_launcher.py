@@ -305,3 +305,181 @@ def test_count_gpus_from_dev_files_then_nvidia_smi(tmp_path: Path) -> None:
     smi.chmod(0o755)
     assert count_gpus({}, empty, nvidia_smi=str(smi)) == 2
     assert count_gpus({}, empty, nvidia_smi=str(tmp_path / "missing")) == 0
+
+
+# --------------------------------------------------------------------------- before launch
+
+
+def test_data_prefix_must_exist_unless_a_source_is_given(tmp_path: Path) -> None:
+    from megatron_ext.config.load import read_recipe
+    from megatron_ext.launch.preflight import check_data
+
+    missing = read_recipe(write_recipe(tmp_path), ["data.path=" + str(tmp_path / "tok")])
+    with pytest.raises(ConfigError, match=r"tok\.bin and .*tok\.idx not found, and no data.source"):
+        check_data(missing)
+    check_data(read_recipe(write_recipe(tmp_path), ["data.source=[corpus/]"]))  # built at start
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"tok{suffix}").write_bytes(b"")
+    check_data(missing)
+
+
+def test_run_dir_must_be_writable(tmp_path: Path) -> None:
+    from megatron_ext.launch.preflight import check_run_dir
+
+    check_run_dir(tmp_path / "new" / "run")  # created
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"run_dir=.*file/run' is not writable"):
+        check_run_dir(tmp_path / "file" / "run")
+
+
+def test_a_rendezvous_port_in_use_on_this_node_is_refused() -> None:
+    import socket
+
+    from megatron_ext.launch.preflight import check_port_free
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"port 127.0.0.1:{port} is in use on this node"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again
+    check_port_free("192.0.2.1", port)  # another machine's address (TEST-NET): not checked
+
+
+def test_too_little_disk_for_a_checkpoint_is_a_warning(tmp_path: Path, monkeypatch, capsys) -> None:
+    import shutil
+
+    from megatron_ext.config.load import read_recipe
+    from megatron_ext.launch import preflight
+
+    recipe = read_recipe("gpt_1b", [f"run_dir={tmp_path}"])
+    need = preflight.checkpoint_bytes(recipe)
+    assert 10e9 < need < 25e9  # ~1.2 B parameters x (fp32 weight, master, Adam/Muon state)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=need // 2))
+    preflight.warn_if_disk_short(recipe)
+    assert "megatron-ext: warning:" in capsys.readouterr().err
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=2 * need))
+    preflight.warn_if_disk_short(recipe)
+    assert capsys.readouterr().err == ""
+
+
+# --------------------------------------------------------------------------- rank failures
+
+
+def test_each_distinct_rank_error_is_reported_once_with_its_ranks(tmp_path: Path) -> None:
+    from megatron_ext.launch.failures import failure_report
+    from megatron_ext.run.rank_errors import record_error
+
+    env = {"MEGATRON_EXT_ERRORS_DIR": str(tmp_path)}
+    for rank in (0, 1, 2, 3, 5):
+        record_error(rank, 2, "megatron-ext: error: data.path='x' is missing", env)
+    record_error(4, 1, "RuntimeError: CUDA out of memory\n(more)", env)
+    log = tmp_path / "launch.log"
+    lines, code = failure_report(tmp_path, log, torchrun_code=1)
+    assert lines == [
+        "megatron-ext: error: data.path='x' is missing [ranks 0-3, 5]",
+        "RuntimeError: CUDA out of memory [rank 4]",
+        f"megatron-ext: the ranks' tracebacks and torchrun's report: {log}",
+    ]
+    assert code == 2  # rank 0's
+
+
+def test_ranks_that_died_without_a_word_are_named_from_torchruns_report(tmp_path: Path) -> None:
+    from megatron_ext.launch.failures import failure_report
+
+    log = tmp_path / "launch.log"
+    log.write_text(
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-12-01_09:26:57\n"
+        "  host      : node1\n  rank      : 3 (local_rank: 1)\n  exitcode  : -9 (pid: 4414)\n"
+    )
+    lines, code = failure_report(tmp_path / "none", log, torchrun_code=1)
+    assert lines[0] == "megatron-ext: error: rank 3 failed (killed by SIGKILL) [rank 3]"
+    assert code == 128 + 9
+
+
+def test_the_terminal_gets_the_ranks_stderr_without_tracebacks_and_reports() -> None:
+    import io
+
+    from megatron_ext.launch.failures import StderrTee
+
+    stream = io.StringIO(
+        "UserWarning: Apex is not installed\n"
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "x.py", line 1, in <module>\n'
+        "[rank1]: ValueError: bad\n"
+        "megatron-ext: warning: step_000008 is damaged: ...; trying the previous checkpoint\n"
+        "megatron-ext: error: data.path='x' is missing\n"
+        "E1201 09:26:57.506000 4508 torch/distributed/elastic/multiprocessing/api.py:882] failed\n"
+        "============================================================\n"
+        "megatron_ext.launch.cli FAILED\n"
+        "============================================================\n"
+        "step 3 done\n"
+    )
+    log, terminal = io.StringIO(), io.StringIO()
+    StderrTee(stream, log, terminal).join()
+    assert log.getvalue() == stream.getvalue()
+    assert terminal.getvalue().splitlines() == [
+        "UserWarning: Apex is not installed",
+        "megatron-ext: warning: step_000008 is damaged: ...; trying the previous checkpoint",
+        "step 3 done",
+    ]
+
+
+def test_stop_signals_reach_torchruns_children(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from megatron_ext.launch.supervise import children
+
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in "ab"]
+    try:
+        assert set(children(os.getpid())) >= {k.pid for k in kids}
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+
+
+def test_the_sbatch_script_stops_the_run_before_the_time_limit_and_requeues(tmp_path) -> None:
+    """docker/slurm_train.sbatch under stub srun/scancel/scontrol: SIGUSR1 to the batch script
+    (what --signal=B:USR1@120 sends) reaches the job's tasks (scancel --signal=USR1), and once
+    the step exits 0 the job is requeued."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    stubs = {  # the "step" stops (exit 0) on SIGUSR1, as the ranks do
+        "srun": f'echo "srun $*" >> {calls}; echo $$ > {tmp_path}/step.pid\n'
+        "trap 'sleep 0.2; exit 0' USR1\nwhile true; do sleep 0.05; done",
+        "scancel": f'echo "scancel $*" >> {calls}; kill -USR1 "$(cat {tmp_path}/step.pid)"',
+        "scontrol": f'echo "scontrol $*" >> {calls}',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_CPUS_ON_NODE": "8",
+        "SLURM_SUBMIT_DIR": str(tmp_path),
+    }
+    script = Path(__file__).resolve().parents[1] / "docker" / "slurm_train.sbatch"
+    proc = subprocess.Popen(["bash", str(script), "gpt_8b"], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "step.pid").is_file() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("srun --ntasks-per-node=1") and lines[0].endswith("launch gpt_8b")
+    assert lines[1:] == ["scancel --signal=USR1 77", "scontrol requeue 77"]

@@ -19,6 +19,7 @@ from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS, check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.run.precision import PRECISIONS, check_precision_fields
+from megatron_ext.run.stopping import check_stop_fields
 from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 if TYPE_CHECKING:
@@ -162,6 +163,17 @@ class TrainingConfig:
     eval_iters: int = spec(
         0, ge=0, help="global batches of the validation split; 0 = no validation"
     )
+    # Stopping early, cleanly: save a checkpoint, exit 0 (megatron_ext.run.stopping)
+    exit_interval: int | None = spec(
+        None, ge=1, help="save and exit after a step divisible by N (Megatron-LM's name)"
+    )
+    exit_duration_in_mins: float | None = spec(
+        None, gt=0, help="save and exit after N minutes of this run (Megatron-LM's name)"
+    )
+    exit_signals: list[str] = spec(
+        ["SIGTERM", "SIGUSR1"],
+        help="signals on which every rank finishes its step, saves and exits 0; [] = none",
+    )
 
 
 @dataclass
@@ -195,7 +207,12 @@ class CheckpointConfig:
         "'none'; or a checkpoint directory (a step_000000 one gives only its weights)",
     )
     save_initial: bool = spec(False, help="also write step_000000 before the first step")
-    keep_last: int = spec(2, ge=1)
+    keep_last: int = spec(2, ge=1, help="intact checkpoints kept (older ones are deleted)")
+    verify: str = spec(
+        "checksums",
+        choices=("checksums", "sizes"),
+        help="before loading: each file's size and CRC-32 against manifest.json, or sizes only",
+    )
 
 
 @dataclass
@@ -305,4 +322,5 @@ class Recipe:
             )
         check_precision_fields(self)
         self.optimizer.check()
+        check_stop_fields(t)
         trainer.check(self, world_size)

@@ -6,10 +6,17 @@ Layout under ``<run_dir>/checkpoints``::
     step_000100/        a complete checkpoint (dist_checkpointing files + metadata)
     latest              text file naming the newest complete checkpoint
 
-A save goes to ``.step_000100.tmp`` first; only after every rank has finished writing does rank 0
-rename it to ``step_000100`` and then replace ``latest`` (``os.replace``, atomic on POSIX).  A
-crash at any point leaves the previous checkpoint and ``latest`` untouched; a leftover ``.tmp``
-folder is removed by the next save.
+A save goes to ``.step_000100.tmp`` first; after every rank has finished writing, the ranks hash
+their files into ``manifest.json`` (:mod:`megatron_ext.ckpt`), then rank 0 renames the folder to
+``step_000100`` and replaces ``latest`` (``os.replace``, atomic on POSIX).  A crash at any point
+leaves the previous checkpoint and ``latest`` untouched; a leftover ``.tmp`` folder is removed by
+the next save.
+
+Before loading, the manifest is verified (``checkpoint.verify``: sizes and checksums, or sizes).
+``load: auto`` skips a damaged checkpoint for the previous intact one and says so; a damaged
+checkpoint named in ``checkpoint.load`` stops the run (``ConfigError``, exit 2) with the same
+report. A checkpoint without a manifest (written before manifests) loads with a note. Pruning
+keeps the newest ``keep_last`` intact checkpoints, so it never deletes the only intact one.
 
 Contents: the model and optimizer as ShardedTensors (resharding-ready), and as per-rank
 ``ShardedObject``s the RNG states and the loop state (step, consumed samples).  The LR schedule
@@ -21,6 +28,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +39,19 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_ext.ckpt.collective import verify_collectively, write_manifest_collectively
+from megatron_ext.ckpt.select import (
+    LATEST,
+    Verdict,
+    checkpoint_dirs,
+    inspect,
+    prune_plan,
+    resume_order,
+)
 from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron import fp32_weight_masters
-
-LATEST = "latest"
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class Checkpointer:
 
     ckpt_dir: Path
     config: CheckpointConfig
+    recipe_hash: str = ""  # written into each manifest (megatron_ext.ckpt.manifest.recipe_hash)
 
     def should_save(self, step: int, last_step: int) -> bool:
         """Every ``save_interval`` completed steps (0: never), and at ``last_step`` when
@@ -58,24 +74,77 @@ class Checkpointer:
     def save(
         self, step: int, model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any]
     ) -> Path:
-        """Checkpoint ``step`` (collective: every rank calls it); keeps the newest ``keep_last``."""
+        """Checkpoint ``step`` (collective: every rank calls it); keeps the newest ``keep_last``
+        intact ones."""
         return save_checkpoint(
-            self.ckpt_dir, step, model, optimizer, loop_state, self.config.keep_last
+            self.ckpt_dir,
+            step,
+            model,
+            optimizer,
+            loop_state,
+            self.config.keep_last,
+            self.recipe_hash,
         )
 
     def resume(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
-        """Load ``checkpoint.load`` ('auto': the newest checkpoint in ``ckpt_dir``, if any;
-        'none'; or a directory) into model and optimizer; returns its loop state, or None
-        when there is nothing to resume."""
+        """Load ``checkpoint.load`` ('auto': the newest intact checkpoint in ``ckpt_dir``, if
+        any; 'none'; or a directory) into model and optimizer; returns its loop state, or None
+        when there is nothing to resume. Raises ``ConfigError`` for a damaged named checkpoint,
+        or when every checkpoint of ``ckpt_dir`` is damaged."""
         choice = self.config.load
         if choice == "none":
             return None
-        path = latest_checkpoint(self.ckpt_dir) if choice == "auto" else Path(choice)
-        if path is None:
-            return None
-        if not path.is_dir():
-            raise ConfigError(f"checkpoint.load={choice!r}: no such checkpoint directory")
-        return load_checkpoint(path, model, optimizer)
+        if choice != "auto":
+            path = Path(choice)
+            if not path.is_dir():
+                raise ConfigError(f"checkpoint.load={choice!r}: no such checkpoint directory")
+            return self._load_verified(path, model, optimizer, fallback=False)
+        damaged = []
+        for path in resume_order(self.ckpt_dir):
+            loop = self._load_verified(path, model, optimizer, fallback=True)
+            if loop is not None:
+                return loop
+            damaged.append(path.name)
+        if damaged:
+            raise ConfigError(
+                f"every checkpoint in {self.ckpt_dir} is damaged ({', '.join(damaged)}; "
+                f"reports above): move them away to start over, or name one with checkpoint.load"
+            )
+        return None
+
+    def _load_verified(
+        self, path: Path, model: torch.nn.Module, optimizer: Any, fallback: bool
+    ) -> dict[str, Any] | None:
+        """Verify ``path`` and load it; a damaged one is reported and gives None
+        (``fallback``) or a ``ConfigError``. A checkpoint without a manifest that fails to
+        load counts as damaged."""
+        verdict = verify_collectively(path, self.config.verify)
+        if verdict.intact and not verdict.manifest:
+            _say(f"note: {path} has no manifest (written before manifests): loading it unverified")
+        if verdict.intact:
+            try:
+                return load_checkpoint(path, model, optimizer)
+            except Exception as exc:
+                if verdict.manifest:
+                    raise
+                cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                verdict = Verdict(path, [], manifest=False)
+                report = f"{path} could not be read ({cause})"
+        else:
+            report = verdict.report()
+        if not fallback:
+            raise ConfigError(
+                f"checkpoint.load={path}: {report}; name another checkpoint, or use "
+                f"checkpoint.load=auto to resume from the newest intact one"
+            )
+        _say(f"warning: {report}; trying the previous checkpoint")
+        return None
+
+
+def _say(message: str) -> None:
+    """One ``megatron-ext:`` line on rank 0's stderr (what the launcher shows as it comes)."""
+    if dist.get_rank() == 0:
+        print(f"megatron-ext: {message}", file=sys.stderr, flush=True)
 
 
 def _name(step: int) -> str:
@@ -138,20 +207,6 @@ def _sharded_state(
     return state
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
-    pointer = ckpt_dir / LATEST
-    if not pointer.is_file():
-        return None
-    path = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
-    if not (path / "metadata.json").is_file():
-        raise RuntimeError(
-            f"{pointer} names {path.name}, which is not a complete checkpoint; "
-            f"remove {pointer} to start over or point it at another step_* folder"
-        )
-    return path
-
-
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
@@ -159,8 +214,10 @@ def save_checkpoint(
     optimizer: Any,
     loop_state: dict[str, Any],
     keep_last: int,
+    recipe_hash: str = "",
 ) -> Path:
-    """Write checkpoint ``step`` atomically on every rank; returns its final path."""
+    """Write checkpoint ``step`` atomically on every rank, with its manifest; returns its final
+    path."""
     optimizer.finish_param_sync()  # parameters still arriving from other ranks
     final = ckpt_dir / _name(step)
     tmp = ckpt_dir / f".{_name(step)}.tmp"
@@ -174,6 +231,7 @@ def save_checkpoint(
         _sharded_state(model, optimizer, loop_state, is_loading=False), str(tmp)
     )
     dist.barrier()
+    write_manifest_collectively(tmp, step=step, recipe_hash=recipe_hash, layout=_layout())
     if dist.get_rank() == 0:
         if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
@@ -181,15 +239,30 @@ def save_checkpoint(
         pointer_tmp = ckpt_dir / f".{LATEST}.tmp"
         pointer_tmp.write_text(final.name + "\n", encoding="utf-8")
         os.replace(pointer_tmp, ckpt_dir / LATEST)
-        _prune(ckpt_dir, keep_last)
+        _prune(ckpt_dir, keep_last, written=final)
     dist.barrier()
     return final
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
-    for old in done[:-keep_last]:
+def _prune(ckpt_dir: Path, keep_last: int, written: Path) -> None:
+    """Keep the newest ``keep_last`` intact checkpoints (sizes checked against each manifest;
+    ``written``, just saved, is intact) and whatever damaged ones are newer."""
+    dirs = checkpoint_dirs(ckpt_dir)
+    for old in prune_plan(dirs, keep_last, lambda d: d == written or inspect(d, "sizes").intact):
         shutil.rmtree(old)
+
+
+def _layout() -> dict[str, int]:
+    """The parallel layout a checkpoint was written with (for its manifest)."""
+    ps = parallel_state
+    return {
+        "world_size": dist.get_world_size(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+    }
 
 
 def parameter_checksums(model: torch.nn.Module, expert: bool) -> torch.Tensor:

@@ -4,7 +4,8 @@ optimizer adapter.
 Read top to bottom: set up (:mod:`.setup`), resume, then per step -- forward/backward through
 megatron-core's schedule, optimizer step (:mod:`.step`) -> stop on a non-finite loss -> record
 (the logger decides when to print) -> validation (the evaluator decides when) -> checkpoint
-(the checkpointer decides when).
+(the checkpointer decides when) -> stop early, cleanly (a stop signal, the time limit or
+``training.exit_interval``: :mod:`megatron_ext.run.stopping`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import time
 from typing import Any
 
+from megatron_ext.ckpt.manifest import recipe_hash
 from megatron_ext.config.optimizer import update_rms_note
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import TrainingDivergedError
@@ -22,6 +24,7 @@ from megatron_ext.gpt.report import record_step, record_validation, summarize
 from megatron_ext.gpt.setup import setup
 from megatron_ext.gpt.step import train_step
 from megatron_ext.run.metrics import MetricsLogger
+from megatron_ext.run.stopping import RunStopped, StopPolicy
 
 __all__ = ["train"]
 
@@ -29,10 +32,12 @@ __all__ = ["train"]
 def train(recipe: Recipe) -> dict[str, Any]:
     """Per-rank entry point: train ``recipe`` to ``training.steps``, resuming from the newest
     checkpoint (``checkpoint.load``). Returns the run summary (rank 0 also writes
-    ``run_dir/summary.json``); raises :class:`TrainingDivergedError` on a non-finite loss."""
+    ``run_dir/summary.json``); raises :class:`TrainingDivergedError` on a non-finite loss and
+    :class:`RunStopped` after saving when asked to stop early."""
+    stop = StopPolicy.from_training(recipe.training)  # before setup: a signal during it counts
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
-    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint)
+    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, recipe_hash(recipe))
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
@@ -45,6 +50,7 @@ def train(recipe: Recipe) -> dict[str, Any]:
                 f"raise training.steps to continue, or delete {run.run_dir} to start over",
                 flush=True,
             )
+        stop.uninstall()
         return {}
     log = MetricsLogger(
         run.run_dir,
@@ -64,6 +70,7 @@ def train(recipe: Recipe) -> dict[str, Any]:
     log.info(update_rms_note(recipe.optimizer))
     if run.start_step == 0 and checkpointer.should_save(0, t.steps):  # checkpoint.save_initial
         checkpointer.save(0, run.model, run.optimizer, {"step": 0, "consumed_samples": 0})
+    stopping = None
     try:
         for step in range(run.start_step, t.steps):
             t0 = time.perf_counter()
@@ -78,9 +85,19 @@ def train(recipe: Recipe) -> dict[str, Any]:
             record_step(log, run, done, result, step_time)
             if evaluator.should_evaluate(done, t.steps):
                 record_validation(log, run, done, evaluator.evaluate(run))
+            loop = {"step": done, "consumed_samples": run.schedule.samples_before(done)}
+            saved = None
             if checkpointer.should_save(done, t.steps):
-                loop = {"step": done, "consumed_samples": run.schedule.samples_before(done)}
-                checkpointer.save(done, run.model, run.optimizer, loop)
+                saved = checkpointer.save(done, run.model, run.optimizer, loop)
+            # asked after the save, so that a signal during it stops the run right there
+            stopping = stop.check(done, device=run.env.device) if done < t.steps else None
+            if stopping:
+                saved = saved or checkpointer.save(done, run.model, run.optimizer, loop)
+                break
     finally:
         log.close()
-    return summarize(run, log)
+        stop.uninstall()
+    summary = summarize(run, log)
+    if stopping:
+        raise RunStopped(done, t.steps, stopping, saved)
+    return summary

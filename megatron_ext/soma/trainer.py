@@ -12,7 +12,11 @@ Readable top to bottom:
    ``soma/curves.csv`` and ``soma/curves.png``.
 
 Checkpoints (per expert, atomic) are written every ``checkpoint.save_interval`` updates and at the
-end of each phase; a restarted run continues from them exactly. Every validation check is one
+end of each phase; a restarted run continues from them exactly. A stop signal (or
+``training.exit_duration_in_mins`` / ``exit_interval`` in updates, :mod:`megatron_ext.run.stopping`)
+makes every rank finish its update, save its experts and stop (:class:`RunStopped`, exit 0):
+agreed over the ranks where a phase communicates (the seed run, DDPP), decided by each rank
+alone under FSO, which never communicates while training. Every validation check is one
 record of the run's metrics logger (log line, ``metrics.jsonl``, TensorBoard), written by the
 rank that writes that expert's checkpoint.
 """
@@ -30,6 +34,7 @@ import torch.distributed as dist
 from megatron_ext.config.schema import Recipe
 from megatron_ext.run.distributed import init_process_group
 from megatron_ext.run.metrics import MetricsLogger
+from megatron_ext.run.stopping import RunStopped, StopPolicy
 from megatron_ext.soma.corpus import SomaCorpus, prepare_corpus
 from megatron_ext.soma.data import ExpertShard
 from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
@@ -96,6 +101,7 @@ def train_phase(
     save: Callable[[], None],
     log: MetricsLogger,
     writer: bool,
+    stop: StopPolicy,
     on_update: Callable[[int], None] | None = None,
 ) -> None:
     """Run ``states`` (all at the same update counter) up to ``total_updates``.
@@ -104,7 +110,8 @@ def train_phase(
     plateau check) every ``soma.eval_interval`` updates, each check one record of ``log``;
     ``save()`` every ``checkpoint.save_interval`` updates and at the end. ``writer``: this rank
     writes these states' checkpoints and records (another rank holding the same states
-    echoes its lines only)."""
+    echoes its lines only). ``stop``: asked after each update; a stop saves and raises
+    :class:`RunStopped`."""
     s, every = recipe.section(SomaConfig), recipe.checkpoint.save_interval
     if not states:
         return
@@ -121,8 +128,19 @@ def train_phase(
             rate = tokens * len(states) / (time.perf_counter() - t0)
             for st, shard, loss in zip(states, shards, losses, strict=True):
                 _validate(ctx, st, shard, loss, rate, total_updates, log, writer)
-        if writer and every and (u + 1) % every == 0 and u + 1 < total_updates:
+        saved = bool(writer and every and (u + 1) % every == 0 and u + 1 < total_updates)
+        if saved:
             save()
+        # the seed run and DDPP split each update over the ranks: they stop together
+        reason = (
+            stop.check(u + 1, collective=ctx.split.world > 1) if u + 1 < total_updates else None
+        )
+        if reason:
+            if writer and not saved:
+                save()
+            phase = "seed" if states[0].expert == SEED_EXPERT else "expert"
+            experts = expert_path(Path(recipe.run_dir), states[0].expert).parent
+            raise RunStopped(u + 1, total_updates, reason, experts, unit=f"{phase} update")
     if writer:
         save()
 
@@ -169,7 +187,12 @@ def _validate(
 
 
 def _seed_run(
-    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, rank: int, log: MetricsLogger
+    recipe: Recipe,
+    corpus: SomaCorpus,
+    ctx: UpdateContext,
+    rank: int,
+    log: MetricsLogger,
+    stop: StopPolicy,
 ) -> None:
     """Phase 2. Leaves the trained E in ``ctx.emb`` and the seed body in ``seed.pt``."""
     gen = torch.Generator().manual_seed(recipe.training.seed)
@@ -205,12 +228,18 @@ def _seed_run(
         save,
         log,
         writer=rank == 0,  # every rank holds the same seed state
+        stop=stop,
         on_update=head_step,
     )
 
 
 def _expert_run(
-    recipe: Recipe, corpus: SomaCorpus, ctx: UpdateContext, experts: list[int], log: MetricsLogger
+    recipe: Recipe,
+    corpus: SomaCorpus,
+    ctx: UpdateContext,
+    experts: list[int],
+    log: MetricsLogger,
+    stop: StopPolicy,
 ) -> None:
     """Phase 3 for ``experts`` (this rank's, or all of them under DDPP)."""
     s = recipe.section(SomaConfig)
@@ -241,11 +270,13 @@ def _expert_run(
             save,
             log,
             writer,
+            stop,
         )
 
 
 def train(recipe: Recipe) -> None:
-    """Per-rank entry point (``trainer: soma``)."""
+    """Per-rank entry point (``trainer: soma``); raises :class:`RunStopped` when stopped early."""
+    stop = StopPolicy.from_training(recipe.training)
     s = recipe.section(SomaConfig)
     # CPU tensors and gloo; one process needs no group (FSO never communicates while training).
     env = init_process_group(
@@ -266,13 +297,19 @@ def train(recipe: Recipe) -> None:
         prefix=f"[soma rank {rank}] " if world > 1 else "[soma] ",
     )
     try:
-        _train(recipe, rank, world, barrier, log)
+        _train(recipe, rank, world, barrier, log, stop)
     finally:
         log.close()
+        stop.uninstall()
 
 
 def _train(
-    recipe: Recipe, rank: int, world: int, barrier: Callable[[], None], log: MetricsLogger
+    recipe: Recipe,
+    rank: int,
+    world: int,
+    barrier: Callable[[], None],
+    log: MetricsLogger,
+    stop: StopPolicy,
 ) -> None:
     torch.manual_seed(recipe.training.seed)
     corpus = prepare_corpus(recipe, rank, barrier, log.info)
@@ -293,14 +330,14 @@ def _train(
             f"({len(corpus.test)} held out); body {layout.numel} parameters, "
             f"n_pert={s.n_pert} B={s.batch_size} T={s.seq_length} A={s.accumulation}"
         )
-    _seed_run(recipe, corpus, ctx, rank, log)
+    _seed_run(recipe, corpus, ctx, rank, log, stop)
     barrier()
     if s.distribution == "fso":
         ctx.split = DirectionSplit(s.n_pert)  # no communication while training
         experts = fso_experts(s.num_experts, rank, world)
     else:
         experts = list(range(s.num_experts))
-    _expert_run(recipe, corpus, ctx, experts, log)
+    _expert_run(recipe, corpus, ctx, experts, log, stop)
     barrier()
     if rank == 0:
         from megatron_ext.soma.report import write_run_report

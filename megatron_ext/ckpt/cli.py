@@ -1,0 +1,71 @@
+"""``megatron-ext ckpt verify RUN_DIR_OR_CHECKPOINT``: the load-time integrity check, offline.
+
+Checks one checkpoint (a ``step_*`` folder), or every checkpoint of a run directory (its
+``checkpoints/`` folder) or of a ``checkpoints/`` folder, against their manifests: one line per
+checkpoint (intact, written before manifests, or damaged: which file, what is wrong), then which
+one ``checkpoint.load: auto`` would resume from. Exit 0 when every checkpoint checked is intact,
+1 when one is damaged, 2 when the path holds no checkpoint. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatron_ext.ckpt.select import checkpoint_dirs, inspect, resume_order, step_of
+from megatron_ext.errors import ConfigError
+from megatron_ext.run.commands import Command, register_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    v = sub.add_parser("verify", help="check checkpoints against their manifests")
+    v.add_argument("path", help="a run directory, its checkpoints/ folder, or one step_* folder")
+    v.add_argument(
+        "--sizes-only", action="store_true", help="compare file sizes only (no checksums)"
+    )
+
+
+def _checkpoints(path: Path) -> tuple[Path | None, list[Path]]:
+    """(the folder holding checkpoints or None for a single one, the checkpoints to check)."""
+    if step_of(path) is not None and path.is_dir():
+        return None, [path]
+    for folder in (path / "checkpoints", path):
+        found = checkpoint_dirs(folder)
+        if found:
+            return folder, found
+    raise ConfigError(
+        f"{path}: no checkpoint here (expected a step_* folder, or a run directory whose "
+        f"checkpoints/ folder holds them)"
+    )
+
+
+def verify_main(args: argparse.Namespace) -> int:
+    """Run ``megatron-ext ckpt verify``; returns the exit code (see the module docstring)."""
+    folder, dirs = _checkpoints(Path(args.path))
+    mode = "sizes" if args.sizes_only else "checksums"
+    verdicts = {d: inspect(d, mode) for d in dirs}
+    for verdict in verdicts.values():
+        print(verdict.report())
+    if folder is not None:
+        usable = [d for d in resume_order(folder) if verdicts[d].intact]
+        print(f"checkpoint.load=auto resumes from: {usable[0] if usable else 'nothing intact'}")
+    return 0 if all(v.intact for v in verdicts.values()) else 1
+
+
+def ckpt_main(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "verify":
+        return verify_main(args)
+    raise ConfigError(f"unknown ckpt action {args.ckpt_command!r}; use verify")
+
+
+register_command(
+    Command(
+        name="ckpt",
+        usage="verify PATH",
+        help="check checkpoints against their manifests",
+        description="Verify checkpoints offline, as a run does before loading one.",
+        add_arguments=add_arguments,
+        run=ckpt_main,
+    )
+)
