@@ -137,6 +137,11 @@ def test_flat_moe_and_dense_diloco_are_layouts_too(tmp_path: Path) -> None:
         (["dipaco.routing=discrimnative"], "did you mean 'discriminative'"),
         (["dipaco.outer_lr=0"], "out of range"),
         (["dipaco.inner_warmup_steps=1000"], "inner_warmup_steps"),
+        (["dipaco.ranks_per_worker=2"], "divide the 8 // 8 micro-batches"),
+        (
+            ["dipaco.ranks_per_worker=2", "training.micro_batch_size=4", "dipaco.inner=spsa"],
+            "has none",
+        ),
     ],
 )
 def test_bad_dipaco_input_is_one_config_error(tmp_path: Path, overrides, message) -> None:

@@ -10,6 +10,8 @@
   (their tasks are re-leased, the zombie's completion is rejected and its files discarded);
 - the base model can be an ordinary GPT run's checkpoint (its weights exactly); a base
   checkpoint that does not match the model is a ConfigError;
+- a two-rank worker (``dipaco.ranks_per_worker=2``: its first rank claims, both train each
+  path data-parallel) writes the same final modules as one-rank workers, bit for bit;
 - ``bench dipaco``'s bytes per outer step (parameter-server accounting on both sides) are 1/τ
   of DDP's on the same tokens with every part shared, and less with path-specific parts.
 """
@@ -32,7 +34,9 @@ from megatron_ext.config import load_recipe
 from megatron_ext.dipaco.checks import load_base_checkpoint
 from megatron_ext.dipaco.faults import fault_run, max_abs_difference
 from megatron_ext.dipaco.measure import comm_bytes, small_overrides, small_run, write_small_corpus
-from megatron_ext.dipaco.recipe import DipacoConfig
+from megatron_ext.dipaco.plan import train_id
+from megatron_ext.dipaco.queue import TaskQueue
+from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
 from megatron_ext.dipaco.store import attempt_dir, load_tensors
 from megatron_ext.errors import ConfigError
 from tests.conftest import run_torchrun
@@ -187,9 +191,6 @@ def test_bytes_per_outer_step_are_one_over_tau_of_ddp_and_less_with_own_parts(
 
 
 def _token(recipe, task: str) -> str:
-    from megatron_ext.dipaco.queue import TaskQueue
-    from megatron_ext.dipaco.recipe import queue_url
-
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="test")
     try:
         return queue.token(task)
@@ -296,3 +297,30 @@ def test_the_base_model_can_be_a_gpt_trainer_checkpoint(data: Path, launched, tm
     assert len(errors) == 1 and "does not match the model" in errors[0], proc.stderr[-2000:]
     assert "step_000003" in errors[0] and "dipaco.base_checkpoint" in errors[0]
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_two_rank_worker_writes_the_modules_of_a_one_rank_worker_bit_for_bit(
+    data: Path, tmp_path
+) -> None:
+    """``dipaco.ranks_per_worker=2`` under the launcher (torchrun, 2 gloo ranks): one worker
+    whose first rank claims every task and whose two ranks train each path data-parallel (4
+    micro-batches per inner step, 2 per rank, gradients added in micro-batch order). Its final
+    modules and outer momenta equal a one-rank worker's exactly. With 4 micro-batches the
+    order matters: a plain sum of the ranks' partial sums, (g0 + g1) + (g2 + g3), is not the
+    one-rank ((g0 + g1) + g2) + g3 in float32."""
+    batch = ["training.global_batch_size=8"]  # micro-batches of 2: 4 per step
+    one = [*small_overrides(data, tmp_path / "one"), *batch]
+    small_run("dipaco_tiny", one)
+    overrides = [*small_overrides(data, tmp_path / "two"), *batch, "dipaco.ranks_per_worker=2"]
+    proc = run(["launch", "dipaco_tiny", *overrides])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    recipe = load_recipe("dipaco_tiny", overrides)
+    queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="test")
+    try:
+        trains = [queue.result(train_id(t, p)) for t in range(2) for p in range(4)]
+        claimers = {e[2] for e in queue.events() if e[4] == "claim"}
+    finally:
+        queue.close()
+    assert [r["ranks"] for r in trains] == [2] * 8
+    assert claimers == {"rank0"}  # the second rank never talks to the queue as a worker
+    assert max_abs_difference(recipe, load_recipe("dipaco_tiny", one)) == 0.0

@@ -17,7 +17,14 @@ from megatron_ext.errors import ConfigError
 __all__ = ["check_base_checkpoint", "load_base_checkpoint", "run_fingerprint"]
 
 # fields that do not change what a run computes: workers may differ in them
-_OPERATIONAL = ("queue", "lease_seconds", "heartbeat_seconds", "max_attempts", "poll_seconds")
+_OPERATIONAL = (
+    "queue",
+    "lease_seconds",
+    "heartbeat_seconds",
+    "max_attempts",
+    "poll_seconds",
+    "ranks_per_worker",  # a multi-rank worker computes the same bits (megatron_ext.dipaco.group)
+)
 
 
 def run_fingerprint(recipe: Recipe) -> str:

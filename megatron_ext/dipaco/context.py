@@ -17,6 +17,7 @@ import torch
 
 from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import Recipe
+from megatron_ext.dipaco.group import WorkerGroup
 from megatron_ext.dipaco.layout import ModuleId
 from megatron_ext.dipaco.plan import BASE, PREPARE, outer_id, route_id, shard_phase, train_id
 from megatron_ext.dipaco.queue import Lease, TaskQueue
@@ -42,10 +43,18 @@ def load_arrays(path: Path) -> dict[str, np.ndarray]:
 
 
 class TaskContext:
-    """One worker's view of the run; ``lost()`` says whether the current lease was lost."""
+    """One worker's view of the run; ``lost()`` says whether the current lease was lost;
+    ``group``: the ranks of this worker (one, or R: :mod:`.group`)."""
 
-    def __init__(self, recipe: Recipe, queue: TaskQueue, lost: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        queue: TaskQueue,
+        lost: Callable[[], bool],
+        group: WorkerGroup | None = None,
+    ) -> None:
         self.recipe, self.queue, self.lost = recipe, queue, lost
+        self.group = group or WorkerGroup.single()
         self.d: DipacoConfig = recipe.section(DipacoConfig)
         self.layout = path_layout(recipe)
         self.run_dir = Path(recipe.run_dir)

@@ -93,6 +93,12 @@ class DipacoConfig:
     heartbeat_seconds: float = spec(10.0, gt=0.0, help="a worker renews its lease this often")
     max_attempts: int = spec(3, ge=1, help="claims of one task before the run stops")
     poll_seconds: float = spec(0.2, gt=0.0, help="idle workers look for tasks this often")
+    ranks_per_worker: int = spec(
+        1,
+        ge=1,
+        help="R consecutive ranks form one worker: its first rank claims, the R ranks train a "
+        "path data-parallel (same modules bit for bit as one rank; megatron_ext.dipaco.group)",
+    )
 
 
 def path_layout(recipe: Recipe) -> PathLayout:
@@ -161,6 +167,23 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
         raise ConfigError(
             f"dipaco.inner_warmup_steps={d.inner_warmup_steps} must be below the "
             f"phases*tau = {d.phases * d.tau} inner steps of a path"
+        )
+    r = d.ranks_per_worker
+    if r > 1 and d.inner != "gradient":
+        raise ConfigError(
+            f"dipaco.ranks_per_worker={r} splits micro-batches over ranks; dipaco.inner="
+            f"{d.inner} has none: use dipaco.ranks_per_worker=1"
+        )
+    if r > 1 and (t.global_batch_size // max(t.micro_batch_size, 1)) % r:
+        raise ConfigError(
+            f"dipaco.ranks_per_worker={r} must divide the {t.global_batch_size} // "
+            f"{t.micro_batch_size} micro-batches of an inner step (training.global_batch_size / "
+            f"training.micro_batch_size)"
+        )
+    if world_size is not None and world_size % r:
+        raise ConfigError(
+            f"dipaco.ranks_per_worker={r} does not divide the job's {world_size} ranks: start "
+            f"a multiple of {r} ranks"
         )
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(

@@ -21,6 +21,7 @@ from megatron_ext.dipaco.data import (
     shard_split,
     split_documents,
 )
+from megatron_ext.dipaco.group import data_parallel_inner_steps
 from megatron_ext.dipaco.inner import InnerOptimizer, inner_schedule, inner_steps
 from megatron_ext.dipaco.layout import ModuleId
 from megatron_ext.dipaco.model import lm_loss
@@ -193,8 +194,14 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
     lrs = [sched.lr_at(k) for k in steps]
     if d.inner == "spsa":
         losses = spsa_inner_steps(optimizer, batches, lrs, steps[0], phase, lm_loss, where)
+    elif ctx.group.size > 1:
+        losses = data_parallel_inner_steps(
+            pm.model, optimizer, batches, lrs, lm_loss, ctx.group, where
+        )
     else:
         losses = inner_steps(pm.model, optimizer, batches, lrs, lm_loss, where)
+    if not ctx.group.leader:  # the leader writes and reports
+        return {}
     parts, out = split_by_level(pm.state(), ctx.layout), ctx.out(lease)
     for level in range(ctx.layout.num_levels):
         save_tensors(out / f"l{level}.pt", parts[level])
@@ -209,6 +216,7 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "loss_mean": float(np.mean(losses)),
+        "ranks": ctx.group.size,
     }
 
 

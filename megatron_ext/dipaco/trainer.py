@@ -4,8 +4,10 @@
     module -> re-shard) -> early-stopping choice per path -> routed evaluation (summary.json)
 
 The work is the queue's (:mod:`.plan`, :mod:`.tasks`); a rank here, or any process started with
-``megatron-ext dipaco worker RECIPE``, claims tasks until the run is complete. Ranks do not
-communicate: a path trains on one rank, and fewer ranks than paths is normal.
+``megatron-ext dipaco worker RECIPE``, claims tasks until the run is complete, and fewer workers
+than paths is normal. Workers do not communicate with each other; with
+``dipaco.ranks_per_worker`` = R, R consecutive ranks are one worker and train a path
+data-parallel (:mod:`.group`).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ is every ``megatron-ext dipaco worker RECIPE`` process. Each worker
 3. stops when every task is done, or when a task has failed ``max_attempts`` times
    (:class:`TaskFailedError`). Bad input found by a task (a :class:`ConfigError`, e.g. a path with
    an empty shard) and a diverged loss stop the run at once: they would fail again.
+
+A worker of ``dipaco.ranks_per_worker`` = R > 1 ranks (:mod:`.group`) does all of this on its
+first rank, which sends each train task to the other R − 1; they train the path with it,
+data-parallel, and write nothing.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_ext.atomic import write_json
 from megatron_ext.config.schema import Recipe
 from megatron_ext.dipaco.checks import run_fingerprint
 from megatron_ext.dipaco.context import LeaseLost, TaskContext
+from megatron_ext.dipaco.group import WorkerGroup
 from megatron_ext.dipaco.plan import build_plan
 from megatron_ext.dipaco.queue import Lease, TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
@@ -113,9 +120,36 @@ def run_worker(
 ) -> WorkerReport:
     """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done).
 
-    ``pause_before_completing`` (fault tests): a task kind; after doing its first task of that
-    kind, the worker stops itself (SIGSTOP) before completing it, to be killed (its work is
-    lost and re-leased) or continued later (a zombie, whose completion is rejected)."""
+    With ``dipaco.ranks_per_worker`` = R > 1 every rank of the job calls this: R consecutive
+    ranks are one worker (:mod:`.group`), whose first rank leads (claims, writes, completes)
+    and sends its train tasks to the others. ``pause_before_completing`` (fault tests): a task
+    kind; after doing its first task of that kind, the worker stops itself (SIGSTOP) before
+    completing it, to be killed (its work is lost and re-leased) or continued later (a
+    zombie, whose completion is rejected)."""
+    group = _worker_group(recipe)
+    if not group.leader:
+        return _follow(recipe, group)
+    try:
+        return _lead(recipe, group, name, max_tasks, pause_before_completing)
+    finally:
+        group.broadcast(None)  # the followers stop
+
+
+def _worker_group(recipe: Recipe) -> WorkerGroup:
+    r = recipe.section(DipacoConfig).ranks_per_worker
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % r:
+        raise ConfigError(
+            f"dipaco.ranks_per_worker={r} does not divide this job's {world} rank(s): start the "
+            f"worker with a multiple of {r} ranks (megatron-ext launch, or torchrun "
+            f"--nproc-per-node {r} -m megatron_ext.launch.cli dipaco worker ...)"
+        )
+    return WorkerGroup.form(r)
+
+
+def _lead(
+    recipe: Recipe, group: WorkerGroup, name: str, max_tasks: int | None, pause_kind: str
+) -> WorkerReport:
     d = recipe.section(DipacoConfig)
     _check_before_writing(recipe)
     queue = open_run_queue(recipe, worker=name)
@@ -135,7 +169,7 @@ def run_worker(
         tensorboard=False,
         prefix=f"[dipaco {name or queue.worker}] ",
     )
-    ctx = TaskContext(recipe, queue, lost=lambda: beat.lost)
+    ctx = TaskContext(recipe, queue, lost=lambda: beat.lost, group=group)
     report = WorkerReport()
     try:
         while max_tasks is None or len(report.completed) < max_tasks:
@@ -145,14 +179,46 @@ def run_worker(
                     break
                 time.sleep(d.poll_seconds)
                 continue
-            pause = lease.kind == pause_before_completing
+            shared = group.size > 1 and lease.kind == "train"
+            if shared:  # the followers train with us; the leader's lease state is agreed
+                group.broadcast(lease)
+            ctx.lost = (lambda: group.agree(beat.lost)) if shared else (lambda: beat.lost)
+            pause = lease.kind == pause_kind
             _work(ctx, queue, beat, lease, log, report, pause)
             if pause:
-                pause_before_completing = ""  # once
+                pause_kind = ""  # once
     finally:
         beat.close()
         queue.close()
         log.close()
+    return report
+
+
+def _follow(recipe: Recipe, group: WorkerGroup) -> WorkerReport:
+    """A follower rank: train the leader's train tasks with it until it says stop."""
+    from megatron_ext.dipaco.tasks import run_task
+
+    d, report = recipe.section(DipacoConfig), WorkerReport()
+    ctx = None
+    try:
+        while (lease := group.broadcast()) is not None:
+            if ctx is None:  # the leader has made the run's queue by now
+                queue = TaskQueue(
+                    queue_url(recipe),
+                    lease_seconds=d.lease_seconds,
+                    max_attempts=d.max_attempts,
+                    worker=f"{dist.get_rank()}-follower",
+                )
+                ctx = TaskContext(recipe, queue, lost=lambda: group.agree(False), group=group)
+            try:
+                run_task(ctx, lease)
+            except (LeaseLost, TrainingDivergedError):  # the leader drops or reports it
+                report.lost.append(lease.task)
+                continue
+            report.completed.append(lease.task)
+    finally:
+        if ctx is not None:
+            ctx.queue.close()
     return report
 
 
