@@ -117,3 +117,59 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
         "step  10/300 | tokens 20.48K | gbs 16 (2.05K tok) | lr 1.000e-02 | loss 2.5000"
     )
     assert "| tok/s 4.10K (2.05K/rank) | TFLOP/s/rank 2.0480 |" in printed
+
+
+def test_a_mapping_figure_is_one_tensorboard_scalar_per_entry(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = logger(tmp_path, tensorboard=True)
+    per_layer = {"layer_1": 1.25, "layer_2": 2.0}
+    log.record(4, {"step": 4, "moe_load_imbalance": per_layer}, scalars=("moe_load_imbalance",))
+    log.close()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 4, "moe_load_imbalance": per_layer}]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = sorted(events.Tags()["scalars"])
+    assert tags == ["train/moe_load_imbalance/layer_1", "train/moe_load_imbalance/layer_2"]
+    assert [p.value for p in events.Scalars("train/moe_load_imbalance/layer_2")] == [2.0]
+
+
+def test_a_moe_step_record_carries_the_expert_load(tmp_path, capsys) -> None:
+    """record_step with MoE figures: after the step's own fields in the JSON line, to
+    TensorBoard, and their short part at the end of the log line."""
+    from megatron_ext.gpt.report import record_step
+    from megatron_ext.gpt.step import StepResult
+    from megatron_ext.schedules.batch import Stage
+    from megatron_ext.schedules.plan import TrainingSchedule
+
+    training = SimpleNamespace(global_batch_size=16, seq_length=128, steps=10)
+    lr = SimpleNamespace(lr_at=lambda tokens: 1e-3)
+    run = SimpleNamespace(
+        recipe=SimpleNamespace(training=training),
+        schedule=TrainingSchedule((Stage(0, 0, 16),), 10, 128, 16, lr),  # type: ignore[arg-type]
+        env=SimpleNamespace(world_size=1),
+        flops_per_token=1e9,
+        start_step=0,
+    )
+    moe = {
+        "moe_expert_batch": 512.0,
+        "moe_load_imbalance": {"layer_1": 1.5},
+        "moe_load_imbalance_max": 1.5,
+        "moe_load_balancing_loss": {"layer_1": 1.0123},
+        "moe_load_balancing_loss_mean": 1.0123,
+        "moe_z_loss": {"layer_1": 3.25},
+        "moe_z_loss_mean": 3.25,
+    }
+    log = logger(tmp_path, tensorboard=True, last_step=10)
+    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.1, moe=moe)
+    record_step(log, run, 10, result, step_time_s=0.5)
+    log.close()
+    (rec,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert list(rec)[-len(moe) :] == list(moe) and {k: rec[k] for k in moe} == moe
+    assert capsys.readouterr().out.rstrip().endswith("| moe imb 1.50 aux 1.012 z 3.25")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/moe_expert_batch", "train/moe_load_imbalance/layer_1", "train/loss"} <= tags

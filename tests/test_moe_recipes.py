@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.config.load import read_recipe
-from tests.conftest import run_torchrun
+from megatron_ext.run.metrics import read_jsonl
+from tests.conftest import DIST, run_torchrun
 
 OPTIMIZERS = ["adamw", "muon", "kl_soap"]
 
@@ -34,18 +35,57 @@ def test_cluster_recipes_validate(
 
 
 def test_moe_tiny_cpu_trains_on_two_ranks_with_expert_parallelism(tmp_path: Path) -> None:
+    """20 steps on 2 ranks with expert parallelism 2: the loss falls, and every step's logged
+    expert load equals an independent float64 recomputation (tests/dist/moe_load_check.py:
+    top-k of the router logits, Switch aux loss and z loss per micro-batch on each rank)."""
     recipe = read_recipe("moe_tiny_cpu")
     assert recipe.parallel.expert_model_parallel_size == 2
-    run_dir = tmp_path / "run"
-    run_torchrun(
-        "megatron_ext.launch.cli",
+    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
+    proc = run_torchrun(
+        DIST / "moe_load_check.py",
         2,
-        "train",
+        str(ref_dir),
         "moe_tiny_cpu",
         f"run_dir={run_dir}",
         f"data.path={tmp_path / 'data' / 'stdlib'}",
         "training.steps=20",
-        module=True,
     )
     losses = json.loads((run_dir / "summary.json").read_text())["losses"]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.3, losses
+
+    m, t = recipe.model, recipe.training
+    k, experts = m.moe_router_topk, m.num_moe_experts
+    tokens = t.global_batch_size * t.seq_length
+    refs = [json.loads((ref_dir / f"ref.rank{r}.json").read_text()) for r in range(2)]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for rec in records:
+        step = str(rec["step"])
+        assert rec["moe_expert_batch"] == tokens * k / experts
+        for layer in range(1, m.num_layers + 1):
+            key = f"layer_{layer}"
+            ranks = [ref[step][str(layer)] for ref in refs]
+            counts = [sum(c) for c in zip(*(r["counts"] for r in ranks), strict=True)]
+            assert sum(counts) == tokens * k  # every token in k slots, summed over both ranks
+            assert ranks[0]["counts"] != counts  # each rank saw only its share
+            assert rec["moe_tokens_per_expert_max"][key] == max(counts)
+            assert rec["moe_tokens_per_expert_mean"][key] == tokens * k / experts
+            assert rec["moe_load_imbalance"][key] == pytest.approx(
+                max(counts) / (tokens * k / experts), rel=1e-12
+            )
+            # megatron-core's tracker (fp32) against the float64 reference: mean over the
+            # micro-batches of both ranks
+            for name, ref_key in (("moe_load_balancing_loss", "aux"), ("moe_z_loss", "z")):
+                values = [v for r in ranks for v in r[ref_key]]
+                assert len(values) == 2 * t.global_batch_size // (2 * t.micro_batch_size)
+                assert rec[name][key] == pytest.approx(sum(values) / len(values), rel=1e-5)
+        layers = rec["moe_load_imbalance"].values()
+        assert rec["moe_load_imbalance_max"] == max(layers)
+        mean_aux = sum(rec["moe_load_balancing_loss"].values()) / m.num_layers
+        assert rec["moe_load_balancing_loss_mean"] == pytest.approx(mean_aux, rel=1e-6)
+    last = records[-1]
+    line = (
+        f"moe imb {last['moe_load_imbalance_max']:.2f} "
+        f"aux {last['moe_load_balancing_loss_mean']:.4g} z {last['moe_z_loss_mean']:.4g}"
+    )
+    assert line in proc.stdout

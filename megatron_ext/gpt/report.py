@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_ext.atomic import write_json
+from megatron_ext.gpt.moe_load import format_moe
 from megatron_ext.run.metrics import MetricsLogger, read_jsonl
 from megatron_ext.run.peaks import memory_peaks
 
@@ -79,7 +80,10 @@ def record_step(
         step_time_s=step_time_s,
         optimizer_s=result.optimizer_s,
     )
-    log.record(step, asdict(rec), line=format_line(rec, t.steps), scalars=SCALARS)
+    line, scalars = format_line(rec, t.steps), SCALARS
+    if result.moe:  # MoE models: per-layer figures go to TensorBoard as <name>/layer_<n>
+        line, scalars = line + format_moe(result.moe), SCALARS + tuple(result.moe)
+    log.record(step, {**asdict(rec), **result.moe}, line=line, scalars=scalars)
     return rec
 
 

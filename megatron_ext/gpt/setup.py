@@ -17,6 +17,7 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
+from megatron_ext.gpt.moe_load import ExpertLoad
 from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model, half_precision_module
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
@@ -47,6 +48,7 @@ class GPTRun:
     num_microbatches: int
     flops_per_token: float  # training FLOPs per token (gpt.flops)
     run_dir: Path
+    expert_load: ExpertLoad | None = None  # MoE models: tokens per expert, router losses
     start_step: int = 0
 
 
@@ -119,6 +121,7 @@ def setup(recipe: Recipe) -> GPTRun:
         num_microbatches=schedule.target_batch // (t.micro_batch_size * dp_size),
         flops_per_token=flops,
         run_dir=Path(recipe.run_dir),
+        expert_load=ExpertLoad(module, config) if config.num_moe_experts else None,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +28,7 @@ class StepResult:
     grad_norm: float  # global, before clipping
     success: bool
     optimizer_s: float  # wall time of the optimizer step on this rank (clip, update, sync)
+    moe: dict[str, Any] = field(default_factory=dict)  # MoE models: gpt.moe_load's figures
 
 
 def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str, torch.Tensor]]:
@@ -85,6 +86,10 @@ def train_step(run: GPTRun, step: int) -> StepResult:
         micro_batch_size=t.micro_batch_size,
         forward_only=False,
     )
+    moe: dict[str, Any] = {}
+    if run.expert_load is not None:  # before the optimizer step: the loads of this forward
+        tokens = run.schedule.global_batch(step) * t.seq_length
+        moe = run.expert_load.collect(tokens, num_microbatches, step + 1)
     lr = run.schedule.lr_at(step)  # on consumed tokens, times the stage's sqrt(B) factor
     for group in run.optimizer.param_groups:
         group["lr"] = lr
@@ -98,4 +103,4 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     loss /= run.dp_size
     dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
-    return StepResult(float(loss), float(grad_norm), success, optimizer_s)
+    return StepResult(float(loss), float(grad_norm), success, optimizer_s, moe)

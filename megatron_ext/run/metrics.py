@@ -88,16 +88,23 @@ class MetricsLogger:
     ) -> None:
         """One record: ``figures`` (JSON-serialisable, ``step`` among them) as one line of the
         JSONL file; ``scalars`` (names in ``figures``) to TensorBoard as ``<group>/<name>`` at
-        ``step``; ``line`` printed when :meth:`should_log`. ``persist=False``: this rank echoes
-        only (another rank writes the same record). ``advance=False``: a record that is not a
-        step of its own (e.g. a validation after one) leaves the progress bar where it is."""
+        ``step`` (a mapping value, e.g. one figure per layer: each entry as
+        ``<group>/<name>/<key>``); ``line`` printed when :meth:`should_log`. ``persist=False``:
+        this rank echoes only (another rank writes the same record). ``advance=False``: a
+        record that is not a step of its own (e.g. a validation after one) leaves the progress
+        bar where it is."""
         self.records.append(dict(figures))
         if self.write and persist:
             self._jsonl.write(json.dumps(figures) + "\n")
             self._jsonl.flush()
             if self._tb is not None:
                 for key in scalars:
-                    self._tb.add_scalar(f"{group}/{key}", figures[key], step)
+                    value = figures[key]
+                    if isinstance(value, Mapping):  # one figure per part, e.g. per layer
+                        for part, v in value.items():
+                            self._tb.add_scalar(f"{group}/{key}/{part}", v, step)
+                    else:
+                        self._tb.add_scalar(f"{group}/{key}", value, step)
         if self._bar is not None and advance:
             self._bar.update(1)
             shown = {"loss": ".4f", "lr": ".2e"}  # the figures the bar keeps in view
