@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from megatron_ext.config.load import read_recipe
+from megatron_ext.config.moe_presets import describe_moe_preset
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.preflight import check_before_launch
@@ -128,13 +129,16 @@ def launch_main(args: argparse.Namespace) -> int:
     argv, env = build_launch_command(request, os.environ, host)
     if args.dry_run:
         print(format_dry_run(argv, env))
-        # The batch stages and LR on tokens, for the reader (stderr: stdout stays a shell
-        # snippet); writes run_dir/schedule.png.
+        # The batch stages and LR on tokens and an MoE preset's fields, for the reader (stderr:
+        # stdout stays a shell snippet); writes run_dir/schedule.png.
         recipe = read_recipe(request.recipe, request.overrides)
         world = resolve_layout(request, os.environ, host, recipe).world_size
         schedule = describe_schedule(recipe, world)
         if schedule:
             print(schedule, file=sys.stderr)
+        preset = describe_moe_preset(recipe.model)  # MoE: what the preset set, what the recipe
+        if preset:
+            print(preset, file=sys.stderr)
         return 0
     if importlib.util.find_spec("torch") is None:  # finds the package without importing it
         raise ConfigError(

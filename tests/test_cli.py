@@ -92,6 +92,41 @@ def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
     ]
 
 
+def test_cli_dry_run_shows_the_expanded_moe_preset(tmp_path: Path) -> None:
+    """An MoE preset recipe's dry run lists every field the preset sets, each marked as the
+    preset's value or the recipe's (an override counts as the recipe's); stdout stays the
+    command."""
+    proc = run_cli(
+        "launch",
+        "moe_tiny_cpu",
+        f"run_dir={tmp_path / 'run'}",
+        "model.moe_z_loss_coeff=0.002",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    parse_dry_run(proc.stdout)
+    lines = proc.stderr.splitlines()
+    start = lines.index("model.moe_preset=olmoe expands to (megatron-core fields):")
+    shown = lines[start + 1 : start + 13]
+    assert shown == [
+        "  model.num_moe_experts=8 (recipe; preset 64)",
+        "  model.moe_router_topk=2 (recipe; preset 8)",
+        "  model.activation='swiglu' (preset)",
+        "  model.normalization='RMSNorm' (preset)",
+        "  model.layernorm_epsilon=1e-05 (preset)",
+        "  model.moe_router_score_function='softmax' (preset)",
+        "  model.moe_router_pre_softmax=True (preset)",
+        "  model.moe_router_load_balancing_type='aux_loss' (preset)",
+        "  model.moe_z_loss_coeff=0.002 (recipe; preset 0.001)",
+        "  model.qk_layernorm=True (preset)",
+        "  model.qk_layernorm_scope='projection' (preset)",
+        "  model.moe_aux_loss_coeff=0.01 (preset)",  # HF's 0.01 x k / L = 0.01 x 2 / 2
+    ]
+    dense = run_cli("launch", write_recipe(tmp_path), "--dry-run", cwd=tmp_path)
+    assert dense.returncode == 0 and "moe_preset" not in dense.stderr
+
+
 def test_launcher_and_dry_run_never_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
