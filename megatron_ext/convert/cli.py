@@ -2,8 +2,9 @@
 
 ``mcore-to-hf CKPT OUT`` writes an HF directory ``AutoModelForCausalLM.from_pretrained`` loads.
 ``hf-to-mcore HF_DIR OUT`` writes ``OUT/model.json`` (the recipe's ``model:`` fields) and
-``OUT/step_000000`` (the model's weights with megatron-core ``dist_checkpointing``), and says which
-RMSNorm epsilon it used and where it came from. ``check HF_DIR MCORE_CKPT [--json FILE]`` runs
+``OUT/step_000000`` (the model's weights with megatron-core ``dist_checkpointing``) and
+``OUT/recipe.yaml`` (a GPT recipe that continues training from them: :mod:`.recipe`), and says
+which RMSNorm epsilon it used and where it came from. ``check HF_DIR MCORE_CKPT [--json FILE]`` runs
 both models on the same token ids in fp32 and prints the parity figures. Inputs are checked
 before torch is imported; a bad one is a ``ConfigError`` (one line, exit 2).
 """
@@ -86,11 +87,17 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     initial = {"model": gpt.sharded_state_dict(), "loop": INITIAL_LOOP, "world": 0}
     dist_checkpointing.save(initial, str(args.out / WEIGHTS))
     (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+    from megatron_ext.convert.recipe import RECIPE, continue_recipe
+
+    recipe = continue_recipe(args.out, fields, raw["model_type"], WEIGHTS)
+    (args.out / RECIPE).write_text(recipe, encoding="utf-8")
     hf_config = {**full, "rms_norm_eps": eps.value}
     (args.out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     print(
         f"wrote {args.out}/{WEIGHTS} and {args.out}/{FIELDS} ({raw['model_type']}, "
-        f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}"
+        f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}\n"
+        f"continue training: megatron-ext launch {args.out / RECIPE} data.path=PREFIX "
+        "optimizer.name=muon"
     )
     return 0
 

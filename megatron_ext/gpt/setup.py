@@ -26,7 +26,7 @@ from megatron_ext.megatron.parallel import init_distributed
 from megatron_ext.run.distributed import DistEnv
 from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
 
-__all__ = ["GPTRun", "ensure_dataset", "setup"]
+__all__ = ["GPTRun", "build_data", "ensure_dataset", "setup"]
 
 
 @dataclass
@@ -62,20 +62,7 @@ def setup(recipe: Recipe) -> GPTRun:
 
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
     ensure_dataset(recipe, tokenizer, env)
-    valid_samples = t.eval_iters * schedule.target_batch if t.eval_iters else None
-    train_data, valid_data, _ = build_gpt_datasets(
-        recipe.data.path,
-        tokenizer,
-        seq_length=t.seq_length,
-        split=recipe.data.split,
-        seed=t.seed,
-        num_samples=(schedule.samples_before(t.steps), valid_samples, None),
-    )
-    if t.eval_iters and valid_data is None:
-        raise ConfigError(
-            f"training.eval_iters={t.eval_iters} needs a validation split, but data.split="
-            f"{recipe.data.split!r} gives it no documents: e.g. data.split=98,2,0"
-        )
+    train_data, valid_data = build_data(recipe, tokenizer, schedule)
 
     module = build_gpt_model(
         recipe.model,
@@ -123,6 +110,28 @@ def setup(recipe: Recipe) -> GPTRun:
         run_dir=Path(recipe.run_dir),
         expert_load=ExpertLoad(module, config) if config.num_moe_experts else None,
     )
+
+
+def build_data(recipe: Recipe, tokenizer: Any, schedule: TrainingSchedule) -> tuple[Any, Any]:
+    """The training and validation splits of ``data.path`` (megatron-core GPT datasets, sized
+    for ``schedule``'s samples): sample ``i`` is a dict of (seq_length,) arrays ``tokens``,
+    ``labels``, ``loss_mask``, ``position_ids``. The validation split is None without one."""
+    t = recipe.training
+    valid_samples = t.eval_iters * schedule.target_batch if t.eval_iters else None
+    train_data, valid_data, _ = build_gpt_datasets(
+        recipe.data.path,
+        tokenizer,
+        seq_length=t.seq_length,
+        split=recipe.data.split,
+        seed=t.seed,
+        num_samples=(schedule.samples_before(t.steps), valid_samples, None),
+    )
+    if t.eval_iters and valid_data is None:
+        raise ConfigError(
+            f"training.eval_iters={t.eval_iters} needs a validation split, but data.split="
+            f"{recipe.data.split!r} gives it no documents: e.g. data.split=98,2,0"
+        )
+    return train_data, valid_data
 
 
 def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
