@@ -80,7 +80,10 @@ def launch(recipe: Path, run_dir: Path, *overrides: str, signal_when=None, sig=N
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """step -> loss of the complete lines of metrics.jsonl (read while the run writes it)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.is_file() else []
+    rows = [json.loads(r) for r in lines]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
@@ -99,8 +102,8 @@ def straight(recipe, tmp_path_factory) -> Path:
 
 
 def test_stop_signals_and_exit_interval_resume_bit_identical(recipe, straight, tmp_path):
-    """exit_interval=3 -> a stop signal at a random step -> a stop signal during a save -> the
-    rest: each part exits 0 with its checkpoint and the resume command, and the whole equals
+    """exit_interval=3 -> exit_duration_in_mins -> a stop signal at a random step -> a stop
+    signal during a save -> the rest: each part exits 0 with its checkpoint and the resume command, and the whole equals
     the uninterrupted run bit for bit."""
     seed = random.randrange(10**6)
     rng = random.Random(seed)
@@ -113,7 +116,15 @@ def test_stop_signals_and_exit_interval_resume_bit_identical(recipe, straight, t
         f"run_dir={run} training.exit_interval=3"
     )
 
-    at, sig = rng.randint(4, 9), rng.choice([signal.SIGUSR1, signal.SIGTERM])
+    # the time limit: a few milliseconds have passed after the first step of the resumed run
+    code, out, err, _ = launch(recipe, run, "training.exit_duration_in_mins=0.0001")
+    assert code == 0, err[-3000:]
+    assert stop_line(out).startswith(
+        f"megatron-ext: stopped at step 4 of {STEPS} (training.exit_duration_in_mins=0.0001 "
+        f"reached); checkpoint {run}/checkpoints/step_000004."
+    ), stop_line(out)
+
+    at, sig = rng.randint(5, 9), rng.choice([signal.SIGUSR1, signal.SIGTERM])
 
     def reached(run_dir: Path) -> bool:
         return len(losses(run_dir)) >= at
