@@ -13,7 +13,7 @@ does not fit fails here with one message instead of on N ranks after the rendezv
 
 :func:`build_launch_command` is the whole decision, free of side effects (it reads the recipe,
 nothing else): an environment mapping and a :class:`HostInfo` in, ``(argv, env)`` out.
-:func:`launch_main` probes the host, then prints (``--dry-run``) or checks this node
+:func:`launch_main` probes the host (:mod:`.hosts`), then prints (``--dry-run``) or checks this node
 (:mod:`.preflight`: the dataset, the run directory, the rendezvous port, free disk) and runs the
 command (:mod:`.supervise`: stop signals to the ranks, their errors reported once).
 
@@ -27,9 +27,7 @@ import importlib.util
 import os
 import re
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,10 +38,10 @@ from megatron_ext.config.load import read_recipe
 from megatron_ext.config.moe_presets import describe_moe_preset
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
 from megatron_ext.launch.preflight import check_before_launch
 from megatron_ext.launch.supervise import run_ranks
 from megatron_ext.run.hardware import check_precision_before_launch
-from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
 from megatron_ext.schedules.table import describe_schedule
 
@@ -88,14 +86,6 @@ class LaunchRequest:
             rdzv_endpoint=args.rdzv_endpoint,
             rdzv_id=args.rdzv_id,
         )
-
-
-@dataclass(frozen=True)
-class HostInfo:
-    """The local hardware the launcher sizes the job for."""
-
-    gpus: int
-    cpus: int
 
 
 @dataclass(frozen=True)
@@ -224,39 +214,6 @@ def resolve_layout(
     return NodeLayout(nnodes, node_rank, nproc, endpoint, rdzv_id)
 
 
-@dataclass(frozen=True)
-class SlurmNodes:
-    """The job step this launcher runs in, one launcher per node."""
-
-    nnodes: int
-    node_rank: int
-    first_host: str
-    job_id: str
-
-
-def slurm_nodes(environ: Mapping[str, str]) -> SlurmNodes | None:
-    """The SLURM step's nodes, or None outside a SLURM step (no SLURM_JOB_ID/SLURM_NODEID)."""
-    if "SLURM_JOB_ID" not in environ or "SLURM_NODEID" not in environ:
-        return None
-    nnodes = _first_int(environ, SLURM_NUM_NODES_VARS)
-    host = slurm_first_host(environ)
-    if nnodes is None or host is None:
-        raise ConfigError(
-            "SLURM_JOB_ID is set but the node count (SLURM_JOB_NUM_NODES) or the "
-            "node list (SLURM_JOB_NODELIST) is missing"
-        )
-    tasks = _first_int(environ, ("SLURM_STEP_NUM_TASKS",))
-    if tasks is not None and tasks != nnodes:
-        # torchrun starts the ranks itself: one launcher per node, not one per rank.
-        raise ConfigError(
-            f"this SLURM step runs {tasks} tasks on {nnodes} node(s); run one "
-            "launcher per node (srun --ntasks-per-node=1 megatron-ext launch ...), "
-            "or one rank per task with `srun ... megatron-ext train`"
-        )
-    node_rank = _first_int(environ, ("SLURM_NODEID",))
-    return SlurmNodes(nnodes, _first(node_rank, 0), host, environ["SLURM_JOB_ID"])
-
-
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port); anything else is a ConfigError."""
     m = re.fullmatch(
@@ -324,61 +281,6 @@ def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict
     return env
 
 
-# --------------------------------------------------------------------------- host probing
-
-
-def probe_host(environ: Mapping[str, str] | None = None) -> HostInfo:
-    """GPUs and CPU cores available to this process."""
-    environ = os.environ if environ is None else environ
-    return HostInfo(gpus=count_gpus(environ), cpus=count_cpus())
-
-
-def count_gpus(
-    environ: Mapping[str, str], dev_dir: Path = Path("/dev"), nvidia_smi: str | None = None
-) -> int:
-    """NVIDIA GPUs visible to this process, found without CUDA or torch.
-
-    CUDA_VISIBLE_DEVICES when set (SLURM sets it for the GPUs it allocated), else the
-    /dev/nvidiaN device files, else ``nvidia-smi -L`` (``nvidia_smi`` overrides its path).
-    """
-    if "CUDA_VISIBLE_DEVICES" in environ:
-        return count_visible_devices(environ["CUDA_VISIBLE_DEVICES"])
-    devices = [p for p in dev_dir.glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit()]
-    if devices:
-        return len(devices)
-    smi = nvidia_smi or shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0  # a broken driver install counts as no GPU; the CPU path still works
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
-def count_visible_devices(value: str) -> int:
-    """Devices named by CUDA_VISIBLE_DEVICES.
-
-    Like CUDA, count up to the first entry that is not a device (an index >= 0 or a GPU/MIG
-    UUID): ``""``, ``-1`` and SLURM's ``NoDevFiles`` hide every GPU; ``0,1,-1,2`` shows two.
-    """
-    count = 0
-    for item in value.split(","):
-        item = item.strip()
-        if not (item.isdigit() or item.startswith(("GPU-", "MIG-"))):
-            break
-        count += 1
-    return count
-
-
-def count_cpus() -> int:
-    """Cores this process may run on (respects taskset, cgroups cpusets and srun binding)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 # --------------------------------------------------------------------------- output and run
 
 
@@ -397,13 +299,3 @@ def _first[T](*values: T | None) -> T:
         if value is not None:
             return value
     raise AssertionError("no default given")
-
-
-def _first_int(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = environ.get(name, "").strip()
-        if value:
-            if not value.isdigit():
-                raise ConfigError(f"environment variable {name}={value!r} is not an integer")
-            return int(value)
-    return None

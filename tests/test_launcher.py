@@ -13,14 +13,8 @@ import pytest
 import yaml
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.launch.launcher import (
-    HostInfo,
-    LaunchRequest,
-    build_launch_command,
-    count_gpus,
-    count_visible_devices,
-    parse_endpoint,
-)
+from megatron_ext.launch.hosts import HostInfo, count_gpus, count_visible_devices
+from megatron_ext.launch.launcher import LaunchRequest, build_launch_command, parse_endpoint
 
 PY = "/opt/python/bin/python3"  # any interpreter path: the launcher must use the one it is given
 RANK_ENTRY = ["-m", "megatron_ext.launch.cli", "train"]
