@@ -1,13 +1,10 @@
 """The DiPaCo trainer end to end on a small corpus, with real processes and an SQLite queue:
 
-- ``megatron-ext launch`` (2 ranks = 2 workers) trains the recipe; a second run with three
-  independent ``megatron-ext dipaco worker`` processes and faults ends with the same final
-  global modules (and outer momenta), bit for bit;
+- ``megatron-ext launch`` (2 ranks = 2 workers) trains the recipe;
 - the run writes summary.json (routed perplexities once per sequence and every W tokens, the
   base model's, each path's early-stopping choice) and metrics.jsonl; ``dipaco status`` reports
   the run complete with every module at its last version;
-- faults: a worker SIGKILLed mid-task and a zombie SIGSTOPped past its lease change nothing
-  (their tasks are re-leased, the zombie's completion is rejected and its files discarded);
+- the fault runs are in test_dipaco_faults.py;
 - the base model can be an ordinary GPT run's checkpoint (its weights exactly); a base
   checkpoint that does not match the model is a ConfigError;
 - a two-rank worker (``dipaco.ranks_per_worker=2``: its first rank claims, both train each
@@ -21,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +30,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_ext.config import load_recipe
 from megatron_ext.dipaco.checks import load_base_checkpoint
-from megatron_ext.dipaco.faults import fault_run, max_abs_difference
+from megatron_ext.dipaco.faults import max_abs_difference
+from megatron_ext.dipaco.gpt_base import gpt_checkpoint_folder
 from megatron_ext.dipaco.measure import comm_bytes, small_overrides, small_run, write_small_corpus
 from megatron_ext.dipaco.plan import train_id
 from megatron_ext.dipaco.queue import TaskQueue
@@ -120,35 +119,6 @@ def test_a_base_checkpoint_that_does_not_match_the_model_is_a_config_error(tmp_p
             torch.save(content, path)
         with pytest.raises(ConfigError, match=messages[name]):
             load_base_checkpoint(path, reference)
-
-
-def test_killed_and_zombie_workers_change_nothing(data: Path, launched, tmp_path) -> None:
-    """Faults with real processes (megatron_ext.dipaco.faults): a worker SIGKILLed holding an
-    outer task (its module file written, not completed) and one SIGSTOPped past its lease
-    holding a train task; a third takes both over once their leases expire and finishes the
-    run; the stopped one, continued, has its completion rejected and its files discarded. The
-    final modules equal the clean run's (2 workers, no faults) bit for bit: the number of
-    workers and the faults change nothing."""
-    overrides = [
-        *small_overrides(data, tmp_path / "run"),
-        "dipaco.lease_seconds=4",
-        "dipaco.heartbeat_seconds=1",
-    ]
-    recipe = load_recipe("dipaco_tiny", overrides)
-    figures = fault_run("dipaco_tiny", overrides, recipe, tmp_path / "logs")
-    assert "completion rejected" in figures["zombie_log"]
-    events = figures["events"]
-    claims = [e for e in events if e[4] in ("claim", "take-over")]
-    outer = [e for e in claims if e[2] == "killed" and e[1].startswith("outer/")][-1][1]
-    rejected = [e for e in events if e[4] == "rejected"]
-    assert len(rejected) == 1 and rejected[0][2] == "zombie"
-    task, token = rejected[0][1], rejected[0][3]
-    # the killed worker's outer task and the zombie's train task were both taken over
-    assert any(e[4] == "take-over" and e[1] == outer and e[2] == "helper" for e in claims)
-    assert any(e[4] == "take-over" and e[1] == task and e[2] != "zombie" for e in claims)
-    assert task.startswith("train/") and not attempt_dir(recipe.run_dir, task, token).exists()
-    assert figures["rejected_zombie_completions"] == 1 and figures["inner_steps_lost"] >= 3
-    assert max_abs_difference(recipe, load_recipe("dipaco_tiny", launched)) == 0.0
 
 
 def test_bytes_per_outer_step_are_one_over_tau_of_ddp_and_less_with_own_parts(
@@ -262,14 +232,23 @@ def _flat_checkpoint(folder: Path, out: Path) -> dict[str, torch.Tensor]:
 
 def test_the_base_model_can_be_a_gpt_trainer_checkpoint(data: Path, launched, tmp_path) -> None:
     """dipaco.base_checkpoint naming an ordinary GPT run's checkpoint (its checkpoints folder:
-    the latest) gives base weights equal to that checkpoint's, bit for bit; a GPT checkpoint
-    of another model (another ffn width) stops the worker with one ConfigError line, exit 2, before
+    the latest) gives base weights equal to that checkpoint's, bit for bit; a damaged one
+    (a file that does not match its manifest) is a ConfigError; a GPT checkpoint of another
+    model (another ffn width) stops the worker with one ConfigError line, exit 2, before
     anything is written."""
     recipe = load_recipe("dipaco_tiny", launched)
     gpt = _gpt_run(data, recipe, tmp_path / "gpt")
     step = gpt / "checkpoints" / "step_000003"
     assert (gpt / "checkpoints" / "latest").read_text().strip() == step.name
     expected = _flat_checkpoint(step, tmp_path / "flat.pt")
+    damaged = tmp_path / "damaged" / step.name
+    shutil.copytree(step, damaged)
+    with open(damaged / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ConfigError, match=r"is damaged: __0_0.distcp"):
+        gpt_checkpoint_folder(damaged)
+    with pytest.raises(ConfigError, match="not a GPT checkpoint"):
+        gpt_checkpoint_folder(tmp_path)
 
     overrides = [
         *small_overrides(data, tmp_path / "dipaco"),

@@ -25,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fault tests: stop this worker (SIGSTOP) after its first task of KIND (train, "
         "outer, ...), before completing it",
     )
+    w.add_argument(
+        "--pause-mid-write",
+        default="",
+        metavar="KIND",
+        help="fault tests: stop this worker (SIGSTOP) half-way through writing the first file "
+        "of its first task of KIND",
+    )
     s = sub.add_parser("status", help="phases, tasks by state, workers, module versions")
     s.add_argument("run_dir", help="the run's run_dir")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -54,6 +61,7 @@ def dipaco_main(args: argparse.Namespace) -> int:
             name=args.name,
             max_tasks=args.max_tasks,
             pause_before_completing=args.pause_before_completing,
+            pause_mid_write=args.pause_mid_write,
         )
     except (TaskFailedError, TrainingDivergedError) as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)

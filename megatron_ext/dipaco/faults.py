@@ -10,6 +10,17 @@
    and finishes the run; then ``zombie`` is continued (SIGCONT): its completion is rejected, its
    files discarded, and it exits.
 
+With ``mid_write``, ``killed`` stops itself half-way through writing its outer task's module
+file instead (a half-written temporary file in its attempt folder, never read), then is
+SIGKILLed; ``helper`` re-runs that outer step in its own attempt folder.
+
+:func:`stopped_job_run`: the whole job is stopped mid-phase and relaunched: ``first`` does the
+first five tasks (prepare, base, routing, two of phase 0's train tasks) and exits; ``a`` and
+``b`` each do one more train task of phase 0 and stop before completing it, and are both
+SIGKILLed (every process of the job is gone, two leases held); then the job is relaunched
+with ``megatron-ext launch`` (2 ranks), which takes the two tasks over once their leases
+expire and finishes the run.
+
 :func:`final_modules` reads a run's last module versions, to compare with a clean run.
 """
 
@@ -31,7 +42,12 @@ from megatron_ext.dipaco.queue import TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
 from megatron_ext.dipaco.store import attempt_dir, load_tensors
 
-__all__ = ["fault_run", "final_modules", "max_abs_difference"]
+__all__ = [
+    "fault_run",
+    "final_modules",
+    "max_abs_difference",
+    "stopped_job_run",
+]
 
 
 def _stopped(proc: subprocess.Popen) -> bool:
@@ -40,56 +56,107 @@ def _stopped(proc: subprocess.Popen) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
-def _worker(recipe: str, overrides: Sequence[str], name: str, pause: str, log: Path):
-    exe = Path(sys.executable).with_name("megatron-ext")
-    args = [str(exe), "dipaco", "worker", recipe, *overrides, "--name", name]
+EXE = Path(sys.executable).with_name("megatron-ext")
+
+
+def _worker(
+    recipe: str, overrides: Sequence[str], name: str, pause: str, log: Path, *extra: str
+) -> subprocess.Popen:
+    args = [str(EXE), "dipaco", "worker", recipe, *overrides, "--name", name, *extra]
     if pause:
         args += ["--pause-before-completing", pause]
     with open(log, "w") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
 
 
-def fault_run(
+def _wait_stopped(procs: dict[str, subprocess.Popen], logs: Path, timeout: float) -> None:
+    """Until every process is stopped (SIGSTOP); RuntimeError if one exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not all(_stopped(p) for p in procs.values()):
+        if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
+            tails = "".join((logs / f"{n}.log").read_text()[-2000:] for n in procs)
+            raise RuntimeError(f"the workers never reached their pause:\n{tails}")
+        time.sleep(0.2)
+
+
+def _kill(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
+def _events(recipe: Recipe) -> list[tuple[Any, ...]]:
+    queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="faults")
+    try:
+        return queue.events()
+    finally:
+        queue.close()
+
+
+def _finish(name: str, proc: subprocess.Popen, logs: Path, timeout: float) -> None:
+    if proc.wait(timeout=timeout):
+        raise RuntimeError(f"{name} failed:\n" + (logs / f"{name}.log").read_text()[-3000:])
+
+
+def stopped_job_run(
     recipe_name: str, overrides: Sequence[str], recipe: Recipe, logs: Path, timeout: float = 300
 ) -> dict[str, Any]:
-    """The scenario of the module docstring; returns its figures and the queue's events."""
+    """The stopped-job scenario of the module docstring; returns the queue's events as the
+    first job left them (``before``) and at the end (``events``)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    first = _worker(recipe_name, overrides, "first", "", logs / "first.log", "--max-tasks", "5")
+    _finish("first", first, logs, timeout)
+    job = {n: _worker(recipe_name, overrides, n, "train", logs / f"{n}.log") for n in ("a", "b")}
+    try:
+        _wait_stopped(job, logs, timeout)
+    finally:
+        _kill(*job.values())  # the whole job, at once
+    before = _events(recipe)
+    with open(logs / "relaunch.log", "w") as out:
+        relaunch = subprocess.Popen(
+            [str(EXE), "launch", recipe_name, *overrides], stdout=out, stderr=subprocess.STDOUT
+        )
+    _finish("relaunch", relaunch, logs, timeout)
+    return {"before": before, "events": _events(recipe)}
+
+
+def fault_run(
+    recipe_name: str,
+    overrides: Sequence[str],
+    recipe: Recipe,
+    logs: Path,
+    timeout: float = 300,
+    mid_write: bool = False,
+) -> dict[str, Any]:
+    """The kill / zombie scenario of the module docstring (``mid_write``: ``killed`` stops
+    half-way through writing its outer task's module file instead of after it); returns its
+    figures and the queue's events."""
     logs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    killed = _worker(recipe_name, overrides, "killed", "outer", logs / "killed.log")
+    pause = ("", "--pause-mid-write", "outer") if mid_write else ("outer",)
+    killed = _worker(recipe_name, overrides, "killed", *pause[:1], logs / "killed.log", *pause[1:])
     zombie = _worker(recipe_name, overrides, "zombie", "train", logs / "zombie.log")
     try:
-        deadline = time.monotonic() + timeout
-        while not (_stopped(killed) and _stopped(zombie)):
-            if killed.poll() is not None or zombie.poll() is not None:
-                raise RuntimeError(
-                    "a worker exited before its pause:\n"
-                    + (logs / "killed.log").read_text()[-2000:]
-                    + (logs / "zombie.log").read_text()[-2000:]
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError("the workers never reached their pause")
-            time.sleep(0.2)
+        _wait_stopped({"killed": killed, "zombie": zombie}, logs, timeout)
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         helper = _worker(recipe_name, overrides, "helper", "", logs / "helper.log")
-        if helper.wait(timeout=timeout):
-            raise RuntimeError("helper failed:\n" + (logs / "helper.log").read_text()[-3000:])
+        _finish("helper", helper, logs, timeout)
         wall = time.perf_counter() - start
         zombie.send_signal(signal.SIGCONT)
-        if zombie.wait(timeout=timeout):
-            raise RuntimeError("zombie failed:\n" + (logs / "zombie.log").read_text()[-3000:])
+        _finish("zombie", zombie, logs, timeout)
     finally:
-        for proc in (killed, zombie):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait()
-    queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="faults")
-    events = queue.events()
-    queue.close()
+        _kill(killed, zombie)
+    events = _events(recipe)
     takeovers = [e for e in events if e[4] == "take-over"]
     tau = recipe.section(DipacoConfig).tau
+    claim = [e for e in events if e[2] == "killed" and e[1].startswith("outer/")][-1]
+    left = attempt_dir(recipe.run_dir, claim[1], claim[3])
     return {
+        "killed_outer": (claim[1], claim[3]),
+        "killed_left_files": sorted(p.name for p in left.iterdir()) if left.is_dir() else [],
         "wall_s": wall,
         "tasks_re_leased": len(takeovers),
         "re_leased": sorted({e[1] for e in takeovers}),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.ckpt.select import inspect
 from megatron_ext.errors import ConfigError
 
 __all__ = ["gpt_checkpoint_folder", "load_gpt_checkpoint"]
@@ -24,7 +25,8 @@ _FIX = "point dipaco.base_checkpoint at a base model of this model config, or se
 
 def gpt_checkpoint_folder(path: Path) -> Path:
     """The checkpoint folder ``path`` names: itself (``step_NNNNNN``), or the one its
-    ``latest`` file names when ``path`` is a ``checkpoints`` folder."""
+    ``latest`` file names when ``path`` is a ``checkpoints`` folder; it must be intact (its
+    files match its manifest: :func:`megatron_ext.ckpt.select.inspect`)."""
     latest = path / "latest"
     if latest.is_file():
         path = path / latest.read_text(encoding="utf-8").strip()
@@ -33,6 +35,9 @@ def gpt_checkpoint_folder(path: Path) -> Path:
             f"dipaco.base_checkpoint={str(path)!r} is a folder but not a GPT checkpoint "
             f"(no metadata.json; give run_dir/checkpoints/step_NNNNNN of a GPT run); {_FIX}"
         )
+    verdict = inspect(path)  # sizes and checksums against its manifest, when it has one
+    if not verdict.intact:
+        raise ConfigError(f"dipaco.base_checkpoint: {verdict.report()}; {_FIX}")
     return path
 
 

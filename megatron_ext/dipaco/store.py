@@ -10,8 +10,9 @@ output of the outer task that made it, a path's state after phase t the output o
 
 from __future__ import annotations
 
+import io
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "load_tensors",
     "module_names",
     "save_tensors",
+    "set_mid_write_fault",
     "split_by_level",
 ]
 
@@ -41,10 +43,32 @@ def discard_attempt(run_dir: str | Path, task: str, token: str) -> None:
     shutil.rmtree(attempt_dir(run_dir, task, token), ignore_errors=True)
 
 
+# fault tests only (``megatron-ext dipaco worker --pause-mid-write KIND``): called with the
+# target path once half of a file's bytes are in its temporary file; it stops the process
+_mid_write: Callable[[Path], None] | None = None
+
+
+def set_mid_write_fault(hook: Callable[[Path], None] | None) -> None:
+    """Make the next :func:`save_tensors` call ``hook`` half-way through writing (once)."""
+    global _mid_write
+    _mid_write = hook
+
+
 def save_tensors(path: Path, obj: Mapping[str, Any]) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically (a crash leaves the old file or none)."""
+    global _mid_write
     with atomic_path(path) as tmp, open(tmp, "wb") as stream:
-        torch.save(dict(obj), stream)
+        if _mid_write is None:
+            torch.save(dict(obj), stream)
+            return
+        hook, _mid_write = _mid_write, None
+        data = io.BytesIO()
+        torch.save(dict(obj), data)
+        raw = data.getvalue()
+        stream.write(raw[: len(raw) // 2])
+        stream.flush()
+        hook(path)
+        stream.write(raw[len(raw) // 2 :])
 
 
 def load_tensors(path: Path) -> dict[str, Any]:

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +35,11 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.dipaco.checks import run_fingerprint
 from megatron_ext.dipaco.context import LeaseLost, TaskContext
 from megatron_ext.dipaco.group import WorkerGroup
+from megatron_ext.dipaco.heartbeat import Heartbeat
 from megatron_ext.dipaco.plan import build_plan
 from megatron_ext.dipaco.queue import Lease, TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
-from megatron_ext.dipaco.store import discard_attempt
+from megatron_ext.dipaco.store import discard_attempt, set_mid_write_fault
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.metrics import MetricsLogger
 
@@ -55,43 +54,6 @@ class WorkerReport:
     rejected: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
-
-
-class Heartbeat:
-    """A thread renewing the current lease on its own connection (made in the thread: an
-    SQLite connection belongs to the thread that opened it)."""
-
-    def __init__(self, connect: Callable[[], TaskQueue], every: float) -> None:
-        self.every = every
-        self.lease: Lease | None = None
-        self.lost = False
-        self._busy = threading.Lock()  # held while a heartbeat is in flight
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(connect,), daemon=True, name="dipaco-heartbeat"
-        )
-        self._thread.start()
-
-    def hold(self, lease: Lease | None) -> None:
-        """Renew ``lease`` from now on (None: nothing); returns once no heartbeat of the
-        previous lease is in flight."""
-        with self._busy:
-            self.lease, self.lost = lease, False
-
-    def _run(self, connect: Callable[[], TaskQueue]) -> None:
-        queue = connect()
-        try:
-            while not self._stop.wait(self.every):
-                with self._busy:
-                    lease = self.lease
-                    if lease is not None and not self.lost and not queue.heartbeat(lease):
-                        self.lost = True
-        finally:
-            queue.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def open_run_queue(recipe: Recipe, worker: str = "") -> TaskQueue:
@@ -117,6 +79,7 @@ def run_worker(
     name: str = "",
     max_tasks: int | None = None,
     pause_before_completing: str = "",
+    pause_mid_write: str = "",
 ) -> WorkerReport:
     """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done).
 
@@ -125,12 +88,14 @@ def run_worker(
     and sends its train tasks to the others. ``pause_before_completing`` (fault tests): a task
     kind; after doing its first task of that kind, the worker stops itself (SIGSTOP) before
     completing it, to be killed (its work is lost and re-leased) or continued later (a
-    zombie, whose completion is rejected)."""
+    zombie, whose completion is rejected). ``pause_mid_write``: likewise, but half-way through
+    writing the first file of its first task of that kind (a temporary file, half written)."""
     group = _worker_group(recipe)
     if not group.leader:
         return _follow(recipe, group)
     try:
-        return _lead(recipe, group, name, max_tasks, pause_before_completing)
+        pauses = (pause_before_completing, pause_mid_write)
+        return _lead(recipe, group, name, max_tasks, pauses)
     finally:
         group.broadcast(None)  # the followers stop
 
@@ -148,7 +113,11 @@ def _worker_group(recipe: Recipe) -> WorkerGroup:
 
 
 def _lead(
-    recipe: Recipe, group: WorkerGroup, name: str, max_tasks: int | None, pause_kind: str
+    recipe: Recipe,
+    group: WorkerGroup,
+    name: str,
+    max_tasks: int | None,
+    pauses: tuple[str, str],
 ) -> WorkerReport:
     d = recipe.section(DipacoConfig)
     _check_before_writing(recipe)
@@ -183,10 +152,14 @@ def _lead(
             if shared:  # the followers train with us; the leader's lease state is agreed
                 group.broadcast(lease)
             ctx.lost = (lambda: group.agree(beat.lost)) if shared else (lambda: beat.lost)
-            pause = lease.kind == pause_kind
+            pause = lease.kind == pauses[0]
+            if lease.kind == pauses[1]:
+                log.info(f"{lease.task}: will stop half-way through a write (fault test)")
+                set_mid_write_fault(_stop_self)
+                pauses = (pauses[0], "")  # once
             _work(ctx, queue, beat, lease, log, report, pause)
             if pause:
-                pause_kind = ""  # once
+                pauses = ("", pauses[1])  # once
     finally:
         beat.close()
         queue.close()
@@ -244,7 +217,7 @@ def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pau
         beat.hold(None)
     if pause:
         log.info(f"{lease.task}: done, stopping before completing it (fault test)")
-        os.kill(os.getpid(), signal.SIGSTOP)
+        _stop_self()
     if queue.complete(lease, result):
         report.completed.append(lease.task)
         took = time.perf_counter() - start
@@ -253,6 +226,11 @@ def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pau
         discard_attempt(ctx.run_dir, lease.task, lease.token)
         report.rejected.append(lease.task)
         log.info(f"{lease.task}: completion rejected (lease taken over); files discarded")
+
+
+def _stop_self(*_: object) -> None:
+    """SIGSTOP this process (fault tests): it stays stopped until SIGCONT or SIGKILL."""
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _run(ctx: TaskContext, lease: Lease) -> dict:
