@@ -48,7 +48,7 @@ def _hf_olmoe(vocab_size: int) -> OlmoeForCausalLM:
     return OlmoeForCausalLM(config).eval()
 
 
-def _hf_loss(hf: torch.nn.Module, samples: list[dict]) -> float:
+def hf_batch_loss(hf: torch.nn.Module, samples: list[dict]) -> float:
     """The batch's mean loss per token (float64 cross entropy of the HF logits, loss mask)."""
     tokens = torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long()
     labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long()
@@ -92,7 +92,80 @@ def test_training_continues_from_a_converted_olmoe(tmp_path: Path) -> None:
 
     # The same first batch as the trainer's (its dataset, built by the trainer's own function)
     train_data, _ = build_data(recipe, tokenizer, training_schedule(recipe))
-    expected = _hf_loss(hf, [train_data[i] for i in range(4)])
+    expected = hf_batch_loss(hf, [train_data[i] for i in range(4)])
     print(f"first loss {losses[0]:.7f}, HF {expected:.7f}; after {STEPS} steps {losses[-1]:.4f}")
     assert losses[0] == pytest.approx(expected, rel=1e-5, abs=1e-5)  # fp32 forward
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_mcore_to_hf_from_a_recipe_and_its_checkpoint_round_trips_qwen3_moe(tmp_path) -> None:
+    """The --recipe path on a qwen3_moe preset recipe (a dense layer, renormalised top-k,
+    head_dim != hidden/heads): hf-to-mcore's weights folder is a dist_checkpointing checkpoint
+    with the GPT trainer's ``model`` keys; converting it back with the recipe alone gives the
+    original HF config fields and bit-identical weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        router_aux_loss_coef=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    hf_dir, out, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    to_mcore = argparse.Namespace(convert_command="hf-to-mcore", hf_dir=hf_dir, out=out)
+    assert convert_main(to_mcore) == 0
+    recipe = [str(out / "recipe.yaml"), "model.moe_preset=qwen3_moe"]
+    to_hf = argparse.Namespace(
+        convert_command="mcore-to-hf", mcore_ckpt=out / "step_000000", out=back, recipe=recipe
+    )
+    assert convert_main(to_hf) == 0
+    got = Qwen3MoeForCausalLM.from_pretrained(back)
+    for key in (
+        "hidden_size", "intermediate_size", "moe_intermediate_size", "num_key_value_heads",
+        "head_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
+        "rms_norm_eps", "tie_word_embeddings", "vocab_size",
+    ):  # fmt: skip
+        assert getattr(got.config, key) == getattr(config, key), key
+    assert got.config.router_aux_loss_coef == pytest.approx(0.02, rel=1e-12)
+    # the dense layer (mlp_only_layers) is a dense MLP in megatron-core too: logit parity
+    from megatron_ext.convert.cli import load_mcore
+    from megatron_ext.convert.parity import compare
+
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    figures = compare(got.eval(), load_mcore(out), tokens)
+    assert figures["max_abs_diff"] <= 1e-4 and figures["argmax_agreement"] == 1.0, figures
+    assert figures["expert_selection_agreement"] == [1.0], figures  # the one MoE layer
+    original = Qwen3MoeForCausalLM.from_pretrained(hf_dir).state_dict()
+    state = got.state_dict()
+    assert set(state) == set(original)
+    assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_mcore_to_hf_refuses_what_the_hf_family_cannot_express() -> None:
+    from types import SimpleNamespace
+
+    from megatron_ext.convert.from_trainer import hf_config_fields
+    from megatron_ext.errors import ConfigError
+
+    built = SimpleNamespace(moe_layer_freq=1, num_layers=2)
+    deepseek = read_recipe("moe_tiny_cpu", ["model.moe_preset=deepseek_v3"])
+    with pytest.raises(ConfigError, match=r"deepseek_v3.*no Hugging Face family"):
+        hf_config_fields(deepseek, built, 384)
+    sigmoid = read_recipe(
+        "moe_tiny_cpu", ["model.moe_router_score_function=sigmoid", "model.moe_layer_freq=[1,0]"]
+    )
+    with pytest.raises(ConfigError, match=r"sigmoid.*OLMoE has no dense layers"):
+        hf_config_fields(sigmoid, SimpleNamespace(moe_layer_freq=[1, 0], num_layers=2), 384)

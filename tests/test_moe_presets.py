@@ -17,6 +17,7 @@ from megatron_ext.config.moe_presets import (
     hf_aux_loss_coeff,
     mcore_aux_loss_coeff,
     mcore_layer_freq,
+    moe_layer_count,
 )
 from megatron_ext.errors import ConfigError
 
@@ -69,6 +70,14 @@ def test_aux_coefficient_translation_round_trips() -> None:
     assert hf_aux_loss_coeff(mcore_aux_loss_coeff(0.003, 6, 27), 6, 27) == pytest.approx(0.003)
     assert mcore_layer_freq([]) == 1 and mcore_layer_freq([2]) == 2
     assert mcore_layer_freq([0, 1]) == [0, 1]
+
+
+def test_the_aux_translation_counts_moe_layers_only() -> None:
+    """HF concatenates the router logits of the MoE layers: L is their count."""
+    assert moe_layer_count([], 6) == 6 and moe_layer_count([2], 5) == 3
+    assert moe_layer_count([1, 0, 1, 1], 4) == 3
+    q = _recipe("model.moe_preset=qwen3_moe", "model.num_layers=4", "model.moe_layer_freq=[2]")
+    assert q.model.moe_aux_loss_coeff == pytest.approx(0.001 * 8 / 2)  # layers 1 and 3
 
 
 def test_epsilon_differing_from_family_default_warns_with_both_values() -> None:

@@ -3,9 +3,11 @@ each optimizer; moe_tiny_cpu trains on 2 CPU ranks with expert parallelism 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -34,22 +36,30 @@ def test_cluster_recipes_validate(
     assert recipe.optimizer.name == optimizer
 
 
-def test_moe_tiny_cpu_trains_on_two_ranks_with_expert_parallelism(tmp_path: Path) -> None:
-    """20 steps on 2 ranks with expert parallelism 2: the loss falls, and every step's logged
-    expert load equals an independent float64 recomputation (tests/dist/moe_load_check.py:
-    top-k of the router logits, Switch aux loss and z loss per micro-batch on each rank)."""
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """moe_tiny_cpu, 20 steps on 2 ranks with expert parallelism 2, validation after the last
+    step, a checkpoint at the end; an independent float64 reference watches every router
+    (tests/dist/moe_load_check.py)."""
+    tmp = tmp_path_factory.mktemp("moe_tiny")
+    overrides = [
+        f"run_dir={tmp / 'run'}",
+        f"data.path={tmp / 'data' / 'stdlib'}",
+        "training.steps=20",
+        "training.eval_iters=1",
+    ]
+    proc = run_torchrun(DIST / "moe_load_check.py", 2, str(tmp / "ref"), "moe_tiny_cpu", *overrides)
+    return SimpleNamespace(
+        run_dir=tmp / "run", ref_dir=tmp / "ref", stdout=proc.stdout, overrides=overrides
+    )
+
+
+def test_moe_tiny_cpu_trains_on_two_ranks_with_expert_parallelism(ep2_run) -> None:
+    """The loss falls, and every step's logged expert load equals the float64 recomputation
+    (top-k of the router logits, Switch aux loss and z loss per micro-batch on each rank)."""
     recipe = read_recipe("moe_tiny_cpu")
     assert recipe.parallel.expert_model_parallel_size == 2
-    run_dir, ref_dir = tmp_path / "run", tmp_path / "ref"
-    proc = run_torchrun(
-        DIST / "moe_load_check.py",
-        2,
-        str(ref_dir),
-        "moe_tiny_cpu",
-        f"run_dir={run_dir}",
-        f"data.path={tmp_path / 'data' / 'stdlib'}",
-        "training.steps=20",
-    )
+    run_dir, ref_dir = ep2_run.run_dir, ep2_run.ref_dir
     losses = json.loads((run_dir / "summary.json").read_text())["losses"]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.3, losses
 
@@ -88,4 +98,38 @@ def test_moe_tiny_cpu_trains_on_two_ranks_with_expert_parallelism(tmp_path: Path
         f"moe imb {last['moe_load_imbalance_max']:.2f} "
         f"aux {last['moe_load_balancing_loss_mean']:.4g} z {last['moe_z_loss_mean']:.4g}"
     )
-    assert line in proc.stdout
+    assert line in ep2_run.stdout
+
+
+def test_a_trainer_checkpoint_converts_to_hf(ep2_run, tmp_path: Path) -> None:
+    """``convert mcore-to-hf`` of the EP=2 run's last checkpoint (olmoe preset, --recipe):
+    the HF model's loss on the validation batch equals the trainer's own validation loss
+    after that step (2 ranks, experts split between them)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ext.convert.cli import convert_main
+    from megatron_ext.data import build_tokenizer
+    from megatron_ext.gpt.setup import build_data
+    from megatron_ext.schedules.plan import training_schedule
+    from tests.test_convert_continue import hf_batch_loss
+
+    ckpt, out = ep2_run.run_dir / "checkpoints" / "step_000020", tmp_path / "hf"
+    recipe_args = ["moe_tiny_cpu", *ep2_run.overrides]
+    args = argparse.Namespace(
+        convert_command="mcore-to-hf", mcore_ckpt=ckpt, out=out, recipe=recipe_args
+    )
+    assert convert_main(args) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.config.model_type == "olmoe" and hf.config.num_experts == 8
+    recipe = read_recipe(recipe_args[0], recipe_args[1:])
+    t = recipe.training
+    _, valid = build_data(recipe, build_tokenizer("byte", ""), training_schedule(recipe))
+    # the evaluator's batch: samples 0..B-1, one micro-batch of 4 per rank, mean over them
+    mbs = [[valid[i] for i in range(j, j + t.micro_batch_size)] for j in (0, t.micro_batch_size)]
+    expected = sum(hf_batch_loss(hf, mb) for mb in mbs) / len(mbs)
+    (val,) = [
+        r["val_loss"] for r in read_jsonl(ep2_run.run_dir / "metrics.jsonl") if "val_loss" in r
+    ]
+    print(f"trainer validation loss {val:.7f}, converted HF model {expected:.7f}")
+    assert val == pytest.approx(expected, rel=1e-5, abs=1e-5)

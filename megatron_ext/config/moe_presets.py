@@ -92,6 +92,17 @@ def mcore_aux_loss_coeff(hf_coef: float, topk: int, moe_layers: int) -> float:
     return hf_coef * topk / moe_layers
 
 
+def moe_layer_count(freq: list[int] | int, num_layers: int) -> int:
+    """The MoE layers of ``model.moe_layer_freq`` ([]: all, [N] or N: one in N from the first,
+    or a 0/1 pattern) -- the L of the aux-loss translation."""
+    freq = [freq] if isinstance(freq, int) else list(freq)
+    if not freq:
+        return num_layers
+    if len(freq) == 1:
+        return len(range(0, num_layers, int(freq[0])))
+    return sum(int(x) for x in freq)
+
+
 def hf_aux_loss_coeff(mcore_coef: float, topk: int, moe_layers: int) -> float:
     """The inverse of :func:`mcore_aux_loss_coeff`: ``mcore * L / k``."""
     return mcore_coef * moe_layers / topk
@@ -110,7 +121,9 @@ def preset_fields(name: str, model: dict[str, Any]) -> dict[str, Any]:
     if hf_coef is not None:
         topk = int(model.get("moe_router_topk", fields["moe_router_topk"]))
         layers = int(model.get("num_layers", 2))  # the schema's default
-        fields["moe_aux_loss_coeff"] = mcore_aux_loss_coeff(hf_coef, topk, layers)
+        fields["moe_aux_loss_coeff"] = mcore_aux_loss_coeff(
+            hf_coef, topk, moe_layer_count(model.get("moe_layer_freq") or [], layers)
+        )
     return fields
 
 

@@ -30,9 +30,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = sub.add_parser("hf-to-mcore", help="an HF model directory -> a megatron-core checkpoint")
     a.add_argument("hf_dir", type=Path)
     a.add_argument("out", type=Path)
-    b = sub.add_parser("mcore-to-hf", help="a hf-to-mcore checkpoint -> an HF model directory")
+    b = sub.add_parser(
+        "mcore-to-hf",
+        help="a hf-to-mcore folder, or a GPT-trainer checkpoint with --recipe -> an HF directory",
+    )
     b.add_argument("mcore_ckpt", type=Path)
     b.add_argument("out", type=Path)
+    b.add_argument(
+        "--recipe",
+        nargs="+",
+        default=None,
+        metavar="RECIPE [key=value ...]",
+        help="for a GPT-trainer checkpoint: the recipe that wrote it, and the run's overrides",
+    )
     c = sub.add_parser("check", help="logit and routing parity of a conversion (fp32)")
     c.add_argument("hf_dir", type=Path)
     c.add_argument("mcore_ckpt", type=Path, help="the OUT folder hf-to-mcore wrote")
@@ -116,20 +126,24 @@ def load_mcore(ckpt: Path):
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
-    if not (args.mcore_ckpt / HF_CONFIG).is_file():
-        raise ConfigError(
-            f"{args.mcore_ckpt}: no {HF_CONFIG}; mcore-to-hf converts checkpoints written by "
-            "hf-to-mcore (the HF config they came from is kept there)"
-        )
     if args.out.exists() and any(args.out.iterdir()):
         raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
+    if (args.mcore_ckpt / HF_CONFIG).is_file():  # a hf-to-mcore folder: its own HF config
+        fields = json.loads((args.mcore_ckpt / FIELDS).read_text(encoding="utf-8"))
+        raw = json.loads((args.mcore_ckpt / HF_CONFIG).read_text(encoding="utf-8"))
+        gpt = load_mcore(args.mcore_ckpt)
+    elif args.recipe is not None:  # a GPT-trainer checkpoint: the HF config from the recipe
+        gpt, fields, raw = _trainer_checkpoint(args)
+    else:
+        raise ConfigError(
+            f"{args.mcore_ckpt}: no {HF_CONFIG} (not a hf-to-mcore folder); for a GPT-trainer "
+            "checkpoint (run_dir/checkpoints/step_N) give the recipe that wrote it: "
+            "--recipe RECIPE [key=value ...]"
+        )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_ext.convert.to_hf import mcore_to_hf_state
 
-    fields = json.loads((args.mcore_ckpt / FIELDS).read_text(encoding="utf-8"))
-    raw = json.loads((args.mcore_ckpt / HF_CONFIG).read_text(encoding="utf-8"))
-    gpt = load_mcore(args.mcore_ckpt)
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     hf = AutoModelForCausalLM.from_config(config)
@@ -137,6 +151,24 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     hf.save_pretrained(args.out)
     print(f"wrote {args.out} ({config.model_type}, rms_norm_eps={config.rms_norm_eps:g})")
     return 0
+
+
+def _trainer_checkpoint(args: argparse.Namespace) -> tuple[object, dict, dict]:
+    """(model, mapping fields, HF config) of a GPT-trainer checkpoint and its recipe."""
+    from megatron_ext.config.load import read_recipe
+
+    if not (args.mcore_ckpt / "metadata.json").is_file():
+        raise ConfigError(
+            f"{args.mcore_ckpt}: not a checkpoint folder (no metadata.json); name a step "
+            "folder such as run_dir/checkpoints/step_000100"
+        )
+    recipe = read_recipe(args.recipe[0], args.recipe[1:])
+    from megatron_ext.convert.from_trainer import hf_config_fields, hf_family, load_trainer_model
+
+    hf_family(recipe.model)  # an unsupported family stops before the weights load
+    gpt, fields = load_trainer_model(args.mcore_ckpt, recipe)
+    model_type, raw = hf_config_fields(recipe, gpt.config, gpt.vocab_size)
+    return gpt, fields, {"model_type": model_type, **raw}
 
 
 def _empty_mcore(fields: dict):

@@ -95,6 +95,7 @@ def model_fields(raw: dict[str, Any], eps: float) -> dict[str, Any]:
     experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
     topk = raw["num_experts_per_tok"]
     layers = raw["num_hidden_layers"]
+    sparse = _qwen3_sparse_layers(raw) if family == "qwen3_moe" else set(range(layers))
     fields.update(
         qk_layernorm=True,
         qk_layernorm_scope="projection" if family == "olmoe" else "head",
@@ -105,15 +106,14 @@ def model_fields(raw: dict[str, Any], eps: float) -> dict[str, Any]:
         # renormalised top-k == softmax over the chosen k (megatron-core's default order)
         moe_router_pre_softmax=not raw.get("norm_topk_prob", False),
         moe_router_load_balancing_type="aux_loss",
+        # HF's loss concatenates the router logits of the MoE layers only
         moe_aux_loss_coeff=mcore_aux_loss_coeff(
-            float(raw.get("router_aux_loss_coef", 0.0)), topk, layers
+            float(raw.get("router_aux_loss_coef", 0.0)), topk, len(sparse)
         ),
         moe_token_dispatcher_type="alltoall",
     )
-    if family == "qwen3_moe":
-        sparse = _qwen3_sparse_layers(raw)
-        if len(sparse) != layers:
-            fields["moe_layer_freq"] = [int(i in sparse) for i in range(layers)]
+    if family == "qwen3_moe" and len(sparse) != layers:
+        fields["moe_layer_freq"] = [int(i in sparse) for i in range(layers)]
     return fields
 
 

@@ -13,6 +13,7 @@ parameter to bf16, norms included. FP8/FP4 build only on Transformer Engine's la
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,9 +108,30 @@ def transformer_config(
     )
 
 
-def layer_spec(model: ModelConfig) -> ModuleSpec:
-    """megatron-core's GPT layer spec: TE's, or the local one with SDPA core attention."""
-    experts = model.num_moe_experts or None
+def block_spec(model: ModelConfig, config: TransformerConfig) -> Any:
+    """The decoder's spec: one layer spec for every layer, or -- a MoE ``moe_layer_freq`` with
+    dense layers -- this pipeline stage's layers each with its own (MoE or dense MLP), under
+    megatron-core's default final norm (what it builds from a single layer spec)."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    freq = config.moe_layer_freq
+    n = config.num_layers
+    pattern = [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) else list(freq)
+    if not model.num_moe_experts or all(pattern):
+        return layer_spec(model)
+    specs = {1: layer_spec(model), 0: layer_spec(model, dense=True)}
+    offset = get_transformer_layer_offset(config)
+    here = pattern[offset : offset + transformer_block.get_num_layers_to_build(config)]
+    return transformer_block.TransformerBlockSubmodules(
+        layer_specs=[specs[moe] for moe in here], layer_norm=transformer_block.LayerNormImpl
+    )
+
+
+def layer_spec(model: ModelConfig, dense: bool = False) -> ModuleSpec:
+    """megatron-core's GPT layer spec: TE's, or the local one with SDPA core attention
+    (``dense``: a MoE model's dense-MLP layers)."""
+    experts = None if dense else model.num_moe_experts or None
     projection_norm = model.qk_layernorm and model.qk_layernorm_scope == "projection"
     if use_transformer_engine(model) and projection_norm:
         raise ConfigError(
@@ -163,7 +185,7 @@ def build_gpt_model(
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model),
+        transformer_layer_spec=block_spec(model, config),
         vocab_size=vocab,
         max_sequence_length=seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
