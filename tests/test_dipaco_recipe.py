@@ -175,3 +175,11 @@ def test_bad_recipe_stops_the_cli_with_one_line_exit_2_and_writes_nothing(tmp_pa
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "block 5 does not exist" in lines[0], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_ranks_per_worker_must_divide_the_job(tmp_path: Path) -> None:
+    """The launcher checks the recipe at its world size: R-rank workers need a multiple of R."""
+    recipe = tiny(tmp_path, "dipaco.ranks_per_worker=2", "training.micro_batch_size=4")
+    recipe.check(world_size=4)
+    with pytest.raises(ConfigError, match="does not divide the job's 3 ranks"):
+        recipe.check(world_size=3)

@@ -11,14 +11,18 @@ SQLite queue) is trained first; then
   parts move 0 bytes), while each of DDP's P workers sends its whole-model gradient up and
   receives the weights down at every one of τ steps; the ratio is 1/τ without path-specific
   parts and below with them. ``comm.ring`` counts both as ring all-reduces instead (a module
-  over the P_{l,e} paths that use it; DDP over all P workers, every step);
+  over the P_{l,e} paths that use it; DDP over all P workers, every step).
+  ``comm_path_specific_embedding``: the same figures for a second run whose embedding is
+  path-specific (``dipaco.path_specific=embedding``);
 - ``outer``: one outer step split into load / reduce / step / write against P_{l,e} and the
   module size;
 - ``queue``: claim + complete latency and throughput with N concurrent clients, on SQLite and
   on PostgreSQL (a throwaway server when the binaries exist, or ``--postgres URL``);
 - ``faults`` (``--faults``): the kill / zombie scenario of :mod:`megatron_ext.dipaco.faults` on
   the same recipe: tasks re-leased, inner steps lost, extra wall time, rejected completions and
-  max |Δθ| of the final modules against the clean run;
+  max |Δθ| of the final modules against the clean run; and the whole job killed mid-phase and
+  relaunched (``faults.job_killed_mid_phase``): tasks re-leased, done tasks claimed again (0),
+  max |Δθ| against the clean run;
 - ``trends`` (``--trends``): the paper's comparisons at this small scale, printed, not asserted:
   routing every W tokens vs once per sequence, discriminative vs generative routing, DiPaCo vs
   flat MoE at equal paths, DiLoCo vs fully synchronous training.
@@ -39,6 +43,10 @@ DESCRIPTION = (
     "PostgreSQL, fault figures, the paper's trends at small scale (figures + JSON)"
 )
 RECIPE = "dipaco_tiny"
+OWN_EMBEDDING = (
+    "dipaco.level_parts=[0-1, 2-3 final_layernorm output_layer]",
+    "dipaco.path_specific=embedding",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +95,12 @@ def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "comm": comm,
     }
     _print_comm(comm)
+    # the same run with the embedding kept per path: it never moves, the ratio drops below 1/tau
+    own = [*small_overrides(data, work / "own_embedding"), *OWN_EMBEDDING]
+    small_run(RECIPE, own)
+    report["comm_path_specific_embedding"] = comm_bytes(load_recipe(RECIPE, own))
+    print("with the embedding path-specific (" + " ".join(OWN_EMBEDDING) + "):")
+    _print_comm(report["comm_path_specific_embedding"])
     report["outer"] = outer_timing(args.sizes, args.paths)
     for row in report["outer"]:
         print(
@@ -178,11 +192,47 @@ def _faults(data: Path, work: Path, clean, clean_wall: float) -> dict[str, Any]:
     }
     out["extra_wall_s"] = figures["wall_s"] - clean_wall
     out["max_abs_dtheta_vs_clean"] = max_abs_difference(recipe, clean)
+    out["job_killed_mid_phase"] = _stopped_job(data, work, clean)
     print(
         f"faults: {out['tasks_re_leased']} tasks re-leased {out['re_leased']}, "
         f"{out['inner_steps_lost']} inner steps lost, {out['rejected_zombie_completions']} "
         f"zombie completion(s) rejected, +{out['extra_wall_s']:.1f} s wall, max |dtheta| vs "
         f"clean {out['max_abs_dtheta_vs_clean']}"
+    )
+    return out
+
+
+def _stopped_job(data: Path, work: Path, clean) -> dict[str, Any]:
+    """The whole job killed mid-phase (two of phase 0's train tasks done, two held) and
+    relaunched through the launcher (:func:`megatron_ext.dipaco.faults.stopped_job_run`)."""
+    import time
+
+    from megatron_ext.config import load_recipe
+    from megatron_ext.dipaco.faults import max_abs_difference, stopped_job_run
+    from megatron_ext.dipaco.measure import small_overrides
+
+    overrides = [
+        *small_overrides(data, work / "stopped_job"),
+        "dipaco.lease_seconds=4",
+        "dipaco.heartbeat_seconds=1",
+    ]
+    recipe = load_recipe(RECIPE, overrides)
+    start = time.perf_counter()
+    figures = stopped_job_run(RECIPE, overrides, recipe, work / "stopped_job_logs")
+    after = figures["events"][len(figures["before"]) :]
+    done = {e[1] for e in figures["before"] if e[4] == "complete"}
+    out = {
+        "tasks_done_before_the_kill": len(done),
+        "tasks_re_leased_after_relaunch": sorted({e[1] for e in after if e[4] == "take-over"}),
+        "done_tasks_claimed_again": len({e[1] for e in after} & done),
+        "wall_s": time.perf_counter() - start,
+        "max_abs_dtheta_vs_clean": max_abs_difference(recipe, clean),
+    }
+    print(
+        f"job killed mid-phase and relaunched: {out['tasks_done_before_the_kill']} tasks done "
+        f"before the kill, re-leased after the relaunch {out['tasks_re_leased_after_relaunch']}, "
+        f"{out['done_tasks_claimed_again']} done tasks claimed again, {out['wall_s']:.1f} s "
+        f"wall, max |dtheta| vs clean {out['max_abs_dtheta_vs_clean']}"
     )
     return out
 
