@@ -68,6 +68,9 @@ def dipaco_main(args: argparse.Namespace) -> int:
         return 1
     finally:
         destroy_process_groups()
+    if report.follower:
+        print(f"follower rank done: trained {len(report.completed)} tasks along", flush=True)
+        return 0
     print(
         f"worker done: {len(report.completed)} tasks completed, {len(report.rejected)} "
         f"rejected, {len(report.lost)} dropped, {len(report.failed)} given back",

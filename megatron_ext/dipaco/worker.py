@@ -54,6 +54,7 @@ class WorkerReport:
     rejected: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    follower: bool = False  # a multi-rank worker's other rank: ``completed`` it trained along
 
 
 def open_run_queue(recipe: Recipe, worker: str = "") -> TaskQueue:
@@ -171,7 +172,7 @@ def _follow(recipe: Recipe, group: WorkerGroup) -> WorkerReport:
     """A follower rank: train the leader's train tasks with it until it says stop."""
     from megatron_ext.dipaco.tasks import run_task
 
-    d, report = recipe.section(DipacoConfig), WorkerReport()
+    d, report = recipe.section(DipacoConfig), WorkerReport(follower=True)
     ctx = None
     try:
         while (lease := group.broadcast()) is not None:
