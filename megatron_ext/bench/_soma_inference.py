@@ -57,6 +57,7 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
     from megatron_ext.soma.evaluate import routed_throughput
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.router import RouterConfig, fit_router
+    from megatron_ext.soma.scan import COMPILE_FAILURES, use_fused
 
     windows = build_windows(["python-stdlib"], window_bytes=1025).windows
     rng = np.random.default_rng(0)
@@ -93,6 +94,8 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
         "windows": len(held_out),
         "paper_ratio": PAPER_RATIO,
         "fused": args.fused,
+        # What actually ran: compiled only where the mode asks for it and no compile failed.
+        "compiled": use_fused(args.fused, torch.device("cpu")) and not COMPILE_FAILURES,
     }
     for sweep in ("equal_total", "equal_expert"):
         rows = []
@@ -133,7 +136,7 @@ def print_sweeps(res: dict[str, Any]) -> None:
         s = res[sweep]
         print(
             f"routed inference (CPU), {title}, {res['windows']} windows, routing included, "
-            f"fused={res['fused']}:"
+            f"fused={res['fused']} ({'compiled' if res['compiled'] else 'eager'}):"
         )
         print(
             f"  {'N':>4s} {'d':>4s} {'k':>2s} {'params/expert':>14s} {'total params':>13s} "

@@ -210,9 +210,9 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from megatron_ext.bench.common import matmul_gflops
+    from megatron_ext.soma import scan
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.model import batched_loss, naive_loss_loop
-    from megatron_ext.soma.scan import fused_available
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
@@ -228,7 +228,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     thetas = perturb(theta, z, 1e-3).to(device)
     pert_tokens = thetas.shape[0] * args.batch * args.seq
     module = torch_nn_expert(layout).to(device)
-    fused_ok, fused_why = fused_available(device)
+    fused_ok, fused_why = scan.fused_available(device)
     batched = {"eager": lambda: batched_loss(thetas, emb, tokens, layout, fused="off")}
     if fused_ok:
         batched["fused"] = lambda: batched_loss(thetas, emb, tokens, layout, fused="on")
@@ -239,6 +239,9 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for fn in (*batched.values(), *loops.values()):
             fn()  # warm-up (and the fused scan's compile)
+        if fused_ok and scan.COMPILE_FAILURES:  # the compile failed at run time: it ran eager
+            fused_ok, fused_why = False, scan.COMPILE_FAILURES[-1]
+            del batched["fused"]
         # Peak memory of one more call (the allocator reuses what the warm-up allocated).
         if cuda:
             sync()

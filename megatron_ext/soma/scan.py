@@ -25,11 +25,13 @@ import torch
 FusedMode = Literal["auto", "on", "off"]
 FUSED_MODES: tuple[FusedMode, ...] = ("auto", "on", "off")
 
-# Where "auto" fuses. CPU: no -- measured with ``megatron-ext bench soma`` on 2 cores, the
-# compiled SPSA forward is 1.00-1.05x the eager one and routed inference 1.05-1.15x, against a
-# compile of 10-60 s per new shape: Inductor's CPU sigmoid and erf call Sleef's 1-ulp exp out
-# of line and divide, ~4x slower per element than ATen's own kernels, which cancels what fusing
-# saves in memory passes. CUDA: not measured yet (no GPU in these sessions).
+# Where "auto" fuses. CPU: no. ``megatron-ext bench soma`` on this project's 2-core host, SPSA
+# forward (d=32, D=2, 128 bodies, B=16, T=256): compiled/eager 1.06x at 2 threads on a quiet
+# host, 1.20x at 1 thread, up to 1.6x at 2 threads while other jobs load the cores (fewer kernels,
+# fewer thread barriers to wait at) -- against a compile of 10-60 s per new shape (cached on disk
+# afterwards). Inductor's CPU sigmoid and erf call Sleef's 1-ulp exp out of line, slower per
+# element than ATen's own kernels, which cancels much of what fusing saves in memory passes.
+# CUDA: not measured (no GPU in these sessions).
 AUTO_FUSED: dict[str, bool] = {"cpu": False, "cuda": False}
 # Compiled shapes kept per process: one per (bodies, batch, chunk length), a few per run.
 RECOMPILE_LIMIT = 64
