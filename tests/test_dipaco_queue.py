@@ -164,6 +164,43 @@ def test_concurrent_claims_never_hand_out_a_task_twice(url: str) -> None:
     assert open_queue(url).unfinished() == 0
 
 
+def test_workers_starting_together_bind_and_enqueue_once(url: str) -> None:
+    """Several workers joining an empty queue at the same moment (a job's ranks do): each
+    binds the run and enqueues the whole plan; the queue ends with one plan, no worker fails."""
+    plan = [
+        TaskSpec(f"t{i:02d}", "train", priority=i, deps=("t00",) if i else ()) for i in range(40)
+    ]
+    workers = 4
+    start, errors, added = threading.Barrier(workers), [], []
+
+    def join(name: str) -> None:
+        q = open_queue(url, worker=name)  # one connection per thread, as workers have
+        start.wait()
+        try:
+            q.bind_run("abc", "runs/one")
+            added.append(q.enqueue(plan))
+        except Exception as exc:  # what the test is about
+            errors.append(exc)
+        finally:
+            q.close()
+
+    check = open_queue(url)
+    for _ in range(3):  # a few rounds on emptied tables: the race is a matter of timing
+        threads = [threading.Thread(target=join, args=(f"w{i}",)) for i in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert sorted(added) == [0] * (workers - 1) + [40]
+        assert check.unfinished() == 40
+        with check.db.transaction() as db:
+            for table in ("dipaco_deps", "dipaco_tasks", "dipaco_meta"):
+                db.execute(f"DELETE FROM {table}")
+        added.clear()
+    check.close()
+
+
 def test_a_queue_belongs_to_one_run(url: str) -> None:
     open_queue(url).bind_run("abc", "runs/one")
     open_queue(url).bind_run("abc", "runs/one")

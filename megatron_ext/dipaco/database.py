@@ -81,7 +81,8 @@ class Database:
                 yield self
 
     def advisory_lock(self, key: int) -> None:
-        """PostgreSQL: serialise schema creation across sessions (SQLite: the write lock)."""
+        """PostgreSQL: serialise a transaction with every other one taking lock ``key``, until
+        it ends (SQLite: every write transaction holds the one write lock already)."""
         if self.backend == "postgresql":
             self.execute("SELECT pg_advisory_xact_lock(?)", (key,))
 

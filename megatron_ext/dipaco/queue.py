@@ -38,6 +38,9 @@ from megatron_ext.errors import ConfigError
 __all__ = ["Lease", "TaskFailedError", "TaskQueue", "TaskSpec", "new_worker_id"]
 
 SCHEMA_LOCK = 0x44495041  # PostgreSQL advisory lock key of the schema creation ("DIPA")
+# ... and of binding the run and enqueueing its plan: workers that start together both find no
+# row and both insert it otherwise (SQLite's BEGIN IMMEDIATE serialises them already)
+SETUP_LOCK = 0x44495042
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS dipaco_meta (
         key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
@@ -123,6 +126,7 @@ class TaskQueue:
     def bind_run(self, fingerprint: str, description: str) -> None:
         """Mark the queue as this run's (first caller), or refuse another run's queue."""
         with self.db.transaction() as db:
+            db.advisory_lock(SETUP_LOCK)
             rows = db.query("SELECT value FROM dipaco_meta WHERE key = 'run'")
             if not rows:
                 db.execute("INSERT INTO dipaco_meta VALUES ('run', ?)", (fingerprint,))
@@ -140,6 +144,7 @@ class TaskQueue:
         """Add ``tasks`` (idempotent); returns how many were new."""
         added = 0
         with self.db.transaction() as db:
+            db.advisory_lock(SETUP_LOCK)
             for t in tasks:
                 payload = json.dumps(t.payload, sort_keys=True)
                 rows = db.query("SELECT kind, payload FROM dipaco_tasks WHERE id = ?", (t.id,))
