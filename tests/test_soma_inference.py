@@ -155,3 +155,54 @@ def test_target_log_probs_start_and_per_body_batches():
         target_log_probs(thetas, emb, tokens, layout, start=9)
     with pytest.raises(ValueError, match="per-body"):
         target_log_probs(thetas, emb, tokens[:2], layout)
+
+
+def test_equal_total_sweep_widths_match_the_total():
+    """The bench's equal-total widths: each N's total is the nearest any width gets to the
+    target, and the default sweep (N = 8, 32, 256 against 8 experts of width 128) stays within
+    5% of it."""
+    from megatron_ext.bench._soma_inference import body_numel, width_for_total
+
+    total = 8 * body_numel(128, 2)
+    for n in (8, 32, 256):
+        d = width_for_total(n, total, 2)
+        gap = abs(n * body_numel(d, 2) - total)
+        assert gap <= min(abs(n * body_numel(w, 2) - total) for w in (d - 1, d + 1) if w >= 1)
+        assert gap <= 0.05 * total
+    assert width_for_total(8, total, 2) == 128
+
+
+def test_inference_sweeps_report_the_fastest_round_and_its_ratio():
+    import argparse
+
+    from megatron_ext.bench._soma_inference import inference_sweeps
+    from megatron_ext.bench.soma import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--experts",
+            "2",
+            "4",
+            "--windows",
+            "3",
+            "--inference-repeats",
+            "2",
+            "--d-model",
+            "8",
+            "--sweep-total",
+            "20000",
+        ]
+    )
+    res = inference_sweeps(args)
+    for sweep in ("equal_total", "equal_expert"):
+        rows = res[sweep]["rows"]
+        assert [r["n_experts"] for r in rows] == [2, 4]
+        for r in rows:
+            assert r["tokens_per_s"] == max(r["tokens_per_s_all"]) > 0
+            assert len(r["tokens_per_s_all"]) == 2 and 0 < r["routing_share"] < 1
+        ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+        assert res[sweep]["ratio"] == pytest.approx(ratio)
+    assert all(r["d_model"] == 8 for r in res["equal_expert"]["rows"])
+    assert res["compiled"] is False  # "auto" runs eager on CPU
