@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.soma import model, scan
+from megatron_ext.soma import forward, scan
 from megatron_ext.soma.layout import ExpertShape
 from megatron_ext.soma.model import batched_loss, body_hidden
 from tests.test_soma_model import _setup, reference_loss
@@ -23,13 +23,13 @@ needs_compiler = pytest.mark.skipif(
 def fused_calls(monkeypatch):
     """Counts the forward's calls of the compiled chunk (so a test cannot pass on eager alone)."""
     calls = []
-    real = model._FUSED
+    real = forward._FUSED
 
     def counting(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(model, "_FUSED", counting)
+    monkeypatch.setattr(forward, "_FUSED", counting)
     return calls
 
 

@@ -26,190 +26,31 @@ preallocated buffers; out of place under autograd) or, with ``fused``, as one co
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
-
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.soma.layout import BodyLayout
-from megatron_ext.soma.scan import (
-    Compiled,
-    FusedMode,
-    lstm_scan_cells,
-    lstm_scan_inplace,
-    use_fused,
+from megatron_ext.soma.forward import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    NORM_EPS,
+    check_inputs,
+    chunk_sizes,
+    hidden_chunks,
 )
+from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.scan import FusedMode
 
-NORM_EPS = 1e-5
-# Fastest of 4-64 MiB for batched_loss at d=32, P=128, B=16, T=256 on 2 CPU threads: bigger
-# chunks fault in fresh pages on every call. On a GPU, pass a larger max_chunk_bytes.
-DEFAULT_MAX_CHUNK_BYTES = 8 * 2**20
-
-
-def _gate_order(d: int, device: torch.device) -> torch.Tensor:
-    """Row permutation i, f, g, o -> i, f, o, g: the three sigmoid gates become contiguous."""
-    return torch.cat(
-        [torch.arange(0, 2 * d), torch.arange(3 * d, 4 * d), torch.arange(2 * d, 3 * d)]
-    ).to(device)
-
-
-def _block_weights(
-    w: dict[str, torch.Tensor], pre: str, perm: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's matrices for the batched forward, transposed for ``x @ W``: (w_ih_t (P, d, 4d),
-    whh_t (P, d, 4d), fc1_t (P, d, 4d), fc2_t (P, 4d, d)). LSTM gates are reordered to
-    i, f, o, g with the g columns times 2 (what the scans expect, see
-    :func:`~.scan.lstm_scan_inplace`); norm gains are folded into the matrix that follows them,
-    (n·g)Wᵀ = n·(W·diag g)ᵀ."""
-    d = perm.numel() // 4
-    scale = torch.ones(4 * d, 1, dtype=w[f"{pre}.lstm.w_ih"].dtype, device=perm.device)
-    scale[3 * d :] = 2.0
-    w_ih = w[f"{pre}.lstm.w_ih"][:, perm] * scale * w[f"{pre}.norm1.gain"][:, None, :]
-    w_hh = w[f"{pre}.lstm.w_hh"][:, perm] * scale
-    fc1 = w[f"{pre}.mlp.fc1"] * w[f"{pre}.norm2.gain"][:, None, :]
-    return (
-        w_ih.transpose(1, 2),
-        w_hh.transpose(1, 2),
-        fc1.transpose(1, 2),
-        w[f"{pre}.mlp.fc2"].transpose(1, 2),
-    )
-
-
-def _row_width(layout: BodyLayout) -> int:
-    """Widest per-position intermediate (elements): 4d-wide gates / MLP, or the V logits."""
-    return max(4 * layout.shape.d_model, layout.shape.vocab, layout.shape.d_embed)
-
-
-def _chunk_sizes(
-    layout: BodyLayout, p: int, b: int, t_len: int, dtype: torch.dtype, max_chunk_bytes: int
-) -> tuple[int, int]:
-    """(bodies per chunk, time steps per chunk) so that one (bodies, steps·B, width) intermediate
-    stays within ``max_chunk_bytes`` (at least one body and one step)."""
-    row = _row_width(layout) * torch.empty((), dtype=dtype).element_size()
-    bodies = max(1, min(p, max_chunk_bytes // (b * row)))
-    steps = max(1, min(t_len, max_chunk_bytes // (bodies * b * row)))
-    return bodies, steps
-
-
-def _check_inputs(
-    theta: torch.Tensor, emb: torch.Tensor, inputs: torch.Tensor, layout: BodyLayout
-) -> None:
-    shape = layout.shape
-    if theta.dim() != 2 or theta.shape[1] != layout.numel:
-        raise ValueError(
-            f"expected bodies of shape (P, {layout.numel}) for {shape}, got {tuple(theta.shape)}"
-        )
-    if emb.shape != (shape.vocab, shape.d_embed):
-        raise ValueError(
-            f"embedding must be ({shape.vocab}, {shape.d_embed}), got {tuple(emb.shape)}"
-        )
-    if inputs.dim() not in (2, 3) or min(inputs.shape) < 1:
-        raise ValueError(
-            f"input tokens must be (B, T) or per-body (P, B, T) with B, T >= 1, "
-            f"got {tuple(inputs.shape)}"
-        )
-    if inputs.dim() == 3 and inputs.shape[0] != theta.shape[0]:
-        raise ValueError(
-            f"per-body tokens {tuple(inputs.shape)} need one (B, T) batch per body "
-            f"({theta.shape[0]} bodies)"
-        )
-
-
-Blocks = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-State = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _body_chunk(
-    x: torch.Tensor,
-    blocks: Blocks,
-    state: State,
-    in_proj_t: torch.Tensor | None,
-    out_proj_t: torch.Tensor | None,
-    gain: torch.Tensor | None,
-    scan: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> tuple[torch.Tensor, State]:
-    """One chunk of tc time steps through the whole body: embeddings x (1 or P, tc·B, d_E) ->
-    (final hidden states (P, tc·B, d_E), each block's carried (h, n) after the chunk).
-
-    ``blocks`` from :func:`_block_weights`; ``state[i]`` block i's (h, n), each (P, B, d); a
-    wide body has ``in_proj_t`` (P, d_E, d) and ``out_proj_t`` (P, d, d_E) with the final norm's
-    gain folded in (``gain`` None), a narrow one only ``gain`` (P, 1, d)."""
-    if in_proj_t is not None:
-        x = torch.matmul(x, in_proj_t)
-    new_state = []
-    for (w_ih_t, whh_t, fc1_t, fc2_t), (h, n) in zip(blocks, state, strict=True):
-        (p, b, d), rows = h.shape, x.shape[1]
-        xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
-        out, h, n = scan(xw.view(p, rows // b, b, 4 * d), whh_t, h, n)
-        new_state.append((h, n))
-        x = x + out.view(p, rows, d)
-        u = F.gelu(torch.bmm(F.layer_norm(x, (d,), eps=NORM_EPS), fc1_t))
-        x = torch.baddbmm(x, u, fc2_t)
-    hid = F.layer_norm(x, (x.shape[-1],), eps=NORM_EPS)
-    return (hid * gain if out_proj_t is None else torch.bmm(hid, out_proj_t)), new_state
-
-
-def _fused_body_chunk(
-    x: torch.Tensor,
-    blocks: Blocks,
-    state: State,
-    in_proj_t: torch.Tensor | None,
-    out_proj_t: torch.Tensor | None,
-    gain: torch.Tensor | None,
-) -> tuple[torch.Tensor, State]:
-    """:func:`_body_chunk` with the out-of-place scan: what :data:`_FUSED` compiles into one
-    graph (matmuls as library calls, every element-wise run between them -- norms, residuals,
-    GELU, the LSTM gates of each step -- fused into loops)."""
-    return _body_chunk(x, blocks, state, in_proj_t, out_proj_t, gain, lstm_scan_cells)
-
-
-_FUSED = Compiled(_fused_body_chunk)
-
-
-def _hidden_chunks(
-    theta: torch.Tensor,
-    emb: torch.Tensor,
-    inputs: torch.Tensor,
-    layout: BodyLayout,
-    steps: int,
-    fused: FusedMode,
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Stream the forward over time: yields ``(t0, h)`` with h (P, tc, B, d_E) the final hidden
-    states of steps ``t0 .. t0+tc-1`` (time-major inside the chunk).
-
-    Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
-    chunk at a time and no intermediate ever spans the whole window. Without autograd ``fused``
-    picks the eager chunk (in-place scan) or the compiled one (:func:`~.scan.use_fused`); with
-    autograd the chunk runs eagerly with the out-of-place scan."""
-    shape = layout.shape
-    w = layout.views(theta)
-    p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
-    if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
-        run = functools.partial(_body_chunk, scan=lstm_scan_cells)
-    elif use_fused(fused, theta.device):
-        run = _FUSED
-    else:
-        run = functools.partial(_body_chunk, scan=lstm_scan_inplace)
-    perm = _gate_order(d, theta.device)
-    blocks = [_block_weights(w, f"blocks.{blk}", perm) for blk in range(shape.num_blocks)]
-    state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
-    gain = w["final_norm.gain"][:, None, :]
-    in_proj_t, out_proj_t = None, None
-    if shape.wide:
-        in_proj_t = w["in_proj"].transpose(1, 2)
-        out_proj_t, gain = (w["out_proj"] * gain).transpose(1, 2), None
-
-    # Time-major (1 or P, T, B, d_E): shared tokens stay one copy, broadcast by the matmuls.
-    per_body = inputs.dim() == 3
-    emb_tm = emb.to(theta.dtype)[inputs.transpose(-1, -2) if per_body else inputs.T[None]]
-    for t0 in range(0, t_len, steps):
-        tc = min(steps, t_len - t0)
-        # (1, tc·B, d) while it is the same for every body (block 0 without in_proj): the
-        # first norm is then computed once and broadcast by the matmul.
-        x = emb_tm[:, t0 : t0 + tc].reshape(emb_tm.shape[0], tc * b, e)
-        hid, state = run(x, blocks, state, in_proj_t, out_proj_t, gain)
-        yield t0, hid.view(p, tc, b, e)
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "NORM_EPS",
+    "batched_loss",
+    "body_hidden",
+    "decoder_weight",
+    "head_gradient",
+    "log_probs",
+    "logits",
+    "naive_loss_loop",
+    "target_log_probs",
+]
 
 
 def body_hidden(
@@ -227,11 +68,11 @@ def body_hidden(
     Each of the ``P`` bodies sees the same tokens, or with (P, B, T) tokens each body its own
     batch (routed inference: experts side by side); every window starts from a zero LSTM state.
     Differentiable when ``theta`` or ``emb`` requires grad (and grad mode is on)."""
-    _check_inputs(theta, emb, tokens, layout)
+    check_inputs(theta, emb, tokens, layout)
     tokens = tokens.long()
     b, t_len = tokens.shape[-2:]
-    _, steps = _chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes)
-    chunks = _hidden_chunks(theta, emb, tokens, layout, steps, fused)
+    _, steps = chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes)
+    chunks = hidden_chunks(theta, emb, tokens, layout, steps, fused)
     parts = [h.transpose(1, 2) for _, h in chunks]
     return torch.cat(parts, dim=2)
 
@@ -291,21 +132,21 @@ def target_log_probs(
         )
     tokens = tokens.long()  # byte windows may arrive as uint8, which would index as a mask
     inputs = tokens[..., :-1]
-    _check_inputs(theta, emb, inputs, layout)
+    check_inputs(theta, emb, inputs, layout)
     p, (b, t_len) = theta.shape[0], inputs.shape[-2:]
     if not 0 <= start < t_len:
         raise ValueError(f"start={start} must be in 0..{t_len - 1} for {t_len} targets")
     per_body = tokens.dim() == 3
     targets_tm = tokens[..., 1:].transpose(-1, -2)  # (P or 1, T, B) time-major
     targets_tm = targets_tm if per_body else targets_tm[None]
-    bodies, steps = _chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
+    bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
     out = []
     for first in range(0, p, bodies):
         part = theta[first : first + bodies]
         pc, rows = part.shape[0], slice(first, first + bodies) if per_body else slice(None)
         weight = decoder_weight(part, emb, layout)
         cols = []
-        for t0, hid in _hidden_chunks(part, emb, inputs[rows], layout, steps, fused):
+        for t0, hid in hidden_chunks(part, emb, inputs[rows], layout, steps, fused):
             lo = max(start - t0, 0)  # first scored step of this chunk
             if lo >= hid.shape[1]:
                 continue
