@@ -16,6 +16,7 @@ skewed clocks agree on when a lease expires.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -99,12 +100,7 @@ def connect(url: QueueURL) -> Database:
                 f"queue {url.display}: folder {url.path.parent} does not exist; create it or "
                 f"point dipaco.queue elsewhere"
             )
-        try:
-            conn = sqlite3.connect(url.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            conn.execute("PRAGMA synchronous=FULL")
-        except sqlite3.Error as exc:
-            raise ConfigError(f"queue {url.display} cannot be opened: {exc}") from exc
+        conn, mode = _open_sqlite(url)
         if str(mode).lower() != "wal":
             raise ConfigError(
                 f"queue {url.display}: the file system refused WAL mode ({mode}); put the "
@@ -125,3 +121,24 @@ def connect(url: QueueURL) -> Database:
             f"queue {url.display} is unreachable ({reason}); start the server or fix dipaco.queue"
         ) from exc
     return Database(url, conn)
+
+
+def _open_sqlite(url: QueueURL) -> tuple[sqlite3.Connection, str]:
+    """A connection in WAL mode and its journal mode. Setting the journal mode can fail with
+    "database is locked" at once, without the busy timeout, while another connection is taking
+    or giving up the WAL file (seen with two workers starting together): retried for up to
+    ``BUSY_TIMEOUT_S``."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        conn = None
+        try:
+            conn = sqlite3.connect(url.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            conn.execute("PRAGMA synchronous=FULL")
+            return conn, str(mode)
+        except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise ConfigError(f"queue {url.display} cannot be opened: {exc}") from exc
+            time.sleep(0.05)
