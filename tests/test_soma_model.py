@@ -255,7 +255,7 @@ def test_uint8_windows_read_as_byte_ids():
 def test_benchmark_textbook_loop_computes_the_same_losses(shape):
     """The SOMA benchmark's anchor (standard torch.nn modules, one forward per body) must compute
     what the batched forward computes, or its speedup would compare different work."""
-    from megatron_ext.bench.soma import torch_nn_expert, torch_nn_loss_loop
+    from megatron_ext.bench._soma_textbook import torch_nn_expert, torch_nn_loss_loop
 
     layout, thetas, emb, tokens = _setup(shape, p=3, b=2, t=9)
     module = torch_nn_expert(layout, torch.float64)
