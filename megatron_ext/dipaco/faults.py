@@ -80,9 +80,10 @@ def _wait_stopped(procs: dict[str, subprocess.Popen], logs: Path, timeout: float
 
 
 def _kill(*procs: subprocess.Popen) -> None:
+    """SIGKILL (a stopped process dies too; continuing it first would let it run on, e.g.
+    complete the task it held)."""
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
 
