@@ -7,7 +7,9 @@ of the same recipe, bit for bit:
   re-run's, the outer step is idempotent) and on the PostgreSQL queue of a throwaway server
   (the executor killed half-way through writing its module file);
 - the whole job killed mid-phase (two train tasks of phase 0 done, two held) and relaunched
-  through the launcher: it continues, nothing done is done again.
+  through the launcher: it continues, nothing done is done again;
+- workers sent a stop signal (SIGTERM) mid-task and after a task: the first gives its task back
+  unfinished, the second completes its task; both exit 0 with the stop line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ import pytest
 import torch
 
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.faults import fault_run, max_abs_difference, stopped_job_run
+from megatron_ext.dipaco.faults import (
+    fault_run,
+    max_abs_difference,
+    signalled_run,
+    stopped_job_run,
+)
 from megatron_ext.dipaco.measure import small_overrides, small_run, write_small_corpus
 from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
 from megatron_ext.dipaco.store import attempt_dir, load_tensors
@@ -123,4 +130,34 @@ def test_a_job_killed_mid_phase_and_relaunched_ends_bit_identical(
     takeovers = {e[1] for e in after if e[4] == "take-over"}
     assert takeovers == set(held)
     assert {e[2] for e in after if e[4] == "complete"} <= {"rank0", "rank1"}
+    assert max_abs_difference(recipe, clean) == 0.0
+
+
+def test_signalled_workers_give_back_or_finish_their_task_and_exit_cleanly(
+    data: Path, clean, tmp_path
+) -> None:
+    """SIGTERM to a worker in the middle of a train task: the task is released (no attempt
+    spent, its files discarded) and the worker exits 0; to a worker that has done its task
+    but not completed it: it completes it, then exits 0. Another worker finishes the run,
+    bit-identical to the clean one."""
+    overrides = small_overrides(data, tmp_path / "run")  # 30 s leases: a release is at once
+    recipe = load_recipe(RECIPE, overrides)
+    figures = signalled_run(RECIPE, overrides, recipe, tmp_path / "logs")
+    assert figures["codes"] == {"mid": 0, "end": 0}, figures["logs"]
+    events = figures["events"]
+    claimed = {n: [e for e in events if e[2] == n and e[4] == "claim"][-1] for n in ("mid", "end")}
+    released = [e for e in events if e[4] == "released"]
+    assert [(e[1], e[2], e[3], e[5]) for e in released] == [
+        (claimed["mid"][1], "mid", claimed["mid"][3], "SIGTERM")
+    ]
+    assert not attempt_dir(recipe.run_dir, claimed["mid"][1], claimed["mid"][3]).exists()
+    redo = [e for e in events if e[1] == claimed["mid"][1] and e[4] == "claim"][-1]
+    assert redo[2] != "mid" and redo[3].startswith("1:")  # the next claim is attempt 1 again
+    completes = {(e[1], e[2], e[3]) for e in events if e[4] == "complete"}
+    assert (claimed["end"][1], "end", claimed["end"][3]) in completes
+    for name in ("mid", "end"):
+        (line,) = [x for x in figures["logs"][name].splitlines() if "stopped at task" in x]
+        assert line.startswith("megatron-ext: stopped at task ") and "(SIGTERM)" in line, line
+        assert f"Resume with: megatron-ext dipaco worker {RECIPE}" in line
+    assert "given back unfinished (SIGTERM)" in figures["logs"]["mid"]
     assert max_abs_difference(recipe, clean) == 0.0

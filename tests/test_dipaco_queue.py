@@ -104,6 +104,22 @@ def test_lease_expiry_takeover_and_zombie_fencing(url: str) -> None:
     assert [e[4] for e in a.events()] == ["claim", "take-over", "rejected", "complete", "rejected"]
 
 
+def test_a_released_task_is_claimable_at_once_without_spending_an_attempt(url: str) -> None:
+    a = open_queue(url, attempts=1, worker="A")
+    b = open_queue(url, attempts=1, worker="B")
+    a.enqueue([TaskSpec("t", "train")])
+    lease_a = a.claim()
+    assert a.release(lease_a, "SIGTERM")
+    assert not a.release(lease_a, "SIGTERM")  # once: the token is no longer the task's
+    lease_b = b.claim()  # at once, not after the lease, and max_attempts=1 is not spent
+    assert lease_b.task == "t" and lease_b.attempt == 1 and not lease_b.taken_over
+    assert lease_b.token != lease_a.token
+    assert not a.complete(lease_a, {"who": "A"})  # the released claim cannot complete
+    assert b.complete(lease_b, {"who": "B"}) and a.result("t") == {"who": "B"}
+    assert [e[4] for e in a.events()] == ["claim", "released", "claim", "rejected", "complete"]
+    assert a.events("released")[0][5] == "SIGTERM"
+
+
 def test_heartbeats_keep_a_lease(url: str) -> None:
     a = open_queue(url, lease=0.5, worker="A")
     b = open_queue(url, lease=0.5, worker="B")

@@ -129,6 +129,7 @@ def test_flat_moe_and_dense_diloco_are_layouts_too(tmp_path: Path) -> None:
         (["dipaco.eval_every_tokens=[]"], "eval_every_tokens"),
         (["parallel.tensor_model_parallel_size=2"], "one rank"),
         (["model.num_moe_experts=4"], "dense"),
+        (["training.exit_interval=5"], "stop workers with a stop signal"),
         (["dipaco.queue=mysql://host/db"], "unknown scheme"),
         (["dipaco.queue=sqlite://host/queue.db"], "three slashes"),
         (["dipaco.queue=postgresql://host:99999/db"], "not a valid URL"),

@@ -4,6 +4,7 @@ Registered as the ``dipaco`` command (no torch import at the top)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from megatron_ext.run.commands import Command, add_recipe_arguments, register_command
@@ -32,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fault tests: stop this worker (SIGSTOP) half-way through writing the first file "
         "of its first task of KIND",
     )
+    w.add_argument(
+        "--pause-mid-task",
+        default="",
+        metavar="KIND",
+        help="fault tests: stop this worker (SIGSTOP) at the first lease check of its first "
+        "task of KIND (in the middle of it)",
+    )
     s = sub.add_parser("status", help="phases, tasks by state, workers, module versions")
     s.add_argument("run_dir", help="the run's run_dir")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -48,11 +56,14 @@ def dipaco_main(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.trainer != "dipaco":
         raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not dipaco")
+    from torch import distributed as dist
+
     from megatron_ext.dipaco.queue import TaskFailedError
     from megatron_ext.dipaco.trainer import start_worker_process
     from megatron_ext.dipaco.worker import run_worker
     from megatron_ext.errors import TrainingDivergedError
     from megatron_ext.run.distributed import destroy_process_groups
+    from megatron_ext.run.stopping import RunStopped
 
     start_worker_process(recipe)
     try:
@@ -62,10 +73,16 @@ def dipaco_main(args: argparse.Namespace) -> int:
             max_tasks=args.max_tasks,
             pause_before_completing=args.pause_before_completing,
             pause_mid_write=args.pause_mid_write,
+            pause_mid_task=args.pause_mid_task,
         )
     except (TaskFailedError, TrainingDivergedError) as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    except RunStopped as stop:
+        if dist.get_rank() == 0:
+            again = ["megatron-ext", "dipaco", "worker", args.recipe, *args.overrides]
+            print(stop.message(shlex.join(again)), flush=True)
+        return 0
     finally:
         destroy_process_groups()
     if report.follower:

@@ -21,6 +21,11 @@ SIGKILLed (every process of the job is gone, two leases held); then the job is r
 with ``megatron-ext launch`` (2 ranks), which takes the two tasks over once their leases
 expire and finishes the run.
 
+:func:`signalled_run`: two workers are sent a stop signal: ``mid`` in the middle of a train
+task (it stops itself at the task's first lease check; SIGTERM, then SIGCONT), which gives the
+task back unfinished and exits 0; ``end`` after finishing one (before completing it), which
+completes it and exits 0. A third worker then finishes the run.
+
 :func:`final_modules` reads a run's last module versions, to compare with a clean run.
 """
 
@@ -46,6 +51,7 @@ __all__ = [
     "fault_run",
     "final_modules",
     "max_abs_difference",
+    "signalled_run",
     "stopped_job_run",
 ]
 
@@ -62,6 +68,7 @@ EXE = Path(sys.executable).with_name("megatron-ext")
 def _worker(
     recipe: str, overrides: Sequence[str], name: str, pause: str, log: Path, *extra: str
 ) -> subprocess.Popen:
+    """``megatron-ext dipaco worker`` (``pause``: ``--pause-before-completing`` KIND)."""
     args = [str(EXE), "dipaco", "worker", recipe, *overrides, "--name", name, *extra]
     if pause:
         args += ["--pause-before-completing", pause]
@@ -121,6 +128,39 @@ def stopped_job_run(
         )
     _finish("relaunch", relaunch, logs, timeout)
     return {"before": before, "events": _events(recipe)}
+
+
+def signalled_run(
+    recipe_name: str,
+    overrides: Sequence[str],
+    recipe: Recipe,
+    logs: Path,
+    sig: signal.Signals = signal.SIGTERM,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """The stop-signal scenario of the module docstring; returns each signalled worker's exit
+    code and output (``codes``, ``logs``) and the queue's events."""
+    logs.mkdir(parents=True, exist_ok=True)
+    mid = ("", logs / "mid.log", "--pause-mid-task", "train")
+    workers = {
+        "mid": _worker(recipe_name, overrides, "mid", *mid),
+        "end": _worker(recipe_name, overrides, "end", "train", logs / "end.log"),
+    }
+    try:
+        _wait_stopped(workers, logs, timeout)
+        for proc in workers.values():
+            proc.send_signal(sig)  # pending while stopped: handled as soon as it runs again
+            proc.send_signal(signal.SIGCONT)
+        codes = {n: p.wait(timeout=timeout) for n, p in workers.items()}
+        helper = _worker(recipe_name, overrides, "helper", "", logs / "helper.log")
+        _finish("helper", helper, logs, timeout)
+    finally:
+        _kill(*workers.values())
+    return {
+        "codes": codes,
+        "logs": {n: (logs / f"{n}.log").read_text() for n in workers},
+        "events": _events(recipe),
+    }
 
 
 def fault_run(

@@ -15,10 +15,12 @@ or running with an expired lease, and every task it depends on is done.
 - :meth:`TaskQueue.complete` is accepted only with the task's current token (fencing). A late
   "zombie" worker whose lease was taken over gets False (and its files are to be discarded);
   the same completion repeated with the current token is accepted again (idempotent).
-- :meth:`TaskQueue.fail` gives a task back after an error (it counts as an attempt).
+- :meth:`TaskQueue.fail` gives a task back after an error (it counts as an attempt);
+  :meth:`TaskQueue.release` gives it back unfinished when its worker is asked to stop (it does
+  not count).
 
-Every claim, take-over, completion, rejection and failure is also an event row (for the status
-command and the fault benchmark).
+Every claim, take-over, completion, rejection, failure and release is also an event row (for
+the status command and the fault benchmark).
 """
 
 from __future__ import annotations
@@ -250,6 +252,22 @@ class TaskQueue:
             )
             self._event(db, lease.task, lease.token, "failed" if fatal else "error", error)
             self._seen(db, None)
+
+    def release(self, lease: Lease, reason: str) -> bool:
+        """Give ``lease``'s task back unfinished without spending an attempt (a worker asked
+        to stop, e.g. by SIGTERM): pending again at once, for any worker. False (a no-op) for
+        a superseded token."""
+        with self.db.transaction() as db:
+            changed = db.execute(
+                "UPDATE dipaco_tasks SET state = 'pending', token = NULL, "
+                "attempts = attempts - 1, lease_expires = NULL "
+                "WHERE id = ? AND token = ? AND state = 'running'",
+                (lease.task, lease.token),
+            )
+            if changed:
+                self._event(db, lease.task, lease.token, "released", reason)
+            self._seen(db, None)
+        return changed == 1
 
     # ---------------------------------------------------------------- reading
     def result(self, task: str) -> dict[str, Any] | None:

@@ -129,6 +129,12 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
             "trainer=dipaco needs data.source (text files, folders, 'python-docs' or "
             "'python-stdlib') or data.path (an indexed dataset)"
         )
+    if t.exit_interval is not None:
+        raise ConfigError(
+            "training.exit_interval counts the steps of one run; a DiPaCo worker has tasks: "
+            "stop workers with a stop signal (training.exit_signals) or "
+            "training.exit_duration_in_mins, and remove training.exit_interval"
+        )
     if m.num_moe_experts:
         raise ConfigError(
             "trainer=dipaco paths are dense GPTs: set model.num_moe_experts=0 (the mixture is "

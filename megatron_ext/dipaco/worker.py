@@ -12,7 +12,12 @@ is every ``megatron-ext dipaco worker RECIPE`` process. Each worker
    took the task over) deletes its files;
 3. stops when every task is done, or when a task has failed ``max_attempts`` times
    (:class:`TaskFailedError`). Bad input found by a task (a :class:`ConfigError`, e.g. a path with
-   an empty shard) and a diverged loss stop the run at once: they would fail again.
+   an empty shard) and a diverged loss stop the run at once: they would fail again;
+4. stops cleanly when asked to (a stop signal of ``training.exit_signals``, or
+   ``training.exit_duration_in_mins``: :mod:`megatron_ext.run.stopping`): a task in progress is
+   given back unfinished at its next step (:meth:`TaskQueue.release`, no attempt spent; its
+   files discarded) and the worker raises :class:`RunStopped` (exit 0). The run goes on with
+   the other workers, or when workers are started again.
 
 A worker of ``dipaco.ranks_per_worker`` = R > 1 ranks (:mod:`.group`) does all of this on its
 first rank, which sends each train task to the other R − 1; they train the path with it,
@@ -25,6 +30,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +48,7 @@ from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
 from megatron_ext.dipaco.store import discard_attempt, set_mid_write_fault
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.metrics import MetricsLogger
+from megatron_ext.run.stopping import RunStopped, StopPolicy
 
 __all__ = ["WorkerReport", "open_run_queue", "run_worker"]
 
@@ -54,6 +61,9 @@ class WorkerReport:
     rejected: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # given back unfinished on a stop
+    stopped: str = ""  # why the worker stopped early (a signal, the time limit), if it did
+    progress: tuple[int, int] = (0, 0)  # (done, all) tasks of the run when it stopped
     follower: bool = False  # a multi-rank worker's other rank: ``completed`` it trained along
 
 
@@ -81,6 +91,7 @@ def run_worker(
     max_tasks: int | None = None,
     pause_before_completing: str = "",
     pause_mid_write: str = "",
+    pause_mid_task: str = "",
 ) -> WorkerReport:
     """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done).
 
@@ -90,15 +101,27 @@ def run_worker(
     kind; after doing its first task of that kind, the worker stops itself (SIGSTOP) before
     completing it, to be killed (its work is lost and re-leased) or continued later (a
     zombie, whose completion is rejected). ``pause_mid_write``: likewise, but half-way through
-    writing the first file of its first task of that kind (a temporary file, half written)."""
-    group = _worker_group(recipe)
-    if not group.leader:
-        return _follow(recipe, group)
+    writing the first file of its first task of that kind (a temporary file, half written);
+    ``pause_mid_task``: likewise, at the first lease check of its first task of that kind.
+
+    Raises :class:`RunStopped` when asked to stop (every rank of a multi-rank worker installs
+    the stop signals; its first rank decides, the others follow it)."""
+    stop = StopPolicy.from_training(recipe.training)
     try:
-        pauses = (pause_before_completing, pause_mid_write)
-        return _lead(recipe, group, name, max_tasks, pauses)
+        group = _worker_group(recipe)
+        if not group.leader:
+            return _follow(recipe, group)
+        try:
+            pauses = (pause_before_completing, pause_mid_write, pause_mid_task)
+            report = _lead(recipe, group, name, max_tasks, pauses, stop)
+        finally:
+            group.broadcast(None)  # the followers stop
     finally:
-        group.broadcast(None)  # the followers stop
+        stop.uninstall()
+    if report.stopped:
+        done, total = report.progress
+        raise RunStopped(done, total, report.stopped, None, unit="task")
+    return report
 
 
 def _worker_group(recipe: Recipe) -> WorkerGroup:
@@ -118,7 +141,8 @@ def _lead(
     group: WorkerGroup,
     name: str,
     max_tasks: int | None,
-    pauses: tuple[str, str],
+    pauses: tuple[str, str, str],
+    stop: StopPolicy,
 ) -> WorkerReport:
     d = recipe.section(DipacoConfig)
     _check_before_writing(recipe)
@@ -143,6 +167,11 @@ def _lead(
     report = WorkerReport()
     try:
         while max_tasks is None or len(report.completed) < max_tasks:
+            if reason := stop.requested(len(report.completed)):
+                report.stopped = reason
+                report.progress = _progress(queue)
+                log.info(f"stopping ({reason}); the run goes on with the other workers")
+                break
             lease = queue.claim()
             if lease is None:
                 if queue.unfinished() == 0:
@@ -152,15 +181,16 @@ def _lead(
             shared = group.size > 1 and lease.kind == "train"
             if shared:  # the followers train with us; the leader's lease state is agreed
                 group.broadcast(lease)
-            ctx.lost = (lambda: group.agree(beat.lost)) if shared else (lambda: beat.lost)
+            pause_now = lease.kind == pauses[2]
+            ctx.lost = _lost_check(beat, stop, group if shared else None, pause_now)
             pause = lease.kind == pauses[0]
             if lease.kind == pauses[1]:
                 log.info(f"{lease.task}: will stop half-way through a write (fault test)")
                 set_mid_write_fault(_stop_self)
-                pauses = (pauses[0], "")  # once
-            _work(ctx, queue, beat, lease, log, report, pause)
-            if pause:
-                pauses = ("", pauses[1])  # once
+            if pause_now:
+                log.info(f"{lease.task}: will stop at its first lease check (fault test)")
+            pauses = tuple("" if k == lease.kind else k for k in pauses)  # each once
+            _work(ctx, queue, beat, lease, log, report, pause, stop)
     finally:
         beat.close()
         queue.close()
@@ -196,15 +226,46 @@ def _follow(recipe: Recipe, group: WorkerGroup) -> WorkerReport:
     return report
 
 
-def _work(ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pause: bool) -> None:
+def _progress(queue: TaskQueue) -> tuple[int, int]:
+    """(done, all) tasks of the run."""
+    counts = queue.counts().values()
+    return sum(c.get("done", 0) for c in counts), sum(sum(c.values()) for c in counts)
+
+
+def _lost_check(
+    beat: Heartbeat, stop: StopPolicy, group: WorkerGroup | None, pause: bool
+) -> Callable[[], bool]:
+    """The task's ``ctx.lost``: the lease was lost or this worker is asked to stop (agreed
+    with the followers when ``group`` trains the task with it). ``pause``: SIGSTOP this
+    process at the first check (fault tests)."""
+    pending = [pause]
+
+    def lost() -> bool:
+        if pending[0]:
+            pending[0] = False
+            _stop_self()
+        gone = beat.lost or stop.requested(1) is not None
+        return group.agree(gone) if group is not None else gone
+
+    return lost
+
+
+def _work(
+    ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pause: bool, stop
+) -> None:
     start = time.perf_counter()
     beat.hold(lease)
     try:
         result = _run(ctx, lease)
     except LeaseLost:
         discard_attempt(ctx.run_dir, lease.task, lease.token)
-        report.lost.append(lease.task)
-        log.info(f"{lease.task}: lease lost to another worker; dropped")
+        reason = None if beat.lost else stop.requested(1)
+        if reason and queue.release(lease, reason):
+            report.released.append(lease.task)
+            log.info(f"{lease.task}: given back unfinished ({reason}); files discarded")
+        else:
+            report.lost.append(lease.task)
+            log.info(f"{lease.task}: lease lost to another worker; dropped")
         return
     except (ConfigError, TrainingDivergedError) as exc:
         queue.fail(lease, f"{type(exc).__name__}: {exc}", fatal=True)
