@@ -116,12 +116,11 @@ def load_mcore(ckpt: Path):
     """The GPTModel ``hf-to-mcore`` wrote to ``ckpt``."""
     if not (ckpt / FIELDS).is_file() or not (ckpt / WEIGHTS).is_dir():
         raise ConfigError(f"{ckpt}: no {FIELDS} and {WEIGHTS}/ (write it with hf-to-mcore)")
-    from megatron.core import dist_checkpointing
+    from megatron_ext.gpt.checkpoint import load_model_weights
 
     fields = json.loads((ckpt / FIELDS).read_text(encoding="utf-8"))
     gpt = _empty_mcore(fields)
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt / WEIGHTS))
-    gpt.load_state_dict(state["model"])
+    load_model_weights(ckpt / WEIGHTS, gpt)
     return gpt.eval()
 
 

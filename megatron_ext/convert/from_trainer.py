@@ -138,11 +138,10 @@ def hf_config_fields(recipe: Recipe, config: Any, vocab_size: int) -> tuple[str,
 def load_trainer_model(ckpt: Path, recipe: Recipe) -> tuple[Any, dict[str, Any]]:
     """The fp32 GPTModel of GPT-trainer checkpoint ``ckpt`` (one process), and the fields
     :func:`~megatron_ext.convert.to_hf.mcore_to_hf_state` reads."""
-    from megatron.core import dist_checkpointing
-
     from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.convert.parity import init_single_process
     from megatron_ext.data import build_tokenizer
+    from megatron_ext.gpt.checkpoint import load_model_weights
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()
@@ -154,8 +153,7 @@ def load_trainer_model(ckpt: Path, recipe: Recipe) -> tuple[Any, dict[str, Any]]
         vocab_size=tokenizer.vocab_size,
         seq_length=recipe.training.seq_length,
     )
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(ckpt))
-    gpt.load_state_dict(state["model"])
+    load_model_weights(ckpt, gpt)
     c = gpt.config
     fields = {
         "num_layers": c.num_layers,

@@ -2,11 +2,12 @@
 ``dist_checkpointing`` checkpoints (:mod:`megatron_ext.gpt.checkpoint` writes them as
 ``<run_dir>/checkpoints/step_NNNNNN``, and names the newest in ``checkpoints/latest``).
 
-Only the model is read (the optimizer state, RNG streams and loop state of the GPT run are
-not: the paths' inner optimizers start fresh). The request is the path model's own
-``sharded_state_dict()``, so megatron-core's loader checks every key and shape against the
-model, and any disagreement (another width, depth, vocabulary or layer spec) is one
-``ConfigError``. Needs ``torch.distributed`` initialised (a worker has joined its gloo group).
+Only the model is read (:func:`megatron_ext.gpt.checkpoint.load_model_weights`: the optimizer
+state, RNG streams and loop state of the GPT run are not; the paths' inner optimizers start
+fresh). The request is the path model's own ``sharded_state_dict()``, so megatron-core checks
+every key and shape against the model, and any disagreement (another width, depth, vocabulary
+or layer spec) is one ``ConfigError``. Needs ``torch.distributed`` initialised (a worker has
+joined its gloo group).
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def load_gpt_checkpoint(
     checkpoint at ``path`` (see :func:`gpt_checkpoint_folder`), as float tensors of the
     reference's shapes and dtypes. ``model`` (a GPTModel of the recipe) gives the request; its
     parameters are overwritten by the load."""
-    from megatron.core import dist_checkpointing
+    from megatron_ext.gpt.checkpoint import load_model_weights
 
     folder = gpt_checkpoint_folder(path)
     try:
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
+        loaded = load_model_weights(folder, model)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # a mismatch: torch's CheckpointException is a BaseException
@@ -60,7 +61,6 @@ def load_gpt_checkpoint(
             f"dipaco.base_checkpoint={str(folder)!r} does not match the model "
             f"({_cause(exc)}); {_FIX}"
         ) from None
-    loaded = state["model"]
     params = {}
     for name, ref in reference.items():
         got = loaded.get(name)

@@ -337,6 +337,18 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
     return state["loop"]
 
 
+def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Only the model weights of the checkpoint at ``path`` (a GPT-trainer checkpoint, or the
+    ``step_000000`` that ``convert hf-to-mcore`` writes), loaded into ``model`` in place; no
+    optimizer state, RNG streams or loop state is read. The request is ``model``'s own
+    ``sharded_state_dict()``, so megatron-core checks every key and shape against the model
+    (a mismatch raises torch's ``CheckpointException``, a ``BaseException``). Returns the
+    loaded model state dict."""
+    state = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, str(path))
+    _unwrap(model).load_state_dict(state["model"])
+    return state["model"]
+
+
 def load_initial_weights(
     path: Path, model: torch.nn.Module, optimizer: Any, same_world: bool
 ) -> dict[str, Any]:
