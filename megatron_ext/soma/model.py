@@ -20,8 +20,8 @@ of them, ``theta`` (P, numel), and runs all ``P`` bodies through one batched for
 over the perturbation axis, one 4-gate matmul per time step), streamed over chunks of time
 steps so that intermediates stay small. Each chunk runs eagerly (the recurrence writing into
 preallocated buffers; out of place under autograd) or, with ``fused``, as one compiled graph
-(:mod:`.scan`). Routed inference uses the same forward with one batch per body
-(:func:`target_log_probs`).
+(:mod:`.scan`); the streamed forward itself is in :mod:`.forward`. Routed inference uses the
+same forward with one batch per body (:func:`target_log_probs`).
 """
 
 from __future__ import annotations
