@@ -26,6 +26,8 @@ def init_single_process() -> None:
     if not dist.is_initialized():
         store = tempfile.mktemp(prefix="megatron_ext_convert_")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        # groups megatron-core kept from an earlier, destroyed default group are not ours
+        parallel_state.destroy_model_parallel()
     apply_cpu_compat()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
