@@ -103,8 +103,8 @@ def straight(recipe, tmp_path_factory) -> Path:
 
 def test_stop_signals_and_exit_interval_resume_bit_identical(recipe, straight, tmp_path):
     """exit_interval=3 -> exit_duration_in_mins -> a stop signal at a random step -> a stop
-    signal during a save -> the rest: each part exits 0 with its checkpoint and the resume command, and the whole equals
-    the uninterrupted run bit for bit."""
+    signal during a save -> the rest: each part exits 0 with its checkpoint and the resume
+    command, and the whole equals the uninterrupted run bit for bit."""
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     run = tmp_path / "run"
@@ -142,7 +142,12 @@ def test_stop_signals_and_exit_interval_resume_bit_identical(recipe, straight, t
     code, out, err, seen = launch(recipe, run, signal_when=saving, sig=signal.SIGUSR1)
     assert code == 0 and seen, (seed, err[-3000:])
     save_step = int(seen.split("_")[1].split(".")[0])
-    assert stop_line(out).startswith(f"megatron-ext: stopped at step {save_step} of"), seen
+    stopped = int(stop_line(out).split("stopped at step ")[1].split()[0])
+    # Sent while the test saw the save's folder: normally caught during the save, so the run
+    # stops right after it; when the test saw the folder only at the save's very end, the
+    # signal may reach the ranks just after their stop check and they stop one step later.
+    assert stopped in (save_step, save_step + 1), (seen, stop_line(out))
+    assert (run / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
 
     code, out, err, _ = launch(recipe, run)
     assert code == 0, err[-3000:]
