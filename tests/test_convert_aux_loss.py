@@ -9,31 +9,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
 from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
 from megatron_ext.convert.parity import build_mcore, mcore_logits
+from tests.hf_tiny import tiny_qwen3_moe
 
 
 def test_aux_loss_equal_after_translation() -> None:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        router_aux_loss_coef=0.01,
-        tie_word_embeddings=False,
-    )
-    hf = Qwen3MoeForCausalLM(config).eval()
+    hf = tiny_qwen3_moe(num_hidden_layers=1, router_aux_loss_coef=0.01)
     fields = model_fields(hf.config.to_dict(), 1e-6)
     assert fields["moe_aux_loss_coeff"] == pytest.approx(0.01 * 2 / 1)
     gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
@@ -48,7 +32,7 @@ def test_aux_loss_equal_after_translation() -> None:
     gpt(tokens, positions, attention_mask=None)
     recorded = tracker.metrics["load_balancing_loss"].values  # per layer, without the coeff
     gpt.eval()
-    hf_total = config.router_aux_loss_coef * float(hf_aux)
+    hf_total = hf.config.router_aux_loss_coef * float(hf_aux)
     mcore_total = fields["moe_aux_loss_coeff"] * float(recorded.sum())
     print(hf_total, mcore_total)
     assert mcore_total == pytest.approx(hf_total, rel=1e-5)

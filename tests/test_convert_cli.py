@@ -14,7 +14,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3MoeForCausalLM
+
+from tests.hf_tiny import tiny_qwen3_moe
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
@@ -30,22 +32,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_hf_to_mcore_then_check(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    )
     hf_dir = tmp_path / "hf"
-    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    tiny_qwen3_moe().save_pretrained(hf_dir)
     raw = json.loads((hf_dir / "config.json").read_text())
     raw.pop("rms_norm_eps")  # the trap: a config without the epsilon
     (hf_dir / "config.json").write_text(json.dumps(raw))

@@ -22,6 +22,7 @@ from megatron_ext.gpt.setup import build_data
 from megatron_ext.run.metrics import read_jsonl
 from megatron_ext.schedules.plan import training_schedule
 from tests.conftest import run_torchrun
+from tests.hf_tiny import tiny_qwen3_moe
 
 STEPS = 8
 
@@ -103,28 +104,13 @@ def test_mcore_to_hf_from_a_recipe_and_its_checkpoint_round_trips_qwen3_moe(tmp_
     head_dim != hidden/heads): hf-to-mcore's weights folder is a dist_checkpointing checkpoint
     with the GPT trainer's ``model`` keys; converting it back with the recipe alone gives the
     original HF config fields and bit-identical weights."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-        router_aux_loss_coef=0.02,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+    hf = tiny_qwen3_moe(
+        head_dim=16, mlp_only_layers=[1], router_aux_loss_coef=0.02, rms_norm_eps=1e-6
     )
     hf_dir, out, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
-    Qwen3MoeForCausalLM(config).save_pretrained(hf_dir)
+    hf.save_pretrained(hf_dir)
     to_mcore = argparse.Namespace(convert_command="hf-to-mcore", hf_dir=hf_dir, out=out)
     assert convert_main(to_mcore) == 0
     recipe = [str(out / "recipe.yaml"), "model.moe_preset=qwen3_moe"]
@@ -138,7 +124,7 @@ def test_mcore_to_hf_from_a_recipe_and_its_checkpoint_round_trips_qwen3_moe(tmp_
         "head_dim", "num_experts", "num_experts_per_tok", "norm_topk_prob", "mlp_only_layers",
         "rms_norm_eps", "tie_word_embeddings", "vocab_size",
     ):  # fmt: skip
-        assert getattr(got.config, key) == getattr(config, key), key
+        assert getattr(got.config, key) == getattr(hf.config, key), key
     assert got.config.router_aux_loss_coef == pytest.approx(0.02, rel=1e-12)
     # the dense layer (mlp_only_layers) is a dense MLP in megatron-core too: logit parity
     from megatron_ext.convert.cli import load_mcore

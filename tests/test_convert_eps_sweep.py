@@ -10,30 +10,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
 from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
 from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
 from megatron_ext.convert.parity import build_mcore
+from tests.hf_tiny import tiny_qwen3_moe
 
 
 def _model(variance: float):
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    hf = Qwen3MoeForCausalLM(config).eval()
+    hf = tiny_qwen3_moe(rms_norm_eps=1e-5)
     with torch.no_grad():
         embed = hf.model.embed_tokens.weight
         embed.mul_(variance**0.5 / embed.std())

@@ -14,12 +14,11 @@ from transformers import (
     LlamaForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
 )
 
 from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
 from megatron_ext.convert.parity import build_mcore, compare
+from tests.hf_tiny import tiny_qwen3_moe
 
 SIZES = dict(
     vocab_size=96,
@@ -34,18 +33,14 @@ SIZES = dict(
 )
 
 
-def _qwen3(norm_topk_prob: bool = True) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        **SIZES,
-        moe_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
+def _qwen3(norm_topk_prob: bool = True, rms_norm_eps: float = 1e-6) -> torch.nn.Module:
+    return tiny_qwen3_moe(
+        head_dim=8,
+        rms_norm_eps=rms_norm_eps,
         norm_topk_prob=norm_topk_prob,
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
-    return Qwen3MoeForCausalLM(config).eval()
 
 
 def _olmoe() -> torch.nn.Module:
@@ -104,17 +99,7 @@ def test_epsilon_ten_times_too_small_fails_the_gate_only_near_epsilon_variance(
     """Negative control: HF says 1e-5 (OLMoE's default), the engine assumes 1e-6. With the
     embedding variance near the epsilon (as in OLMoE's real weights) the gate must fail; with
     variance 1e-2 the epsilon must not matter."""
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        **{**SIZES, "rms_norm_eps": 1e-5},
-        moe_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    hf = Qwen3MoeForCausalLM(config).eval()
+    hf = _qwen3(rms_norm_eps=1e-5)
     with torch.no_grad():
         embed = hf.model.embed_tokens.weight
         embed.mul_(variance**0.5 / embed.std())
