@@ -27,7 +27,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from megatron_ext.launch.failures import StderrTee, failure_report, print_lines
-from megatron_ext.run.rank_errors import ERRORS_DIR_VAR
+from megatron_ext.run.rank_errors import ERRORS_DIR_VAR, read_stop
 
 __all__ = ["FORWARDED_SIGNALS", "run_forwarding_signals", "run_ranks"]
 
@@ -108,7 +108,8 @@ def run_ranks(
     stop_signals: Collection[int],
 ) -> int:
     """Run the torchrun command with its stderr logged in ``run_dir/logs``; on failure print
-    each distinct rank error once and return the failed rank's exit code."""
+    each distinct rank error once and return the failed rank's exit code; after a run that
+    stopped early on purpose print rank 0's stop line (where, how to resume) last."""
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-node{node_rank}"
     logs = run_dir / "logs"
     errors_dir = logs / f"errors-{stamp}"
@@ -120,9 +121,12 @@ def run_ranks(
         stop_signals=stop_signals,
         stderr_log=log_path,
     )
+    stop = read_stop(errors_dir)
     if code != 0:
         lines, code = failure_report(errors_dir, log_path, code)
         print_lines(lines, sys.stderr)
+    elif stop is not None:
+        print(stop, flush=True)
     if not any(errors_dir.iterdir()):
         errors_dir.rmdir()
     return code

@@ -7,6 +7,7 @@ so no test depends on the machine it runs on or starts torchrun.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -378,6 +379,33 @@ def test_each_distinct_rank_error_is_reported_once_with_its_ranks(tmp_path: Path
         f"megatron-ext: the ranks' tracebacks and torchrun's report: {log}",
     ]
     assert code == 2  # rank 0's
+
+
+def test_the_stop_line_is_printed_last_and_whole_by_the_launcher(tmp_path: Path, capfd) -> None:
+    """Rank 0 records its stop line; another rank still writes (a partial line, then the rest)
+    after it: the launcher prints the stop line once, as the last line, after the ranks."""
+    import sys
+
+    from megatron_ext.launch.supervise import run_ranks
+
+    rank = (
+        "import os, sys, time\n"
+        "from megatron_ext.run.rank_errors import record_stop\n"
+        "assert record_stop('megatron-ext: stopped at step 3 of 9 (SIGTERM). Resume with: x')\n"
+        "sys.stdout.write('a late rank line without its end'); sys.stdout.flush()\n"
+        "time.sleep(0.05); print(' ... and its end')\n"
+    )
+    code = run_ranks([sys.executable, "-c", rank], dict(os.environ), tmp_path, 0, ())
+    out = capfd.readouterr().out
+    assert code == 0
+    assert out == (
+        "a late rank line without its end ... and its end\n"
+        "megatron-ext: stopped at step 3 of 9 (SIGTERM). Resume with: x\n"
+    )
+    assert not list((tmp_path / "logs").glob("errors-*"))  # the record was read and removed
+    from megatron_ext.run.rank_errors import record_stop
+
+    assert not record_stop("no launcher", {})  # then rank 0 prints it itself
 
 
 def test_ranks_that_died_without_a_word_are_named_from_torchruns_report(tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ import pytest
 import yaml
 
 MEGATRON_EXT = Path(sys.executable).parent / "megatron-ext"
-STEPS, EVERY = 16, 4
+# Steps are a few ms each here: the runs signalled at a step need room after it, or a signal
+# delivered late on a loaded machine would meet the end of the run instead of a step.
+STEPS, EVERY = 32, 4
 TEXT = "\n\n".join(
     f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i % 7} times, "
     f"while megatron trains a tiny model on byte {i % 13}."
@@ -88,7 +90,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def stop_line(out: str) -> str:
-    (line,) = [line for line in out.splitlines() if line.startswith("megatron-ext: stopped at")]
+    """The stop line: the launcher prints it once, whole, as the last line of the output."""
+    (line,) = [line for line in out.splitlines() if "megatron-ext: stopped at" in line]
+    assert out.endswith(line + "\n") and line.startswith("megatron-ext: stopped at"), out[-2000:]
     return line
 
 
@@ -136,8 +140,10 @@ def test_stop_signals_and_exit_interval_resume_bit_identical(recipe, straight, t
     assert (run / "checkpoints" / f"step_{stopped:06d}" / "manifest.json").is_file()
 
     def saving(run_dir: Path) -> str | None:
-        tmp = list((run_dir / "checkpoints").glob(".step_*.tmp"))
-        return tmp[0].name if tmp else None
+        """A save in progress, not the last one (a signal then would meet the end of the run)."""
+        tmp = [p.name for p in (run_dir / "checkpoints").glob(".step_*.tmp")]
+        tmp = [name for name in tmp if int(name.split("_")[1].split(".")[0]) < STEPS]
+        return tmp[0] if tmp else None
 
     code, out, err, seen = launch(recipe, run, signal_when=saving, sig=signal.SIGUSR1)
     assert code == 0 and seen, (seed, err[-3000:])

@@ -21,7 +21,7 @@ from megatron_ext.config import load_recipe
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.hardware import check_precision_on_rank
 from megatron_ext.run.rank_env import detect_rank_env
-from megatron_ext.run.rank_errors import record_error
+from megatron_ext.run.rank_errors import record_error, record_stop
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR, RunStopped
 from megatron_ext.run.trainers import get_trainer
 
@@ -64,8 +64,9 @@ def _train_main(recipe_path: str, overrides: Sequence[str], rank: int, world_siz
         record_error(rank, 1, f"megatron-ext: error: {exc}")
         return 1
     except RunStopped as stop:
-        if rank == 0:
-            print(stop.message(resume_command(recipe_path, overrides, recipe)), flush=True)
+        message = stop.message(resume_command(recipe_path, overrides, recipe))
+        if rank == 0 and not record_stop(message):  # the launcher prints it last, else here
+            print(message, flush=True)
         return 0
     finally:
         destroy_process_groups()

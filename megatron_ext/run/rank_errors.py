@@ -1,10 +1,17 @@
-"""Why ranks failed, in one line each, for the launcher to report once.
+"""Why ranks failed, in one line each, for the launcher to report once; and where a stopped run
+stopped, for the launcher to print last.
 
 A rank that fails (a bad recipe, a diverged run, an unexpected exception) records its exit code
 and its one-line message in ``$MEGATRON_EXT_ERRORS_DIR/rank_<rank>.json`` when the launcher set
 that variable; the launcher groups the records by message and prints each message once, with the
 ranks that raised it (:func:`summarize`). A rank killed outright (a signal, the OOM killer)
 leaves no record; the launcher then reports torchrun's exit code for it.
+
+A run that stops early on purpose (:class:`~megatron_ext.run.stopping.RunStopped`) has rank 0
+record its one line (where it stopped, how to resume) as ``stopped.json`` in the same folder;
+the launcher prints it on stdout after torchrun has exited, so that it is whole and the last line
+of the job's output rather than interleaved with the other ranks' output. Without the launcher
+rank 0 prints it itself.
 
 Torch-free: both the ranks and the launcher use it.
 """
@@ -19,9 +26,18 @@ from pathlib import Path
 
 from megatron_ext.atomic import write_json
 
-__all__ = ["ERRORS_DIR_VAR", "RankError", "read_errors", "record_error", "summarize"]
+__all__ = [
+    "ERRORS_DIR_VAR",
+    "RankError",
+    "read_errors",
+    "read_stop",
+    "record_error",
+    "record_stop",
+    "summarize",
+]
 
 ERRORS_DIR_VAR = "MEGATRON_EXT_ERRORS_DIR"
+STOP_FILE = "stopped.json"
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,26 @@ def record_error(rank: int, code: int, line: str, environ: Mapping[str, str] = o
     if folder:
         first = line.strip().splitlines()[0] if line.strip() else "(no message)"
         write_json(Path(folder) / f"rank_{rank}.json", {"rank": rank, "code": code, "line": first})
+
+
+def record_stop(line: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Leave the stop line for the launcher to print; False when no launcher reads it (then
+    the caller prints it)."""
+    folder = environ.get(ERRORS_DIR_VAR)
+    if not folder:
+        return False
+    write_json(Path(folder) / STOP_FILE, {"line": line})
+    return True
+
+
+def read_stop(folder: Path) -> str | None:
+    """The recorded stop line in ``folder`` (removing the record), or None."""
+    path = folder / STOP_FILE
+    if not path.is_file():
+        return None
+    line = str(json.loads(path.read_text(encoding="utf-8"))["line"])
+    path.unlink()
+    return line
 
 
 def read_errors(folder: Path) -> list[RankError]:
