@@ -67,7 +67,7 @@ setup(
     python_requires=">=3.12,<3.13",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    package_data={"megatron_ext.recipes": ["*.yaml"]},
+    package_data={"megatron_ext.recipes": ["*.yaml"], "megatron_ext.soma": ["*.c"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.6",

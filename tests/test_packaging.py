@@ -134,12 +134,15 @@ def _source_files(folder: Path, pattern: str) -> list[Path]:
 
 def expected_wheel_files() -> set[str]:
     """Paths the wheel must hold: every ``*.py`` of every installed folder, at its installed
-    place, and every shipped recipe (``recipes/*.yaml`` -> ``megatron_ext/recipes/``)."""
+    place, every C kernel source, and every shipped recipe (``recipes/*.yaml`` ->
+    ``megatron_ext/recipes/``)."""
     expected = set()
     for folder, package in source_folders().items():
         dest = Path(*package.split("."))
         for f in _source_files(ROOT / folder, "*.py"):
             expected.add((dest / f.relative_to(ROOT / folder)).as_posix())
+    for f in _source_files(ROOT / "megatron_ext", "*.c"):  # kernels compiled on first use
+        expected.add(f.relative_to(ROOT).as_posix())
     recipes = Path(*namespace_map()["recipes"].split("."))
     for f in sorted((ROOT / "recipes").glob("*.yaml")):
         expected.add((recipes / f.name).as_posix())
@@ -224,3 +227,28 @@ def test_shipped_recipes_load_from_the_installed_wheel(site: Path, tmp_path: Pat
     source = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
     assert source, "recipes/ has no yaml"
     assert json.loads(report.read_text()) == source
+
+
+def test_the_soma_kernel_builds_and_runs_from_the_installed_wheel(site: Path, tmp_path: Path):
+    code = (
+        "import os, sys, torch\n"
+        "os.environ['MEGATRON_EXT_CACHE'] = sys.argv[3]\n"
+        "from megatron_ext.soma import native, scan\n"
+        "ok, why = native.native_available()\n"
+        "assert ok, why\n"
+        "assert native.SOURCE.parent.parent == __import__('pathlib').Path(sys.argv[2]) / "
+        "'megatron_ext', native.SOURCE\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "xw, w = torch.randn(2, 3, 2, 20, generator=g), torch.randn(2, 5, 20, generator=g)\n"
+        "h, n = torch.randn(2, 2, 5, generator=g), torch.randn(2, 2, 5, generator=g)\n"
+        "a = native.lstm_scan_native(xw, w, h, n.clone())[0]\n"
+        "b = scan.lstm_scan_inplace(xw, w, h, n.clone())[0]\n"
+        "torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)\n"
+    )
+    from megatron_ext.soma.native import native_available
+
+    if not native_available()[0]:
+        pytest.skip(native_available()[1])
+    proc = run_installed(code, site, tmp_path, str(tmp_path / "cache"))
+    assert proc.returncode == 0, f"the installed kernel failed:\n{proc.stdout}\n{proc.stderr}"
+    assert list((tmp_path / "cache" / "kernels").glob("soma_lstm_*.so"))

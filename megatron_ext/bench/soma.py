@@ -79,10 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fused",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "off", "native"],
         default="auto",
-        help="the inference sweeps' forward: compiled (on), eager (off), or where measured to "
-        "help (auto); the SPSA timing always measures eager and fused",
+        help="the inference sweeps' recurrence: compiled (on), eager torch (off), the C kernel "
+        "(native), or what was measured to help (auto); the SPSA timing measures them all",
     )
     part = parser.add_mutually_exclusive_group()
     part.add_argument(
@@ -154,6 +154,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.soma import scan
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.model import batched_loss, naive_loss_loop
+    from megatron_ext.soma.native import native_available
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
@@ -171,6 +172,9 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     module = torch_nn_expert(layout).to(device)
     fused_ok, fused_why = scan.fused_available(device)
     batched = {"eager": lambda: batched_loss(thetas, emb, tokens, layout, fused="off")}
+    native_ok, native_why = (False, "runs on CPU only") if cuda else native_available()
+    if native_ok:
+        batched["native"] = lambda: batched_loss(thetas, emb, tokens, layout, fused="native")
     if fused_ok:
         batched["fused"] = lambda: batched_loss(thetas, emb, tokens, layout, fused="on")
     loops = {
@@ -188,12 +192,12 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
             sync()
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            batched[max(batched)]()
+            batched["eager"]()
             sync()
             peak_bytes = torch.cuda.max_memory_allocated(device) - base
         else:
             with PeakRSS() as peak:
-                batched[max(batched)]()
+                batched["eager"]()
             peak_bytes = peak.added_bytes
         # Each variant's fastest round: load from other jobs only ever slows a call down, and not
         # alike -- on 2 shared cores the per-probe loops (thousands of small kernels, each a
@@ -227,6 +231,8 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         },
         "fused_available": fused_ok,
         "fused_unavailable_reason": fused_why,
+        "native_available": native_ok,
+        "native_unavailable_reason": native_why,
         "batched_variants_s": batched_s,
         "batched_best": best,
         "batched_s": batched_s[best],
@@ -238,6 +244,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         "speedup": naive_s / batched_s[best],
         "speedup_eager": naive_s / batched_s["eager"],
         "fused_vs_eager": batched_s["eager"] / batched_s["fused"] if fused_ok else None,
+        "native_vs_eager": batched_s["eager"] / batched_s["native"] if native_ok else None,
         "speedup_vs_own_kernels_loop": anchors["own_kernels"] / batched_s[best],
         "speedup_ceiling": ceiling,
         "fraction_of_ceiling": naive_s / batched_s[best] / ceiling,
@@ -261,7 +268,9 @@ def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
         f"{spsa['rounds']} rounds"
     )
     if not spsa["fused_available"]:
-        print(f"  fused scan UNAVAILABLE ({spsa['fused_unavailable_reason']}): eager only")
+        print(f"  fused scan UNAVAILABLE ({spsa['fused_unavailable_reason']})")
+    if not spsa["native_available"] and spsa["device"] == "cpu":
+        print(f"  native C recurrence UNAVAILABLE ({spsa['native_unavailable_reason']})")
     tokens = s["perturbed_tokens_per_update"]
     print(f"  {'':24s} {'s/update':>10s} {'perturbed tok/s':>16s}")
     for name, sec in spsa["anchors_s"].items():
@@ -274,6 +283,7 @@ def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
         f"  speedup {spsa['speedup']:.2f}x (batched {spsa['batched_best']}) vs the "
         f"{spsa['naive_anchor']} loop, target >= 2x; eager {spsa['speedup_eager']:.2f}x"
         + (f"; fused/eager {fused:.2f}x" if fused else "")
+        + (f"; native/eager {spsa['native_vs_eager']:.2f}x" if spsa["native_vs_eager"] else "")
         + f"; {spsa['speedup_vs_own_kernels_loop']:.2f}x vs the own-kernels loop"
     )
     print(

@@ -18,6 +18,7 @@ from megatron_ext.soma.scan import (
     lstm_scan_cells,
     lstm_scan_inplace,
     use_fused,
+    use_native,
 )
 
 NORM_EPS = 1e-5
@@ -49,7 +50,7 @@ def block_weights(
     fc1 = w[f"{pre}.mlp.fc1"] * w[f"{pre}.norm2.gain"][:, None, :]
     return (
         w_ih.transpose(1, 2),
-        w_hh.transpose(1, 2),
+        w_hh.transpose(1, 2).contiguous(),  # row-major (d, 4d): what the C recurrence reads
         fc1.transpose(1, 2),
         w[f"{pre}.mlp.fc2"].transpose(1, 2),
     )
@@ -159,8 +160,9 @@ def hidden_chunks(
 
     Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
     chunk at a time and no intermediate ever spans the whole window. Without autograd ``fused``
-    picks the eager chunk (in-place scan) or the compiled one (:func:`~.scan.use_fused`); with
-    autograd the chunk runs eagerly with the out-of-place scan."""
+    picks the eager chunk (in-place scan), the compiled one (:func:`~.scan.use_fused`) or the
+    eager chunk with the C recurrence (:func:`~.scan.use_native`); with autograd the chunk runs
+    eagerly with the out-of-place scan."""
     shape = layout.shape
     w = layout.views(theta)
     p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
@@ -168,6 +170,10 @@ def hidden_chunks(
         run = functools.partial(_body_chunk, scan=lstm_scan_cells)
     elif use_fused(fused, theta.device):
         run = _FUSED
+    elif use_native(fused, theta.device, theta.dtype):
+        from megatron_ext.soma.native import lstm_scan_native
+
+        run = functools.partial(_body_chunk, scan=lstm_scan_native)
     else:
         run = functools.partial(_body_chunk, scan=lstm_scan_inplace)
     perm = gate_order(d, theta.device)

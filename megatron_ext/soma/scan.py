@@ -20,10 +20,13 @@ from typing import Any, Literal
 
 import torch
 
-# "auto": fused on the device types where it was measured to pay (AUTO_FUSED); "on": always
-# (warns and runs eager where it cannot compile); "off": eager.
-FusedMode = Literal["auto", "on", "off"]
-FUSED_MODES: tuple[FusedMode, ...] = ("auto", "on", "off")
+# How a no-grad forward runs its recurrence. "off": the eager torch scan (the reference);
+# "on": each chunk one torch.compile graph (warns and runs eager where it cannot compile);
+# "native": the C kernel of :mod:`.native` (CPU float32; warns and runs eager elsewhere);
+# "auto": compiled where that was measured to pay (AUTO_FUSED), else native on CPU float32
+# where the kernel builds (AUTO_NATIVE), else eager -- silently.
+FusedMode = Literal["auto", "on", "off", "native"]
+FUSED_MODES: tuple[FusedMode, ...] = ("auto", "on", "off", "native")
 
 # Where "auto" fuses. CPU: no. ``megatron-ext bench soma`` on this project's 2-core host, SPSA
 # forward (d=32, D=2, 128 bodies, B=16, T=256): compiled/eager 1.06x at 2 threads on a quiet
@@ -33,6 +36,9 @@ FUSED_MODES: tuple[FusedMode, ...] = ("auto", "on", "off")
 # element than ATen's own kernels, which cancels much of what fusing saves in memory passes.
 # CUDA: not measured (no GPU in these sessions).
 AUTO_FUSED: dict[str, bool] = {"cpu": False, "cuda": False}
+# Where "auto" runs the C kernel. CPU float32: yes -- ``megatron-ext bench soma`` on this
+# project's 2-core host (figures in the README).
+AUTO_NATIVE = True
 # Compiled shapes kept per process: one per (bodies, batch, chunk length), a few per run.
 RECOMPILE_LIMIT = 64
 
@@ -162,14 +168,39 @@ def fused_available(device: torch.device | str = "cpu") -> tuple[bool, str]:
     return (not why, why)
 
 
-def use_fused(mode: FusedMode, device: torch.device) -> bool:
-    """Whether a no-grad forward on ``device`` runs fused under ``mode``. "on" warns (once per
-    reason) where fusion is unavailable; "auto" follows :data:`AUTO_FUSED`, silently."""
+def _check_mode(mode: str) -> None:
     if mode not in FUSED_MODES:
         raise ValueError(f"fused must be one of {FUSED_MODES}, got {mode!r}")
-    if mode == "off" or (mode == "auto" and not AUTO_FUSED.get(device.type, False)):
+
+
+def use_fused(mode: FusedMode, device: torch.device) -> bool:
+    """Whether a no-grad forward on ``device`` runs compiled under ``mode``. "on" warns (once
+    per reason) where fusion is unavailable; "auto" follows :data:`AUTO_FUSED`, silently."""
+    _check_mode(mode)
+    if mode in ("off", "native") or (mode == "auto" and not AUTO_FUSED.get(device.type, False)):
         return False
     ok, why = fused_available(device)
     if not ok and mode == "on":
+        _warn_unavailable(why)
+    return ok
+
+
+def use_native(mode: FusedMode, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a no-grad forward runs the C recurrence (:mod:`.native`) under ``mode`` (when
+    it does not run compiled, :func:`use_fused`): "native" asks for it (and warns, once per
+    reason, where it cannot run: not CPU float32, or no kernel built), "auto" takes it on CPU
+    float32 where it is built (:data:`AUTO_NATIVE`), silently."""
+    _check_mode(mode)
+    if mode not in ("native", "auto") or (mode == "auto" and not AUTO_NATIVE):
+        return False
+    if device.type != "cpu" or dtype != torch.float32:
+        why = f"the C kernel runs float32 on CPU, not {str(dtype).removeprefix('torch.')} on "
+        if mode == "native":
+            _warn_unavailable(why + device.type)
+        return False
+    from megatron_ext.soma.native import native_available
+
+    ok, why = native_available()
+    if not ok and mode == "native":
         _warn_unavailable(why)
     return ok
