@@ -8,8 +8,8 @@ arithmetic; results equal the torch path to float rounding (tested).
 
 The source is compiled on first use with the host's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) into ``$MEGATRON_EXT_CACHE/kernels`` (default
-``~/.cache/megatron-ext/kernels``), keyed by the source, compiler, flags and CPU model, written
-atomically, and loaded through ``ctypes`` (which releases the GIL during the call). Where there is
+``~/.cache/megatron-ext/kernels``; the temporary folder when that is not writable), keyed by the
+source, compiler, flags and CPU model, written atomically, and loaded through ``ctypes`` (which releases the GIL during the call). Where there is
 no compiler, or the compile fails, :func:`native_available` says why and callers run the torch
 scan.
 """
@@ -77,28 +77,46 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_model().encode()])
     ).hexdigest()[:20]
-    target = _cache_dir() / f"soma_lstm_{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run(
-                [cc, *FLAGS, str(SOURCE), "-o", str(built)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if proc.returncode != 0:
-                lines = proc.stderr.strip().splitlines() or ["(no message)"]
-                first = next((x for x in lines if "error" in x), lines[0])
-                return None, f"compiling {SOURCE.name} with {cc} failed: {first}"
-            os.replace(built, target)  # atomic: a concurrent builder writes the same bytes
-    lib = ctypes.CDLL(str(target))
+    try:
+        target = _build(cc, _cache_dir() / f"soma_lstm_{key}.so")
+    except OSError:  # the cache folder is not writable: build in the temporary folder
+        try:
+            fallback = Path(tempfile.gettempdir()) / f"megatron-ext-kernels-{os.getuid()}"
+            target = _build(cc, fallback / f"soma_lstm_{key}.so")
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"building {SOURCE.name} failed: {type(exc).__name__}: {exc}"
+    except subprocess.SubprocessError as exc:
+        return None, f"building {SOURCE.name} failed: {type(exc).__name__}: {exc}"
+    if isinstance(target, str):
+        return None, target
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        return None, f"loading {target} failed: {exc}"
     fn = lib.soma_lstm_scan
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2
     fn.argtypes += [ctypes.c_int] * 5
     return lib, ""
+
+
+def _build(cc: str, target: Path) -> Path | str:
+    """Compile :data:`SOURCE` into ``target`` unless it is there (written atomically: a
+    concurrent builder writes the same bytes); the compiler's first error line on failure."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or ["(no message)"]
+            first = next((x for x in lines if "error" in x), lines[0])
+            return f"compiling {SOURCE.name} with {cc} failed: {first}"
+        os.replace(built, target)
+    return target
 
 
 def native_available() -> tuple[bool, str]:
