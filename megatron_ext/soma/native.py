@@ -9,9 +9,9 @@ arithmetic; results equal the torch path to float rounding (tested).
 The source is compiled on first use with the host's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) into ``$MEGATRON_EXT_CACHE/kernels`` (default
 ``~/.cache/megatron-ext/kernels``; the temporary folder when that is not writable), keyed by the
-source, compiler, flags and CPU model, written atomically, and loaded through ``ctypes`` (which releases the GIL during the call). Where there is
-no compiler, or the compile fails, :func:`native_available` says why and callers run the torch
-scan.
+source, compiler, flags and CPU model, written atomically, and loaded through ``ctypes``. Where
+there is no compiler, or the compile fails, :func:`native_available` says why and callers run
+the torch scan.
 """
 
 from __future__ import annotations
