@@ -233,17 +233,18 @@ def test_the_soma_kernel_builds_and_runs_from_the_installed_wheel(site: Path, tm
     code = (
         "import os, sys, torch\n"
         "os.environ['MEGATRON_EXT_CACHE'] = sys.argv[3]\n"
-        "from megatron_ext.soma import native, scan\n"
+        "from megatron_ext.soma import native\n"
         "ok, why = native.native_available()\n"
         "assert ok, why\n"
         "assert native.SOURCE.parent.parent == __import__('pathlib').Path(sys.argv[2]) / "
         "'megatron_ext', native.SOURCE\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "xw, w = torch.randn(2, 3, 2, 20, generator=g), torch.randn(2, 5, 20, generator=g)\n"
-        "h, n = torch.randn(2, 2, 5, generator=g), torch.randn(2, 2, 5, generator=g)\n"
-        "a = native.lstm_scan_native(xw, w, h, n.clone())[0]\n"
-        "b = scan.lstm_scan_inplace(xw, w, h, n.clone())[0]\n"
-        "torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)\n"
+        "h, w = torch.randn(2, 5, 8, generator=g), torch.randn(1, 8, 11, generator=g)\n"
+        "t = torch.randint(0, 11, (1, 5), generator=g)\n"
+        "a = native.head_nll(h, w, t)\n"
+        "z = (h @ w).reshape(-1, 11)\n"
+        "b = torch.nn.functional.cross_entropy(z, t.expand(2, -1).reshape(-1), reduction='none')\n"
+        "torch.testing.assert_close(a, b.view(2, 5), rtol=2e-6, atol=2e-6)\n"
     )
     from megatron_ext.soma.native import native_available
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from megatron_ext.soma import forward, native, scan
+from megatron_ext.soma import forward, model, native, scan
+from megatron_ext.soma.forward import NORM_EPS
 from megatron_ext.soma.layout import ExpertShape
 from megatron_ext.soma.model import batched_loss, target_log_probs
 from tests.test_soma_model import _setup, reference_loss
@@ -18,36 +20,73 @@ needs_kernel = pytest.mark.skipif(
 
 @pytest.fixture
 def native_calls(monkeypatch):
-    """Counts the forward's calls of the C recurrence (so a test cannot pass on eager alone)."""
-    calls = []
-    real = native.lstm_scan_native
+    """Counts the forward's calls of the C block kernel and head (so a test cannot pass on
+    eager alone)."""
+    calls = {"block": 0, "head": 0}
+    block, head = native.lstm_block, native.head_nll
 
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
+    def counting_block(*args):
+        calls["block"] += 1
+        return block(*args)
 
-    monkeypatch.setattr(native, "lstm_scan_native", counting)
+    def counting_head(*args):
+        calls["head"] += 1
+        return head(*args)
+
+    monkeypatch.setattr(native, "lstm_block", counting_block)
+    monkeypatch.setattr(model, "head_nll", counting_head)
     return calls
+
+
+def torch_block(x, w_ih_t, whh_t, h, n):
+    """The eager torch path of the same block half: norm, projection, the in-place scan,
+    residual, norm."""
+    p, (b, d) = w_ih_t.shape[0], h.shape[1:]
+    xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
+    out, h, n = scan.lstm_scan_inplace(xw.view(p, -1, b, 4 * d), whh_t, h, n)
+    x1 = x + out.view(p, -1, d)
+    return x1, F.layer_norm(x1, (d,), eps=NORM_EPS), h, n
 
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("p, tc, b, d", [(5, 3, 4, 32), (3, 5, 3, 7), (2, 1, 1, 62), (4, 2, 2, 8)])
-def test_recurrence_matches_the_eager_scan(p, tc, b, d, threads, monkeypatch):
-    """Odd batch (a row left over from the two-row loop), widths that are no multiple of the
-    vector length (the column tails), a state h that is a strided view as between chunks."""
+@pytest.mark.parametrize(
+    "p, tc, b, d, shared", [(5, 3, 4, 32, True), (3, 5, 3, 7, False), (2, 1, 1, 62, False)]
+)
+def test_block_kernel_matches_the_eager_block(p, tc, b, d, shared, threads, monkeypatch):
+    """One x for all bodies or one each; an odd batch (a row left over from the two-row loop);
+    widths no multiple of the vector length (the column tails); a carried h that is a strided
+    view, as between chunks."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(p * 100 + d)
-    xw = torch.randn(p, tc, b, 4 * d, generator=gen)
-    whh_t = torch.randn(p, d, 4 * d, generator=gen) / d**0.5
+    x = torch.randn(1 if shared else p, tc * b, d, generator=gen)
+    w_ih_t, whh_t = (torch.randn(p, d, 4 * d, generator=gen) / d**0.5 for _ in range(2))
     carried = torch.randn(p, 3, b, d, generator=gen)[:, -1]  # bodies strided, rows contiguous
     n0 = 2 * torch.randn(p, b, d, generator=gen)
-    want_out, want_h, want_n = scan.lstm_scan_inplace(xw, whh_t, carried.clone(), n0.clone())
+    want = torch_block(x, w_ih_t, whh_t, carried.clone(), n0.clone())
     n = n0.clone()
-    out, h, n_after = native.lstm_scan_native(xw, whh_t, carried, n)
-    assert n_after.data_ptr() == n.data_ptr()  # updated in place, as the eager scan does
-    for got, want in ((out, want_out), (h, want_h), (n, want_n)):
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    x1, y, h = native.lstm_block(x, torch.cat([w_ih_t, whh_t], dim=1), carried, n, NORM_EPS)
+    for got, ref in zip((x1, y, h, n), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("p, rows, e, v, per_body", [(3, 7, 32, 256, False), (2, 4, 24, 9, True)])
+def test_head_kernel_matches_cross_entropy(p, rows, e, v, per_body, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows)
+    hid = torch.randn(p, rows + 2, e, generator=gen)[:, 2:]  # rows of a body contiguous
+    weight = torch.randn(p if per_body else 1, v, e, generator=gen)
+    targets = torch.randint(0, v, (p if per_body else 1, rows), generator=gen)
+    z = torch.bmm(hid, weight.expand(p, -1, -1).transpose(1, 2))
+    ref = F.cross_entropy(
+        z.reshape(-1, v), targets.expand(p, -1).reshape(-1), reduction="none"
+    ).view(p, rows)
+    got = native.head_nll(hid, weight.transpose(1, 2), targets)
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match=f"targets outside 0..{v - 1}"):
+        native.head_nll(hid, weight.transpose(1, 2), targets + v)
 
 
 @needs_kernel
@@ -56,10 +95,10 @@ def test_native_forward_matches_eager_and_float64(shape, native_calls):
     layout, thetas, emb, tokens = _setup(shape, p=4, b=3, t=21, dtype=torch.float32)
     with torch.inference_mode():
         eager = batched_loss(thetas, emb, tokens, layout, fused="off")
-        assert not native_calls
+        assert not any(native_calls.values())
         got = batched_loss(thetas, emb, tokens, layout, fused="native", max_chunk_bytes=2**14)
         auto = batched_loss(thetas, emb, tokens, layout)
-    assert len(native_calls) > 2 * shape.num_blocks  # several chunks, both runs
+    assert native_calls["block"] > 2 * shape.num_blocks and native_calls["head"] > 2
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     assert torch.equal(auto, batched_loss(thetas, emb, tokens, layout, fused="native"))
     ref = torch.stack([reference_loss(t.double(), emb.double(), tokens, shape) for t in thetas])
@@ -76,7 +115,7 @@ def test_native_routed_scoring_matches_eager(native_calls):
     with torch.inference_mode():
         eager = target_log_probs(thetas, emb, tokens, layout, start=4, fused="off")
         got = target_log_probs(thetas, emb, tokens, layout, start=4, fused="native")
-    assert native_calls
+    assert native_calls["block"] and native_calls["head"]
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -100,14 +139,14 @@ def test_no_compiler_warns_under_native_and_auto_runs_eager_silently(monkeypatch
                 auto = batched_loss(thetas, emb, tokens, layout)
         assert torch.equal(asked, off) and torch.equal(auto, off)
         with pytest.raises(RuntimeError, match="C kernel is unavailable"):
-            native.lstm_scan_native(*(torch.zeros(1, 1, 1, 4),) * 2, *(torch.zeros(1, 1, 1),) * 2)
+            native.head_nll(torch.zeros(1, 1, 4), torch.zeros(1, 4, 3), torch.zeros(1, 1))
     finally:
         native._library.cache_clear()
 
 
 def test_a_failing_compile_names_the_error(monkeypatch, tmp_path):
     bad = tmp_path / "broken.c"
-    bad.write_text("int soma_lstm_scan(void) { return this is not C; }\n")
+    bad.write_text("int soma_lstm_block(void) { return this is not C; }\n")
     monkeypatch.setattr(native, "SOURCE", bad)
     monkeypatch.setenv(native.CACHE_VAR, str(tmp_path / "cache"))
     native._library.cache_clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,44 @@ def _fused_body_chunk(
 _FUSED = Compiled(_fused_body_chunk)
 
 
+def _native_body_chunk(
+    x: torch.Tensor,
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    state: State,
+    in_proj_t: torch.Tensor | None,
+    out_proj_t: torch.Tensor | None,
+    gain: torch.Tensor | None,
+) -> tuple[torch.Tensor, State]:
+    """:func:`_body_chunk` with each block's norm, input projection, recurrence, residual and
+    second norm in the C kernel (:func:`~.native.lstm_block`); ``blocks`` hold
+    (wcat = [w_ih_t; whh_t] (P, 2d, 4d), fc1_t, fc2_t). The MLP and the final norm stay torch."""
+    from megatron_ext.soma.native import lstm_block
+
+    if in_proj_t is not None:
+        x = torch.matmul(x, in_proj_t)
+    new_state = []
+    for (wcat, fc1_t, fc2_t), (h, n) in zip(blocks, state, strict=True):
+        x1, y, h = lstm_block(x, wcat, h, n, NORM_EPS)
+        new_state.append((h, n))
+        x = torch.baddbmm(x1, F.gelu(torch.bmm(y, fc1_t)), fc2_t)
+    hid = F.layer_norm(x, (x.shape[-1],), eps=NORM_EPS)
+    return (hid * gain if out_proj_t is None else torch.bmm(hid, out_proj_t)), new_state
+
+
+Kind = str  # "autograd", "compiled", "native" or "eager"
+
+
+def forward_kind(fused: FusedMode, theta: torch.Tensor, emb: torch.Tensor) -> Kind:
+    """How :func:`hidden_chunks` runs for these arguments: with autograd (the out-of-place
+    scan, eagerly) when gradients are wanted; else compiled (:func:`~.scan.use_fused`), the C
+    kernels (:func:`~.scan.use_native`) or eager torch (the in-place scan)."""
+    if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
+        return "autograd"
+    if use_fused(fused, theta.device):
+        return "compiled"
+    return "native" if use_native(fused, theta.device, theta.dtype) else "eager"
+
+
 def hidden_chunks(
     theta: torch.Tensor,
     emb: torch.Tensor,
@@ -159,25 +198,22 @@ def hidden_chunks(
     states of steps ``t0 .. t0+tc-1`` (time-major inside the chunk).
 
     Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
-    chunk at a time and no intermediate ever spans the whole window. Without autograd ``fused``
-    picks the eager chunk (in-place scan), the compiled one (:func:`~.scan.use_fused`) or the
-    eager chunk with the C recurrence (:func:`~.scan.use_native`); with autograd the chunk runs
-    eagerly with the out-of-place scan."""
+    chunk at a time and no intermediate ever spans the whole window. The chunk runs as
+    :func:`forward_kind` says."""
     shape = layout.shape
     w = layout.views(theta)
     p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
-    if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
-        run = functools.partial(_body_chunk, scan=lstm_scan_cells)
-    elif use_fused(fused, theta.device):
-        run = _FUSED
-    elif use_native(fused, theta.device, theta.dtype):
-        from megatron_ext.soma.native import lstm_scan_native
-
-        run = functools.partial(_body_chunk, scan=lstm_scan_native)
-    else:
-        run = functools.partial(_body_chunk, scan=lstm_scan_inplace)
+    kind = forward_kind(fused, theta, emb)
+    run: Callable[..., tuple[torch.Tensor, State]] = {
+        "autograd": functools.partial(_body_chunk, scan=lstm_scan_cells),
+        "compiled": _FUSED,
+        "native": _native_body_chunk,
+        "eager": functools.partial(_body_chunk, scan=lstm_scan_inplace),
+    }[kind]
     perm = gate_order(d, theta.device)
-    blocks = [block_weights(w, f"blocks.{blk}", perm) for blk in range(shape.num_blocks)]
+    blocks: list[Any] = [block_weights(w, f"blocks.{i}", perm) for i in range(shape.num_blocks)]
+    if kind == "native":
+        blocks = [(torch.cat([wi, wh], dim=1), f1, f2) for wi, wh, f1, f2 in blocks]
     state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
     gain = w["final_norm.gain"][:, None, :]
     in_proj_t, out_proj_t = None, None

@@ -34,9 +34,11 @@ from megatron_ext.soma.forward import (
     NORM_EPS,
     check_inputs,
     chunk_sizes,
+    forward_kind,
     hidden_chunks,
 )
 from megatron_ext.soma.layout import BodyLayout
+from megatron_ext.soma.native import head_nll
 from megatron_ext.soma.scan import FusedMode
 
 __all__ = [
@@ -140,19 +142,29 @@ def target_log_probs(
     targets_tm = tokens[..., 1:].transpose(-1, -2)  # (P or 1, T, B) time-major
     targets_tm = targets_tm if per_body else targets_tm[None]
     bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
+    # The C kernels' head: logits and log-sum-exp per row in cache, never stored.
+    native = forward_kind(fused, theta, emb) == "native"
     out = []
     for first in range(0, p, bodies):
         part = theta[first : first + bodies]
         pc, rows = part.shape[0], slice(first, first + bodies) if per_body else slice(None)
         weight = decoder_weight(part, emb, layout)
+        if native:
+            weight_t = (weight[None] if weight.dim() == 2 else weight).transpose(1, 2)
+            weight_t = weight_t.contiguous()  # (1 or pc, E, V), once per part
         cols = []
         for t0, hid in hidden_chunks(part, emb, inputs[rows], layout, steps, fused):
             lo = max(start - t0, 0)  # first scored step of this chunk
             if lo >= hid.shape[1]:
                 continue
-            z = logits(hid[:, lo:], weight)  # (pc, tc', B, V)
-            y = targets_tm[rows, t0 + lo : t0 + hid.shape[1]].expand(pc, -1, -1)
-            ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none")
+            y = targets_tm[rows, t0 + lo : t0 + hid.shape[1]]  # (1 or pc, tc', B)
+            if native:
+                h = hid[:, lo:].reshape(pc, -1, hid.shape[-1])  # a view: rows of a body in order
+                ce = head_nll(h, weight_t, y.reshape(y.shape[0], -1))
+            else:
+                z = logits(hid[:, lo:], weight)  # (pc, tc', B, V)
+                y = y.expand(pc, -1, -1).reshape(-1)
+                ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y, reduction="none")
             cols.append(ce.view(pc, -1, b))
         out.append(-torch.cat(cols, dim=1).transpose(1, 2))
     return torch.cat(out)

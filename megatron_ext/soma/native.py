@@ -1,17 +1,23 @@
-"""The no-grad LSTM recurrence of the SOMA body as one C kernel (``native_lstm.c``), for CPU.
+"""Two no-grad kernels of the SOMA forward in C (``native_lstm.c``), for CPU float32.
 
-The eager torch scan (:func:`~.scan.lstm_scan_inplace`) runs seven kernels per time step over
-all ``P`` bodies, each one a pass over memory and a thread barrier; the C kernel gives each
-thread whole bodies and runs every step of a chunk for one body before the next, so the body's
-recurrent matrix, its state and the step's gates stay in cache (see the C file). Same
-arithmetic; results equal the torch path to float rounding (tested).
+* :func:`lstm_block` -- an LSTM block's norm, input projection, recurrence, residual and second
+  norm over one time chunk. The eager torch path runs the projection as one batched matmul into
+  a (P, rows, 4d) tensor and then seven kernels per time step over all ``P`` bodies, each a pass
+  over memory and a thread barrier; the C kernel gives each thread whole bodies and runs every
+  step of a chunk for a pair of batch rows with their state in registers, the body's matrices
+  in cache.
+* :func:`head_nll` -- the head's cross-entropy, the (rows, V) logits never stored.
+
+Same arithmetic as the torch path; results equal it to float rounding (tested). Threads are
+OpenMP's -- the process's pool, which is torch's own libgomp: a second set of threads would
+compete with torch's spinning workers (measured: no gain from the second core that way).
 
 The source is compiled on first use with the host's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) into ``$MEGATRON_EXT_CACHE/kernels`` (default
 ``~/.cache/megatron-ext/kernels``; the temporary folder when that is not writable), keyed by the
 source, compiler, flags and CPU model, written atomically, and loaded through ``ctypes``. Where
 there is no compiler, or the compile fails, :func:`native_available` says why and callers run
-the torch scan.
+the torch path.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["lstm_scan_native", "native_available"]
+__all__ = ["head_nll", "lstm_block", "native_available"]
 
 SOURCE = Path(__file__).with_name("native_lstm.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
@@ -93,10 +99,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
         return None, f"loading {target} failed: {exc}"
-    fn = lib.soma_lstm_scan
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] + [ctypes.c_void_p] * 2
-    fn.argtypes += [ctypes.c_int] * 5
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "soma_lstm_block": [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, *[i32] * 4, f32, i32],
+        "soma_head_nll": [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib, ""
 
 
@@ -109,7 +119,10 @@ def _build(cc: str, target: Path) -> Path | str:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         proc = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+            [cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines() or ["(no message)"]
@@ -125,40 +138,97 @@ def native_available() -> tuple[bool, str]:
     return lib is not None, why
 
 
-def lstm_scan_native(
-    xw: torch.Tensor, whh_t: torch.Tensor, h: torch.Tensor, n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`~.scan.lstm_scan_inplace`'s arguments and results, on the C kernel: xw (P, tc, B,
-    4d) and whh_t (P, d, 4d) float32 CPU tensors, state h, n (P, B, d) -> (out (P, tc, B, d),
-    h, n); ``n`` is updated in place, ``h`` is a view of ``out``'s last step. Raises
-    ``RuntimeError`` when the kernel is unavailable (:func:`native_available`)."""
+def _check(tensors: tuple[torch.Tensor, ...]) -> ctypes.CDLL:
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"SOMA's C kernel is unavailable: {why}")
-    p, tc, b, four_d = xw.shape
-    d = four_d // 4
-    tensors = (xw, whh_t, h, n)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         raise ValueError("the C kernel takes float32 CPU tensors")
-    xw, whh_t = xw.contiguous(), whh_t.contiguous()
-    if h.stride()[1:] != (d, 1):  # rows of one body contiguous; bodies at any stride
+    return lib
+
+
+def _per_body_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` (1 or P, rows, width) with each body's rows contiguous (copied if they are not),
+    and its body stride (0 for one body shared by all)."""
+    if t.stride()[1:] != (t.shape[2], 1):
+        t = t.contiguous()
+    return t, 0 if t.shape[0] == 1 else t.stride(0)
+
+
+def lstm_block(
+    x: torch.Tensor, wcat: torch.Tensor, h: torch.Tensor, n: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mixing half of one LSTM block over a time chunk on the C kernel: x (1 or P, tc·B,
+    d) time-major rows (one x shared by all bodies, or one per body), wcat (P, 2d, 4d) =
+    ``[w_ih_t; whh_t]`` (:func:`~.forward.block_weights`'s layout), state h, n (P, B, d) ->
+    (x1 = x + LSTM(norm(x)), y = norm(x1), both (P, tc·B, d); h after the chunk (P, B, d));
+    ``n`` is updated in place. Norms without gain (folded into the matrices)."""
+    lib = _check((x, wcat, h, n))
+    p, b, d = h.shape
+    rows = x.shape[1]
+    if wcat.shape != (p, 2 * d, 4 * d) or x.shape[2] != d or rows % b or x.shape[0] not in (1, p):
+        raise ValueError(f"shapes x {tuple(x.shape)}, wcat {tuple(wcat.shape)}, h {tuple(h.shape)}")
+    if h.stride()[1:] != (d, 1):
         h = h.contiguous()
+    wcat = wcat.contiguous()
     if not n.is_contiguous():
         raise ValueError("the carried n must be contiguous (it is updated in place)")
-    out = xw.new_empty(p, tc, b, d)
-    status = lib.soma_lstm_scan(
-        xw.data_ptr(),
-        whh_t.data_ptr(),
+    x, x_stride = _per_body_rows(x)
+    x1, y, h_last = x.new_empty(p, rows, d), x.new_empty(p, rows, d), h.new_empty(p, b, d)
+    status = lib.soma_lstm_block(
+        x.data_ptr(),
+        x_stride,
+        wcat.data_ptr(),
         h.data_ptr(),
         h.stride(0),
         n.data_ptr(),
-        out.data_ptr(),
+        h_last.data_ptr(),
+        x1.data_ptr(),
+        y.data_ptr(),
         p,
-        tc,
+        rows // b,
         b,
         d,
+        eps,
         torch.get_num_threads(),
     )
     if status != 0:
         raise MemoryError("SOMA's C kernel could not allocate its scratch buffers")
-    return out, out[:, -1], n
+    return x1, y, h_last
+
+
+def head_nll(hid: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the tied or per-body head on the C kernel, logits never stored:
+    hid (P, R, E) (rows of a body contiguous), weight_t (1 or P, E, V) the decoder transposed,
+    targets (1 or P, R) integer ids in 0..V-1 -> (P, R) negative log-likelihoods (nats)."""
+    lib = _check((hid, weight_t))
+    p, rows, e = hid.shape
+    v = weight_t.shape[2]
+    weight_t = weight_t.contiguous()
+    targets = targets.to(torch.int64).contiguous()
+    if weight_t.shape[1] != e or weight_t.shape[0] not in (1, p) or targets.shape[-1] != rows:
+        raise ValueError(
+            f"shapes hid {tuple(hid.shape)}, weight_t {tuple(weight_t.shape)}, "
+            f"targets {tuple(targets.shape)}"
+        )
+    hid, hid_stride = _per_body_rows(hid)
+    out = hid.new_empty(p, rows)
+    status = lib.soma_head_nll(
+        hid.data_ptr(),
+        hid_stride,
+        weight_t.data_ptr(),
+        0 if weight_t.shape[0] == 1 else weight_t.stride(0),
+        targets.data_ptr(),
+        0 if targets.shape[0] == 1 else targets.stride(0),
+        out.data_ptr(),
+        p,
+        rows,
+        e,
+        v,
+        torch.get_num_threads(),
+    )
+    if status & 2:
+        raise ValueError(f"targets outside 0..{v - 1}")
+    if status:
+        raise MemoryError("SOMA's C kernel could not allocate its scratch buffers")
+    return out
