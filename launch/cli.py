@@ -8,6 +8,7 @@ Errors that are the user's (a bad recipe, override or flag) print one line and e
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Sequence
 
@@ -78,7 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def whole_lines() -> None:
+    """Make stdout and stderr write each line with one ``write()``, flushed at its newline.
+
+    The launcher runs its ranks with ``PYTHONUNBUFFERED`` (lines reach a pipe or a SLURM file
+    as they are printed), and unbuffered, ``print`` writes a line's text and its newline with
+    separate calls: the ranks share one pipe, so another rank's line could land in between
+    (seen: two ranks' lines spliced into one). Line-buffered, a line stays whole."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    whole_lines()
     args = build_parser().parse_args(argv)
     try:
         return commands()[args.command].run(args)

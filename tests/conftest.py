@@ -34,6 +34,10 @@ def run_torchrun(
     """Run ``script`` (a file, or a module name with ``module=True``) with ``nproc`` gloo ranks
     on this host; fails the test with the output when it exits non-zero and ``check``."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    # Unbuffered, a rank's print writes its text and its newline separately, and the other
+    # rank's line can land in between (seen in CI); buffered, each rank writes its few lines
+    # whole at exit.
+    full_env.pop("PYTHONUNBUFFERED", None)
     cmd = [
         sys.executable,
         "-m",

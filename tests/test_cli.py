@@ -212,3 +212,28 @@ def test_launch_checks_this_node_before_any_rank_starts(tmp_path: Path) -> None:
     proc = run_cli("launch", recipe, "data.source=[x]", f"run_dir={tmp_path / 'file' / 'r'}")
     assert proc.returncode == 2 and "is not writable" in proc.stderr
     assert len(proc.stderr.splitlines()) == 1
+
+
+def test_ranks_sharing_one_unbuffered_output_keep_their_lines_whole(tmp_path):
+    """Two processes print into one file as torchrun's ranks do, under PYTHONUNBUFFERED (the
+    launcher sets it): with ``whole_lines`` (what ``megatron-ext`` does first) every line stays
+    whole. Without it print's text and newline are separate writes, and lines splice (seen
+    in CI; this test without the call: hundreds of spliced lines here)."""
+    import re
+
+    code = (
+        "import sys\n"
+        "from megatron_ext.launch.cli import whole_lines\n"
+        "whole_lines()\n"
+        "for i in range(4000): print('rank', sys.argv[1], 'line', i)\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "out.txt", "w") as out:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=out, env=env)
+            for r in (0, 1)
+        ]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    bad = [x for x in lines if not re.fullmatch(r"rank [01] line \d+", x)]
+    assert len(lines) == 8000 and not bad, bad[:3]
