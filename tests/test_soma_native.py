@@ -38,14 +38,15 @@ def native_calls(monkeypatch):
     return calls
 
 
-def torch_block(x, w_ih_t, whh_t, h, n):
-    """The eager torch path of the same block half: norm, projection, the in-place scan,
-    residual, norm."""
+def torch_block(x, w_ih_t, whh_t, fc1_t, fc2_t, h, n):
+    """The eager torch path of the same block: norm, projection, the in-place scan, residual,
+    norm, MLP, residual."""
     p, (b, d) = w_ih_t.shape[0], h.shape[1:]
     xw = torch.matmul(F.layer_norm(x, (d,), eps=NORM_EPS), w_ih_t)
     out, h, n = scan.lstm_scan_inplace(xw.view(p, -1, b, 4 * d), whh_t, h, n)
     x1 = x + out.view(p, -1, d)
-    return x1, F.layer_norm(x1, (d,), eps=NORM_EPS), h, n
+    u = F.gelu(torch.bmm(F.layer_norm(x1, (d,), eps=NORM_EPS), fc1_t))
+    return torch.baddbmm(x1, u, fc2_t), h, n
 
 
 @needs_kernel
@@ -56,17 +57,20 @@ def torch_block(x, w_ih_t, whh_t, h, n):
 def test_block_kernel_matches_the_eager_block(p, tc, b, d, shared, threads, monkeypatch):
     """One x for all bodies or one each; an odd batch (a row left over from the two-row loop);
     widths no multiple of the vector length (the column tails); a carried h that is a strided
-    view, as between chunks."""
+    view, as between chunks; GELU inputs well into both tails of erf."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(p * 100 + d)
     x = torch.randn(1 if shared else p, tc * b, d, generator=gen)
-    w_ih_t, whh_t = (torch.randn(p, d, 4 * d, generator=gen) / d**0.5 for _ in range(2))
+    w_ih_t, whh_t, fc1_t = (torch.randn(p, d, 4 * d, generator=gen) / d**0.5 for _ in range(3))
+    fc1_t = 3 * fc1_t  # pre-activations out to about +-10
+    fc2_t = torch.randn(p, 4 * d, d, generator=gen) / (4 * d) ** 0.5
     carried = torch.randn(p, 3, b, d, generator=gen)[:, -1]  # bodies strided, rows contiguous
     n0 = 2 * torch.randn(p, b, d, generator=gen)
-    want = torch_block(x, w_ih_t, whh_t, carried.clone(), n0.clone())
+    want = torch_block(x, w_ih_t, whh_t, fc1_t, fc2_t, carried.clone(), n0.clone())
     n = n0.clone()
-    x1, y, h = native.lstm_block(x, torch.cat([w_ih_t, whh_t], dim=1), carried, n, NORM_EPS)
-    for got, ref in zip((x1, y, h, n), want, strict=True):
+    wcat = torch.cat([w_ih_t, whh_t], dim=1)
+    out, h = native.lstm_block(x, wcat, fc1_t, fc2_t, carried, n, NORM_EPS)
+    for got, ref in zip((out, h, n), want, strict=True):
         torch.testing.assert_close(got, ref, rtol=2e-6, atol=2e-6)
 
 

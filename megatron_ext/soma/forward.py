@@ -156,18 +156,17 @@ def _native_body_chunk(
     out_proj_t: torch.Tensor | None,
     gain: torch.Tensor | None,
 ) -> tuple[torch.Tensor, State]:
-    """:func:`_body_chunk` with each block's norm, input projection, recurrence, residual and
-    second norm in the C kernel (:func:`~.native.lstm_block`); ``blocks`` hold
-    (wcat = [w_ih_t; whh_t] (P, 2d, 4d), fc1_t, fc2_t). The MLP and the final norm stay torch."""
+    """:func:`_body_chunk` with each block one call of the C kernel
+    (:func:`~.native.lstm_block`); ``blocks`` hold (wcat = [w_ih_t; whh_t] (P, 2d, 4d), fc1_t,
+    fc2_t), contiguous. The projections of a wide body and the final norm stay torch."""
     from megatron_ext.soma.native import lstm_block
 
     if in_proj_t is not None:
         x = torch.matmul(x, in_proj_t)
     new_state = []
     for (wcat, fc1_t, fc2_t), (h, n) in zip(blocks, state, strict=True):
-        x1, y, h = lstm_block(x, wcat, h, n, NORM_EPS)
+        x, h = lstm_block(x, wcat, fc1_t, fc2_t, h, n, NORM_EPS)
         new_state.append((h, n))
-        x = torch.baddbmm(x1, F.gelu(torch.bmm(y, fc1_t)), fc2_t)
     hid = F.layer_norm(x, (x.shape[-1],), eps=NORM_EPS)
     return (hid * gain if out_proj_t is None else torch.bmm(hid, out_proj_t)), new_state
 
@@ -213,7 +212,10 @@ def hidden_chunks(
     perm = gate_order(d, theta.device)
     blocks: list[Any] = [block_weights(w, f"blocks.{i}", perm) for i in range(shape.num_blocks)]
     if kind == "native":
-        blocks = [(torch.cat([wi, wh], dim=1), f1, f2) for wi, wh, f1, f2 in blocks]
+        blocks = [
+            (torch.cat([wi, wh], dim=1), f1.contiguous(), f2.contiguous())
+            for wi, wh, f1, f2 in blocks
+        ]
     state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
     gain = w["final_norm.gain"][:, None, :]
     in_proj_t, out_proj_t = None, None

@@ -38,6 +38,7 @@ __all__ = ["head_nll", "lstm_block", "native_available"]
 
 SOURCE = Path(__file__).with_name("native_lstm.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
+FLAGS += tuple(os.environ.get("SOMA_CFLAGS", "").split())
 CACHE_VAR = "MEGATRON_EXT_CACHE"
 
 
@@ -101,7 +102,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"loading {target} failed: {exc}"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     signatures = {
-        "soma_lstm_block": [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, *[i32] * 4, f32, i32],
+        "soma_lstm_block": [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, *[i32] * 4, f32, i32],
         "soma_head_nll": [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5],
     }
     for name, argtypes in signatures.items():
@@ -156,35 +157,54 @@ def _per_body_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def lstm_block(
-    x: torch.Tensor, wcat: torch.Tensor, h: torch.Tensor, n: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The mixing half of one LSTM block over a time chunk on the C kernel: x (1 or P, tc·B,
-    d) time-major rows (one x shared by all bodies, or one per body), wcat (P, 2d, 4d) =
-    ``[w_ih_t; whh_t]`` (:func:`~.forward.block_weights`'s layout), state h, n (P, B, d) ->
-    (x1 = x + LSTM(norm(x)), y = norm(x1), both (P, tc·B, d); h after the chunk (P, B, d));
-    ``n`` is updated in place. Norms without gain (folded into the matrices)."""
-    lib = _check((x, wcat, h, n))
+    x: torch.Tensor,
+    wcat: torch.Tensor,
+    fc1_t: torch.Tensor,
+    fc2_t: torch.Tensor,
+    h: torch.Tensor,
+    n: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LSTM block of the body over a time chunk on the C kernel: x (1 or P, tc·B, d)
+    time-major rows (one x shared by all bodies, or one per body), wcat (P, 2d, 4d) =
+    ``[w_ih_t; whh_t]``, fc1_t (P, d, 4d), fc2_t (P, 4d, d) (:func:`~.forward.block_weights`'s
+    layouts, norm gains folded in), state h, n (P, B, d) -> (the block's output
+    ``x1 + gelu(norm(x1) @ fc1_t) @ fc2_t`` with ``x1 = x + LSTM(norm(x))``, (P, tc·B, d); h after
+    the chunk, (P, B, d)); ``n`` is updated in place."""
+    lib = _check((x, wcat, fc1_t, fc2_t, h, n))
     p, b, d = h.shape
     rows = x.shape[1]
-    if wcat.shape != (p, 2 * d, 4 * d) or x.shape[2] != d or rows % b or x.shape[0] not in (1, p):
-        raise ValueError(f"shapes x {tuple(x.shape)}, wcat {tuple(wcat.shape)}, h {tuple(h.shape)}")
+    shapes_ok = (
+        wcat.shape == (p, 2 * d, 4 * d)
+        and fc1_t.shape == (p, d, 4 * d)
+        and fc2_t.shape == (p, 4 * d, d)
+        and x.shape[2] == d
+        and rows % b == 0
+        and x.shape[0] in (1, p)
+    )
+    if not shapes_ok:
+        raise ValueError(
+            f"shapes x {tuple(x.shape)}, wcat {tuple(wcat.shape)}, fc1_t {tuple(fc1_t.shape)}, "
+            f"fc2_t {tuple(fc2_t.shape)}, h {tuple(h.shape)}"
+        )
     if h.stride()[1:] != (d, 1):
         h = h.contiguous()
-    wcat = wcat.contiguous()
+    wcat, fc1_t, fc2_t = wcat.contiguous(), fc1_t.contiguous(), fc2_t.contiguous()
     if not n.is_contiguous():
         raise ValueError("the carried n must be contiguous (it is updated in place)")
     x, x_stride = _per_body_rows(x)
-    x1, y, h_last = x.new_empty(p, rows, d), x.new_empty(p, rows, d), h.new_empty(p, b, d)
+    out, h_last = x.new_empty(p, rows, d), h.new_empty(p, b, d)
     status = lib.soma_lstm_block(
         x.data_ptr(),
         x_stride,
         wcat.data_ptr(),
+        fc1_t.data_ptr(),
+        fc2_t.data_ptr(),
         h.data_ptr(),
         h.stride(0),
         n.data_ptr(),
         h_last.data_ptr(),
-        x1.data_ptr(),
-        y.data_ptr(),
+        out.data_ptr(),
         p,
         rows // b,
         b,
@@ -194,7 +214,7 @@ def lstm_block(
     )
     if status != 0:
         raise MemoryError("SOMA's C kernel could not allocate its scratch buffers")
-    return x1, y, h_last
+    return out, h_last
 
 
 def head_nll(hid: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

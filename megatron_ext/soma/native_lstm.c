@@ -22,15 +22,23 @@
  * Vectors are GCC/Clang vector extensions. exp is a Cephes-style polynomial on [-ln2/2, ln2/2]
  * (relative error ~1e-7), so results match the torch path to float rounding (tested).
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Floats per vector: 8 (one AVX register). Measured on this project's 2-core AVX-512 host: 16
- * (AVX-512) was faster on one thread but slower on two (145 -> 126 ms against 175 -> 107 ms for
- * one update's recurrences), the wide units throttling. */
-#define VW 8
+/* Floats per vector: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8
+ * (one AVX register, or two SSE ones). Measured on this project's AVX-512 host, one SPSA
+ * update's forward: 16 took 0.38 s where 8 took 0.42 s. -DSOMA_VW=8 forces 8. */
+#ifndef SOMA_VW
+#ifdef __AVX512F__
+#define SOMA_VW 16
+#else
+#define SOMA_VW 8
+#endif
+#endif
+#define VW SOMA_VW
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int vi __attribute__((vector_size(VW * sizeof(int))));
 
@@ -69,7 +77,45 @@ static inline vf vexp(vf y) {
     return p * scale;
 }
 
-static inline vf vsigmoid(vf x) { return 1.0f / (1.0f + vexp(-x)); }
+/* 1/x: the 14-bit hardware estimate and one Newton step (relative error ~1e-7) where AVX-512
+ * has it -- a division costs several times more -- else a division. */
+static inline vf vrecip(vf x) {
+#if defined(__AVX512F__) && VW == 16
+    vf y = (vf)_mm512_rcp14_ps((__m512)x);
+    return y * (2.0f - x * y);
+#elif defined(__AVX512VL__) && VW == 8
+    vf y = (vf)_mm256_rcp14_ps((__m256)x);
+    return y * (2.0f - x * y);
+#else
+    return 1.0f / x;
+#endif
+}
+
+static inline vf vsigmoid(vf x) { return vrecip(1.0f + vexp(-x)); }
+
+/* erf(x) by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7), odd in x. */
+static inline vf verf(vf x) {
+    vi neg = x < 0.0f;
+    vf ax = vselect(neg, -x, x);
+    vf t = vrecip(1.0f + 0.3275911f * ax);
+    vf p = splat(1.061405429f);
+    p = p * t - 1.453152027f;
+    p = p * t + 1.421413741f;
+    p = p * t - 0.284496736f;
+    p = p * t + 0.254829592f;
+    vf e = 1.0f - p * t * vexp(-ax * ax);
+    return vselect(neg, -e, e);
+}
+
+/* GELU (the erf form, as torch's default): 0.5 x (1 + erf(x / sqrt 2)), in place over n. */
+static void gelu_row(float *u, int n) {
+    int j = 0;
+    for (; j + VW <= n; j += VW) {
+        vf x = load(u + j);
+        store(u + j, 0.5f * x * (1.0f + verf(x * 0.70710678118654752f)));
+    }
+    for (; j < n; ++j) u[j] = 0.5f * u[j] * (1.0f + erff(u[j] * 0.70710678118654752f));
+}
 
 static inline float ssigmoid(float x) {
     vf v = vsigmoid(splat(x));
@@ -81,10 +127,18 @@ static inline float ssigmoid(float x) {
 static void matvec_cols(const float *x, const float *a, const float *w, int kdim, int nc, int j0,
                         float *z) {
     int j = j0;
-    for (; j + VW <= nc; j += VW) {
-        vf acc = x ? load(x + j) : splat(0.0f);
-        for (int k = 0; k < kdim; ++k) acc += a[k] * load(w + (size_t)k * nc + j);
-        store(z + j, acc);
+    for (; j + VW <= nc; j += VW) { /* four partial sums over k: four FMA chains, not one */
+        vf c0 = x ? load(x + j) : splat(0.0f), c1 = splat(0.0f), c2 = c1, c3 = c1;
+        int k = 0;
+        for (; k + 4 <= kdim; k += 4) {
+            const float *wk = w + (size_t)k * nc + j;
+            c0 += a[k] * load(wk);
+            c1 += a[k + 1] * load(wk + nc);
+            c2 += a[k + 2] * load(wk + 2 * (size_t)nc);
+            c3 += a[k + 3] * load(wk + 3 * (size_t)nc);
+        }
+        for (; k < kdim; ++k) c0 += a[k] * load(w + (size_t)k * nc + j);
+        store(z + j, (c0 + c1) + (c2 + c3));
     }
     for (; j < nc; ++j) {
         float acc = x ? x[j] : 0.0f;
@@ -93,33 +147,38 @@ static void matvec_cols(const float *x, const float *a, const float *w, int kdim
     }
 }
 
+/* Vectors per row in one pass of matvec2: 2 rows x NV accumulators are the independent FMA
+ * chains that hide the FMA latency (16 of the 32 AVX-512 registers; 8 of AVX's 16). */
+#if VW == 16
+#define NV 8
+#else
+#define NV 4
+#endif
+
 /* matvec_cols of two rows at once (x0, a0 -> z0; x1, a1 -> z1; x0, x1 may be NULL): each load
- * of w feeds both rows, and 2 x 4 accumulators are eight independent FMA chains (enough to
- * hide the FMA latency); the columns left over go one row at a time. */
+ * of w feeds both rows; the columns left over go one row at a time. */
 static void matvec2(const float *x0, const float *x1, const float *a0, const float *a1,
                     const float *w, int kdim, int nc, float *z0, float *z1) {
     int j = 0;
-    for (; j + 4 * VW <= nc; j += 4 * VW) {
-        vf c0, c1, c2, c3, e0, e1, e2, e3;
-        if (x0) {
-            c0 = load(x0 + j), c1 = load(x0 + j + VW), c2 = load(x0 + j + 2 * VW);
-            c3 = load(x0 + j + 3 * VW);
-            e0 = load(x1 + j), e1 = load(x1 + j + VW), e2 = load(x1 + j + 2 * VW);
-            e3 = load(x1 + j + 3 * VW);
-        } else {
-            c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = splat(0.0f);
+    for (; j + NV * VW <= nc; j += NV * VW) {
+        vf c[NV], e[NV];
+        for (int v = 0; v < NV; ++v) {
+            c[v] = x0 ? load(x0 + j + v * VW) : splat(0.0f);
+            e[v] = x1 ? load(x1 + j + v * VW) : splat(0.0f);
         }
         for (int k = 0; k < kdim; ++k) {
             const float *wk = w + (size_t)k * nc + j;
-            vf w0 = load(wk), w1 = load(wk + VW), w2 = load(wk + 2 * VW), w3 = load(wk + 3 * VW);
             const float p = a0[k], q = a1[k];
-            c0 += p * w0, c1 += p * w1, c2 += p * w2, c3 += p * w3;
-            e0 += q * w0, e1 += q * w1, e2 += q * w2, e3 += q * w3;
+            for (int v = 0; v < NV; ++v) {
+                vf wv = load(wk + v * VW);
+                c[v] += p * wv;
+                e[v] += q * wv;
+            }
         }
-        store(z0 + j, c0), store(z0 + j + VW, c1), store(z0 + j + 2 * VW, c2);
-        store(z0 + j + 3 * VW, c3);
-        store(z1 + j, e0), store(z1 + j + VW, e1), store(z1 + j + 2 * VW, e2);
-        store(z1 + j + 3 * VW, e3);
+        for (int v = 0; v < NV; ++v) {
+            store(z0 + j + v * VW, c[v]);
+            store(z1 + j + v * VW, e[v]);
+        }
     }
     matvec_cols(x0, a0, w, kdim, nc, j, z0);
     matvec_cols(x1, a1, w, kdim, nc, j, z1);
@@ -148,75 +207,118 @@ static void cell_row(float *z, float *n, float *h_out, int d) {
 
 /* Layer norm of one row without gain (the gain is folded into the matrix that follows):
  * y = (x - mean) / sqrt(var + eps), biased variance, as torch's layer_norm. */
-static void norm_row(const float *x, int d, float eps, float *y) {
-    float mean = 0.0f, var = 0.0f;
-    for (int k = 0; k < d; ++k) mean += x[k];
-    mean /= (float)d;
-    for (int k = 0; k < d; ++k) var += (x[k] - mean) * (x[k] - mean);
-    const float inv = 1.0f / sqrtf(var / (float)d + eps);
-    for (int k = 0; k < d; ++k) y[k] = (x[k] - mean) * inv;
+static float hsum(vf v) {
+    float s = 0.0f;
+    for (int k = 0; k < VW; ++k) s += v[k];
+    return s;
 }
 
-/* One LSTM block's mixing half for `nr` (1 or 2) batch rows of one body, over tc steps: per step
- * a = [norm(x), h], z = a @ wcat (wcat = [w_ih_t; whh_t], (2d, 4d)), the cell, then
- * x1 = x + h and y = norm(x1). Rows of the chunk are time-major (row s*B + r); x, x1, y point at
- * row r of step 0, `step` floats apart. h (d per row) and n (d per row, `nstride` apart) in
- * place. Scratch: 2 x 2d + 2 x 4d floats. */
-static void block_rows(const float *x, float *x1, float *y, const float *wcat, float *h,
-                       float *n, int nr, int tc, size_t step, int d, float eps, float *scratch) {
+static void norm_row(const float *x, int d, float eps, float *y) {
+    vf acc = splat(0.0f);
+    int k = 0;
+    for (; k + VW <= d; k += VW) acc += load(x + k);
+    float mean = hsum(acc);
+    for (; k < d; ++k) mean += x[k];
+    mean /= (float)d;
+    acc = splat(0.0f);
+    for (k = 0; k + VW <= d; k += VW) {
+        vf t = load(x + k) - mean;
+        acc += t * t;
+    }
+    float var = hsum(acc);
+    for (; k < d; ++k) var += (x[k] - mean) * (x[k] - mean);
+    const float inv = 1.0f / sqrtf(var / (float)d + eps);
+    for (k = 0; k + VW <= d; k += VW) store(y + k, (load(x + k) - mean) * inv);
+    for (; k < d; ++k) y[k] = (x[k] - mean) * inv;
+}
+
+/* o = a + b over d floats */
+static void add_row(const float *a, const float *b, int d, float *o) {
+    int k = 0;
+    for (; k + VW <= d; k += VW) store(o + k, load(a + k) + load(b + k));
+    for (; k < d; ++k) o[k] = a[k] + b[k];
+}
+
+/* One body of an LSTM block over tc steps; per step, for each batch row
+ *   a = [norm(x), h], z = a @ wcat (wcat = [w_ih_t; whh_t], (2d, 4d)), the cell -> h;
+ *   x1 = x + h; u = gelu(norm(x1) @ fc1 (d, 4d)); out = x1 + u @ fc2 (4d, d)
+ * in three passes over the B rows, two rows at a time, so that each pass's matrix is read from
+ * L1 for all rows (the three together do not fit). Rows of the chunk are time-major (row s*B +
+ * r): x and out are (tc*B, d). h and n (B, d) in place. Scratch: 2 x (2d + 4d) + B x 6d. */
+static void block_body(const float *x, float *out, const float *wcat, const float *fc1,
+                       const float *fc2, float *h, float *n, int tc, int b, int d, float eps,
+                       float *scratch) {
     const int g = 4 * d;
     float *a0 = scratch, *a1 = a0 + 2 * d, *z0 = a1 + 2 * d, *z1 = z0 + g;
-    float *h1 = h + d, *n1 = n + d;
+    float *x1 = z1 + g, *y = x1 + (size_t)b * d, *u = y + (size_t)b * d; /* (B,d) (B,d) (B,4d) */
     for (int s = 0; s < tc; ++s) {
-        const float *xr = x + s * step;
-        norm_row(xr, d, eps, a0);
-        memcpy(a0 + d, h, sizeof(float) * d);
-        if (nr == 2) {
-            norm_row(xr + d, d, eps, a1);
-            memcpy(a1 + d, h1, sizeof(float) * d);
-            matvec2(NULL, NULL, a0, a1, wcat, 2 * d, g, z0, z1);
-            cell_row(z1, n1, h1, d);
-        } else {
-            matvec_cols(NULL, a0, wcat, 2 * d, g, 0, z0);
+        const float *xs = x + (size_t)s * b * d;
+        float *os = out + (size_t)s * b * d;
+        for (int r = 0; r < b; r += 2) { /* the LSTM: wcat */
+            const size_t o = (size_t)r * d;
+            norm_row(xs + o, d, eps, a0);
+            memcpy(a0 + d, h + o, sizeof(float) * d);
+            if (r + 1 < b) {
+                norm_row(xs + o + d, d, eps, a1);
+                memcpy(a1 + d, h + o + d, sizeof(float) * d);
+                matvec2(NULL, NULL, a0, a1, wcat, 2 * d, g, z0, z1);
+                cell_row(z1, n + o + d, h + o + d, d);
+            } else {
+                matvec_cols(NULL, a0, wcat, 2 * d, g, 0, z0);
+            }
+            cell_row(z0, n + o, h + o, d);
+            for (int q = 0; q < 2 && r + q < b; ++q) {
+                add_row(xs + o + q * d, h + o + q * d, d, x1 + o + q * d);
+                norm_row(x1 + o + q * d, d, eps, y + o + q * d);
+            }
         }
-        cell_row(z0, n, h, d);
-        for (int q = 0; q < nr; ++q) {
-            float *o = x1 + s * step + (size_t)q * d;
-            for (int k = 0; k < d; ++k) o[k] = xr[(size_t)q * d + k] + h[(size_t)q * d + k];
-            norm_row(o, d, eps, y + s * step + (size_t)q * d);
+        for (int r = 0; r < b; r += 2) { /* the MLP's first layer: fc1 */
+            float *u0 = u + (size_t)r * g;
+            if (r + 1 < b) {
+                matvec2(NULL, NULL, y + (size_t)r * d, y + (size_t)(r + 1) * d, fc1, d, g, u0,
+                        u0 + g);
+                gelu_row(u0, 2 * g);
+            } else {
+                matvec_cols(NULL, y + (size_t)r * d, fc1, d, g, 0, u0);
+                gelu_row(u0, g);
+            }
+        }
+        for (int r = 0; r < b; r += 2) { /* its second layer and the residual: fc2 */
+            const size_t o = (size_t)r * d;
+            if (r + 1 < b)
+                matvec2(x1 + o, x1 + o + d, u + (size_t)r * g, u + (size_t)(r + 1) * g, fc2, g, d,
+                        os + o, os + o + d);
+            else
+                matvec_cols(x1 + o, u + (size_t)r * g, fc2, g, d, 0, os + o);
         }
     }
 }
 
-/* The mixing half of one LSTM block over one time chunk, for P bodies:
+/* One LSTM block over one time chunk, for P bodies:
  *   x (P bodies at x_pstride floats apart -- 0 when all bodies read the same x; each (tc*B, d),
- *   time-major rows), wcat (P, 2d, 4d), h0 (body q's (B, d) at h0 + q * h0_pstride), n (P, B, d)
- *   in place -> h_last (P, B, d), x1 = x + LSTM(norm(x)) and y = norm(x1), both (P, tc*B, d).
- * Batch rows are independent, so each pair of rows runs all tc steps with its state in
- * registers and L1. Returns 0, or 1 when scratch memory is short. */
-int soma_lstm_block(const float *x, long x_pstride, const float *wcat, const float *h0,
-                    long h0_pstride, float *n, float *h_last, float *x1, float *y, int p, int tc,
-                    int b, int d, float eps, int threads) {
-    const size_t g = 4 * (size_t)d, rows = (size_t)tc * b, step = (size_t)b * d;
+ *   time-major rows), wcat (P, 2d, 4d), fc1 (P, d, 4d), fc2 (P, 4d, d), h0 (body q's (B, d)
+ *   at h0 + q * h0_pstride), n (P, B, d) in place -> h_last (P, B, d), out (P, tc*B, d) the
+ *   block's output. Norms have no gain (folded into the matrix after them).
+ * Returns 0, or 1 when scratch memory is short. */
+int soma_lstm_block(const float *x, long x_pstride, const float *wcat, const float *fc1,
+                    const float *fc2, const float *h0, long h0_pstride, float *n, float *h_last,
+                    float *out, int p, int tc, int b, int d, float eps, int threads) {
+    const size_t g = 4 * (size_t)d, rows = (size_t)tc * b;
     int status = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : status)
     {
-        float *scratch = malloc(sizeof(float) * (4 * (size_t)d + 2 * g));
+        float *scratch = malloc(sizeof(float) * (2 * (2 * (size_t)d + g) + (size_t)b * 6 * d));
         if (!scratch) {
             status = 1;
         } else {
 #pragma omp for schedule(static)
             for (int q = 0; q < p; ++q) {
-                const float *xq = x + (size_t)q * x_pstride;
-                float *x1q = x1 + (size_t)q * rows * d, *yq = y + (size_t)q * rows * d;
-                float *hq = h_last + (size_t)q * b * d, *nq = n + (size_t)q * b * d;
+                float *hq = h_last + (size_t)q * b * d;
                 memcpy(hq, h0 + (size_t)q * h0_pstride, sizeof(float) * b * d);
-                for (int r = 0; r < b; r += 2) {
-                    const int nr = r + 1 < b ? 2 : 1;
-                    const size_t o = (size_t)r * d;
-                    block_rows(xq + o, x1q + o, yq + o, wcat + (size_t)q * 2 * d * g, hq + o,
-                               nq + o, nr, tc, step, d, eps, scratch);
-                }
+                block_body(x + (size_t)q * x_pstride, out + (size_t)q * rows * d,
+                           wcat + (size_t)q * 2 * d * g, fc1 + (size_t)q * d * g,
+                           fc2 + (size_t)q * g * d, hq, n + (size_t)q * b * d, (int)(rows / b), b,
+                           d, eps, scratch);
             }
         }
         free(scratch);
@@ -227,12 +329,19 @@ int soma_lstm_block(const float *x, long x_pstride, const float *wcat, const flo
 /* log(sum(exp(z))) - z[t] over nc logits. */
 static float nll_row(const float *z, int nc, long t) {
     float m = z[0];
-    for (int j = 1; j < nc; ++j) m = z[j] > m ? z[j] : m;
-    vf acc = splat(0.0f);
     int j = 0;
-    for (; j + VW <= nc; j += VW) acc += vexp(load(z + j) - m);
-    float sum = 0.0f;
-    for (int k = 0; k < VW; ++k) sum += acc[k];
+    if (nc >= VW) {
+        vf vm = load(z);
+        for (j = VW; j + VW <= nc; j += VW) {
+            vf v = load(z + j);
+            vm = vselect(v > vm, v, vm);
+        }
+        for (int k = 0; k < VW; ++k) m = vm[k] > m ? vm[k] : m;
+    }
+    for (; j < nc; ++j) m = z[j] > m ? z[j] : m;
+    vf acc = splat(0.0f);
+    for (j = 0; j + VW <= nc; j += VW) acc += vexp(load(z + j) - m);
+    float sum = hsum(acc);
     for (; j < nc; ++j) sum += vexp(splat(z[j] - m))[0];
     return logf(sum) + m - z[t];
 }
