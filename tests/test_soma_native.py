@@ -174,3 +174,23 @@ def test_float64_under_native_warns_and_runs_eager(monkeypatch):
         want = batched_loss(thetas, emb, tokens, layout, fused="off")
     assert torch.equal(got, want)
     assert forward.use_native("auto", torch.device("cpu"), torch.float64) is False
+
+
+@needs_kernel
+def test_auto_takes_the_kernels_only_for_whole_vector_widths(native_calls):
+    """d = 24 (three 8-float vectors): native under "auto"; d = 15: eager under "auto" (scalar
+    tails, measured slower), native only when asked -- with the same losses."""
+    whole = ExpertShape(d_embed=16, d_model=24)
+    layout, thetas, emb, tokens = _setup(whole, p=2, b=2, t=6, dtype=torch.float32)
+    with torch.inference_mode():
+        batched_loss(thetas, emb, tokens, layout)
+    assert forward.native_pays(layout) and native_calls["block"]
+    odd = ExpertShape(d_embed=16, d_model=15)
+    layout, thetas, emb, tokens = _setup(odd, p=2, b=2, t=6, dtype=torch.float32)
+    native_calls["block"] = 0
+    with torch.inference_mode():
+        auto = batched_loss(thetas, emb, tokens, layout)
+        assert not native_calls["block"] and not forward.native_pays(layout)
+        asked = batched_loss(thetas, emb, tokens, layout, fused="native")
+    assert native_calls["block"]
+    torch.testing.assert_close(asked, auto, rtol=1e-5, atol=1e-5)

@@ -58,9 +58,9 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
 
     from megatron_ext.soma.data import build_windows, window_texts
     from megatron_ext.soma.evaluate import routed_throughput
+    from megatron_ext.soma.forward import forward_kind
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.router import RouterConfig, fit_router
-    from megatron_ext.soma.scan import COMPILE_FAILURES, use_fused
 
     windows = build_windows(["python-stdlib"], window_bytes=1025).windows
     rng = np.random.default_rng(0)
@@ -88,23 +88,23 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
                 )
 
             once(held_out[:8])  # warm-up: allocator, and the fused scan's compile
-            runs[sweep, n] = (d, layout.numel, k, once)
+            with torch.inference_mode():  # what the forward runs on: eager, native or compiled
+                kind = forward_kind(args.fused, experts[0][None], emb, layout)
+            runs[sweep, n] = (d, layout.numel, k, once, kind)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {key: [] for key in runs}
     for _ in range(args.inference_repeats):
-        for key, (*_, once) in runs.items():
+        for key, (*_, once, _kind) in runs.items():
             samples[key].append(once())
     out: dict[str, Any] = {
         "windows": len(held_out),
         "paper_ratio": PAPER_RATIO,
         "rounds": args.inference_repeats,
         "fused": args.fused,
-        # What actually ran: compiled only where the mode asks for it and no compile failed.
-        "compiled": use_fused(args.fused, torch.device("cpu")) and not COMPILE_FAILURES,
     }
     for sweep in ("equal_total", "equal_expert"):
         rows = []
         for n in args.experts:
-            d, numel, k, _ = runs[sweep, n]
+            d, numel, k, _, kind = runs[sweep, n]
             got = samples[sweep, n]
             best = max(got, key=lambda r: r["tokens_per_s"])
             tps, routing = best["tokens_per_s"], best["routing_s"] / best["total_s"]
@@ -119,6 +119,7 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
                     "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in got),
                     "tokens_per_s_all": [r["tokens_per_s"] for r in got],
                     "routing_share": routing,
+                    "forward": kind,
                     "total_s": best["total_s"],
                     "router_fit_s": fit_s[n],
                 }
@@ -141,17 +142,16 @@ def print_sweeps(res: dict[str, Any]) -> None:
         s = res[sweep]
         print(
             f"routed inference (CPU), {title}, {res['windows']} windows, routing included, "
-            f"fastest of {res['rounds']} rounds, "
-            f"fused={res['fused']} ({'compiled' if res['compiled'] else 'eager'}):"
+            f"fastest of {res['rounds']} rounds, fused={res['fused']}:"
         )
         print(
             f"  {'N':>4s} {'d':>4s} {'k':>2s} {'params/expert':>14s} {'total params':>13s} "
-            f"{'tokens/s':>10s} {'routing':>8s}"
+            f"{'tokens/s':>10s} {'routing':>8s}  forward"
         )
         for r in s["rows"]:
             print(
                 f"  {r['n_experts']:4d} {r['d_model']:4d} {r['k']:2d} "
                 f"{r['params_per_expert']:14,d} {r['total_params']:13,d} "
-                f"{r['tokens_per_s']:10,.0f} {r['routing_share']:8.1%}"
+                f"{r['tokens_per_s']:10,.0f} {r['routing_share']:8.1%}  {r['forward']}"
             )
         print(f"  ratio {s['ratio_of']}: {s['ratio']:.2f}x (paper, equal total: {PAPER_RATIO}x)")

@@ -174,15 +174,29 @@ def _native_body_chunk(
 Kind = str  # "autograd", "compiled", "native" or "eager"
 
 
-def forward_kind(fused: FusedMode, theta: torch.Tensor, emb: torch.Tensor) -> Kind:
+def forward_kind(
+    fused: FusedMode, theta: torch.Tensor, emb: torch.Tensor, layout: BodyLayout
+) -> Kind:
     """How :func:`hidden_chunks` runs for these arguments: with autograd (the out-of-place
     scan, eagerly) when gradients are wanted; else compiled (:func:`~.scan.use_fused`), the C
-    kernels (:func:`~.scan.use_native`) or eager torch (the in-place scan)."""
+    kernels (:func:`~.scan.use_native`; under "auto" only for widths that are whole vectors,
+    :func:`native_pays`) or eager torch (the in-place scan)."""
     if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
         return "autograd"
     if use_fused(fused, theta.device):
         return "compiled"
+    if fused == "auto" and not native_pays(layout):
+        return "eager"
     return "native" if use_native(fused, theta.device, theta.dtype) else "eager"
+
+
+def native_pays(layout: BodyLayout) -> bool:
+    """Whether "auto" takes the C kernels for this body: its widths are whole 8-float vectors.
+    Other widths run scalar column tails there, slower than eager torch (``bench soma
+    --inference-sweep``: d=62 34.8 K tokens/s native vs 52.8 K eager, d=15 166 K vs 213 K;
+    d=128 31.0 K vs 29.2 K; d=32 in the SPSA bench 1.9x)."""
+    shape = layout.shape
+    return shape.d_model % 8 == 0 and shape.d_embed % 8 == 0
 
 
 def hidden_chunks(
@@ -202,7 +216,7 @@ def hidden_chunks(
     shape = layout.shape
     w = layout.views(theta)
     p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
-    kind = forward_kind(fused, theta, emb)
+    kind = forward_kind(fused, theta, emb, layout)
     run: Callable[..., tuple[torch.Tensor, State]] = {
         "autograd": functools.partial(_body_chunk, scan=lstm_scan_cells),
         "compiled": _FUSED,

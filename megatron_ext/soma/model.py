@@ -143,7 +143,7 @@ def target_log_probs(
     targets_tm = targets_tm if per_body else targets_tm[None]
     bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
     # The C kernels' head: logits and log-sum-exp per row in cache, never stored.
-    native = forward_kind(fused, theta, emb) == "native"
+    native = forward_kind(fused, theta, emb, layout) == "native"
     out = []
     for first in range(0, p, bodies):
         part = theta[first : first + bodies]

@@ -15,7 +15,8 @@ compete with torch's spinning workers (measured: no gain from the second core th
 The source is compiled on first use with the host's C compiler (``$CC``, else ``cc``) for this
 CPU (``-march=native``) into ``$MEGATRON_EXT_CACHE/kernels`` (default
 ``~/.cache/megatron-ext/kernels``; the temporary folder when that is not writable), keyed by the
-source, compiler, flags and CPU model, written atomically, and loaded through ``ctypes``. Where
+source, compiler, flags (``$MEGATRON_EXT_CFLAGS`` adds some) and CPU model, written
+atomically, and loaded through ``ctypes``. Where
 there is no compiler, or the compile fails, :func:`native_available` says why and callers run
 the torch path.
 """
@@ -38,7 +39,7 @@ __all__ = ["head_nll", "lstm_block", "native_available"]
 
 SOURCE = Path(__file__).with_name("native_lstm.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
-FLAGS += tuple(os.environ.get("SOMA_CFLAGS", "").split())
+FLAGS += tuple(os.environ.get("MEGATRON_EXT_CFLAGS", "").split())  # e.g. -DSOMA_VW=8
 CACHE_VAR = "MEGATRON_EXT_CACHE"
 
 
