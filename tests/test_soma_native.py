@@ -194,3 +194,20 @@ def test_auto_takes_the_kernels_only_for_whole_vector_widths(native_calls):
         asked = batched_loss(thetas, emb, tokens, layout, fused="native")
     assert native_calls["block"]
     torch.testing.assert_close(asked, auto, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_8_float_build_matches_too(monkeypatch, tmp_path):
+    """The kernels as built for a host without AVX-512 (8-float vectors, the AVX-512VL or plain
+    reciprocal): same results as the torch path."""
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSOMA_VW=8"))
+    monkeypatch.setenv(native.CACHE_VAR, str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        assert native.native_available() == (True, "")
+        test_block_kernel_matches_the_eager_block(3, 5, 3, 7, False, 2, monkeypatch)
+        test_block_kernel_matches_the_eager_block(5, 3, 4, 32, True, 2, monkeypatch)
+        test_head_kernel_matches_cross_entropy(3, 7, 32, 256, False, 2, monkeypatch)
+    finally:
+        native._library.cache_clear()
+    assert len(list((tmp_path / "cache" / "kernels").glob("soma_lstm_*.so"))) == 1

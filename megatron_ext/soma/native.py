@@ -49,13 +49,19 @@ def _cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and feature flags: a kernel built with ``-march=native`` on one
+    host must not be loaded on another that lacks its instructions (a shared home folder on a
+    cluster of mixed nodes)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        lines = []
+    seen = {}
+    for line in lines:
+        key = line.split(":", 1)[0].strip()
+        if key in ("model name", "flags") and key not in seen:
+            seen[key] = line
+    return "\n".join(seen.values()) or platform.processor() or platform.machine()
 
 
 def _compiler() -> tuple[str | None, str]:

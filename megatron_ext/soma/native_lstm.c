@@ -22,7 +22,9 @@
  * Vectors are GCC/Clang vector extensions. exp is a Cephes-style polynomial on [-ln2/2, ln2/2]
  * (relative error ~1e-7), so results match the torch path to float rounding (tested).
  */
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h> /* only for the AVX-512 reciprocal estimate; elsewhere plain C */
+#endif
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
