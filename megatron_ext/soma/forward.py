@@ -51,7 +51,7 @@ def block_weights(
     fc1 = w[f"{pre}.mlp.fc1"] * w[f"{pre}.norm2.gain"][:, None, :]
     return (
         w_ih.transpose(1, 2),
-        w_hh.transpose(1, 2).contiguous(),  # row-major (d, 4d): what the C recurrence reads
+        w_hh.transpose(1, 2).contiguous(),  # row-major (d, 4d): the per-step baddbmm is faster
         fc1.transpose(1, 2),
         w[f"{pre}.mlp.fc2"].transpose(1, 2),
     )
@@ -194,7 +194,7 @@ def native_pays(layout: BodyLayout) -> bool:
     """Whether "auto" takes the C kernels for this body: its widths are whole 8-float vectors.
     Other widths run scalar column tails there, slower than eager torch (``bench soma
     --inference-sweep``: d=62 34.8 K tokens/s native vs 52.8 K eager, d=15 166 K vs 213 K;
-    d=128 31.0 K vs 29.2 K; d=32 in the SPSA bench 1.9x)."""
+    d=128 31.0 K vs 29.2 K; d=32 in the SPSA bench 1.7-1.9x)."""
     shape = layout.shape
     return shape.d_model % 8 == 0 and shape.d_embed % 8 == 0
 
