@@ -7,19 +7,23 @@ from typing import Any
 
 import torch
 
-# The Qwen3-MoE shape the conversion tests share (k = 2 < E = 8); each test overrides fields.
-TINY_QWEN3_MOE: dict[str, Any] = dict(
+# The dense sizes every tiny conversion model shares (Llama, OLMoE, Qwen3-MoE).
+TINY_SIZES: dict[str, Any] = dict(
     vocab_size=96,
     hidden_size=32,
     intermediate_size=64,
-    moe_intermediate_size=16,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+# The Qwen3-MoE shape the conversion tests share (k = 2 < E = 8); each test overrides fields.
+TINY_QWEN3_MOE: dict[str, Any] = dict(
+    **TINY_SIZES,
+    moe_intermediate_size=16,
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,
-    tie_word_embeddings=False,
 )
 
 

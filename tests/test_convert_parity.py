@@ -18,19 +18,9 @@ from transformers import (
 
 from megatron_ext.convert.hf import hf_to_mcore_state, model_fields
 from megatron_ext.convert.parity import build_mcore, compare
-from tests.hf_tiny import tiny_qwen3_moe
+from tests.hf_tiny import TINY_SIZES, tiny_qwen3_moe
 
-SIZES = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+SIZES = dict(**TINY_SIZES, head_dim=8, rms_norm_eps=1e-6)
 
 
 def _qwen3(norm_topk_prob: bool = True, rms_norm_eps: float = 1e-6) -> torch.nn.Module:
