@@ -3,7 +3,10 @@
 SPSA (one expert, d_t = d_E = 32, D = 2 unless overridden): the losses of all ``2·n_pert``
 perturbed bodies on one shared (B, T+1) batch --
 
-* ``batched eager``: one forward with a perturbation axis, the seven-kernel eager recurrence;
+* ``batched native``: one forward with a perturbation axis on the C kernels of
+  :mod:`megatron_ext.soma.native` (what the trainer runs on CPU; absent, and said so, where
+  they cannot be built);
+* ``batched eager``: the same forward in torch, the seven-kernel eager recurrence;
 * ``batched fused``: the same forward with each recurrent step one ``bmm`` plus one compiled
   element-wise pass (``torch.compile``; absent, and said so, where it cannot compile);
 * two per-probe Python loops (one forward per perturbed body), measured in the same run:
@@ -17,7 +20,8 @@ Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the 
 faster batched variant, the batched forward's achieved GFLOP/s (analytic FLOP count of the
 forward) against the machine's measured fp32 matmul rate, the speedup ceiling (anchor time / the
 forward's FLOPs at that matmul rate: what any batched forward could reach here) and the share
-of it reached, and the peak resident memory added by the batched update. Every variant is timed
+of it reached, and the peak resident memory added by the batched update the trainer runs
+(native where built, else eager). Every variant is timed
 in the same round-robin rounds and reports its fastest round (medians in the JSON).
 
 Routed inference: the two sweeps of :mod:`._soma_inference` (equal total parameters, equal
@@ -187,17 +191,19 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         if fused_ok and scan.COMPILE_FAILURES:  # the compile failed at run time: it ran eager
             fused_ok, fused_why = False, scan.COMPILE_FAILURES[-1]
             del batched["fused"]
-        # Peak memory of one more call (the allocator reuses what the warm-up allocated).
+        # Peak memory of one more call of what the trainer runs (the allocator reuses what the
+        # warm-up allocated).
+        peak_of = "native" if native_ok else "eager"
         if cuda:
             sync()
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            batched["eager"]()
+            batched[peak_of]()
             sync()
             peak_bytes = torch.cuda.max_memory_allocated(device) - base
         else:
             with PeakRSS() as peak:
-                batched["eager"]()
+                batched[peak_of]()
             peak_bytes = peak.added_bytes
         # Each variant's fastest round: load from other jobs only ever slows a call down, and not
         # alike -- on 2 shared cores the per-probe loops (thousands of small kernels, each a
@@ -255,6 +261,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "peak_mem_mb": peak_bytes / 2**20,
         "peak_mem_kind": "device memory allocated" if cuda else "process resident memory",
+        "peak_mem_variant": f"batched {peak_of}",
         "max_loss_difference_vs_batched_eager": diffs,
     }
 
@@ -291,6 +298,7 @@ def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
         f"GFLOP/s vs matmul {spsa['matmul_gflops']:.1f}): reached "
         f"{spsa['fraction_of_ceiling']:.0%} (target >= 55%); batched {spsa['gflops']:.1f} GFLOP/s"
         f" = {spsa['fraction_of_matmul_rate']:.0%} of matmul; peak +{spsa['peak_mem_mb']:.0f} MB"
+        f" ({spsa['peak_mem_variant']})"
     )
     print(
         "  max |loss - batched eager| "
