@@ -64,9 +64,10 @@ def _train_main(recipe_path: str, overrides: Sequence[str], rank: int, world_siz
         record_error(rank, 1, f"megatron-ext: error: {exc}")
         return 1
     except RunStopped as stop:
-        message = stop.message(resume_command(recipe_path, overrides, recipe))
-        if rank == 0 and not record_stop(message):  # the launcher prints it last, else here
-            print(message, flush=True)
+        if rank == 0:
+            message = stop.message(resume_command(recipe_path, overrides, recipe))
+            if not record_stop(message):  # the launcher prints it last; without one, here
+                print(message, flush=True)
         return 0
     finally:
         destroy_process_groups()
