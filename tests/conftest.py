@@ -13,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = Path(__file__).resolve().parent / "dist"
+SITE = DIST / "site"  # sitecustomize.py for the processes run_torchrun starts
 
 
 def free_port() -> int:
@@ -34,10 +35,11 @@ def run_torchrun(
     """Run ``script`` (a file, or a module name with ``module=True``) with ``nproc`` gloo ranks
     on this host; fails the test with the output when it exits non-zero and ``check``."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    # Unbuffered, a rank's print writes its text and its newline separately, and the other
-    # rank's line can land in between (seen in CI); buffered, each rank writes its few lines
-    # whole at exit.
-    full_env.pop("PYTHONUNBUFFERED", None)
+    # Each line one write in every process it starts (dist/site/sitecustomize.py): torchrun
+    # runs its ranks unbuffered (python -u), where a rank's print writes its text and its
+    # newline separately and the other rank's line can land in between (seen in CI).
+    paths = [str(SITE), *filter(None, [full_env.get("PYTHONPATH")])]
+    full_env["PYTHONPATH"] = os.pathsep.join(paths)
     cmd = [
         sys.executable,
         "-m",
@@ -81,3 +83,23 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """``count_calls(module, name) -> counter``: replaces ``module.name`` for the test by a
+    wrapper that counts its calls (``counter["calls"]``) and runs the original, so that a test
+    can assert which path a forward took and cannot pass on a fallback alone."""
+
+    def install(module: object, name: str) -> dict[str, int]:
+        counter = {"calls": 0}
+        real = getattr(module, name)
+
+        def counting(*args: object, **kwargs: object) -> object:
+            counter["calls"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return counter
+
+    return install

@@ -237,3 +237,19 @@ def test_ranks_sharing_one_unbuffered_output_keep_their_lines_whole(tmp_path):
     lines = (tmp_path / "out.txt").read_text().splitlines()
     bad = [x for x in lines if not re.fullmatch(r"rank [01] line \d+", x)]
     assert len(lines) == 8000 and not bad, bad[:3]
+
+
+def test_raw_test_scripts_under_torchrun_keep_their_lines_whole():
+    """torchrun starts its ranks with ``python -u``, so the tests' raw scripts (not
+    ``megatron-ext``) get line buffering from ``tests/dist/site/sitecustomize.py``, which
+    ``run_torchrun`` puts first on their PYTHONPATH: two ranks × 3,000 lines into one file, all
+    whole. (Without it a test of two ranks' JSON lines failed in CI on a spliced line.)"""
+    import json
+
+    from tests.conftest import DIST, run_torchrun
+
+    proc = run_torchrun(DIST / "print_lines.py", 2, "3000")
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert sorted((r["rank"], r["i"]) for r in rows) == [
+        (r, i) for r in (0, 1) for i in range(3000)
+    ]

@@ -5,6 +5,7 @@ rank its fp32-master and all-gather byte counts.
 Usage: layerwise_step.py OPTIMIZER OUT.pt [fp32|bf16]
 """
 
+import os
 import sys
 
 import torch
@@ -88,7 +89,13 @@ def main(optimizer: str, out: str, dtype: str = "fp32") -> None:
             },
             out,
         )
-    torch.distributed.destroy_process_group()
+    # Leave together, and without gloo's teardown, as layerwise_elastic.py does: here too a rank
+    # aborted at exit ("terminate called without an active exception", exit -6; once in a
+    # clean-clone run). The result is on disk by now, so the process ends here.
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
