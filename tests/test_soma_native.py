@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from megatron_ext.soma import forward, model, native, scan
 from megatron_ext.soma.forward import NORM_EPS
-from megatron_ext.soma.layout import ExpertShape
-from megatron_ext.soma.model import batched_loss, target_log_probs
+from megatron_ext.soma.layout import BodyLayout, ExpertShape
+from megatron_ext.soma.model import batched_loss, body_hidden, target_log_probs
 from tests.test_soma_model import _setup, reference_loss
 
 needs_kernel = pytest.mark.skipif(
@@ -19,23 +19,10 @@ needs_kernel = pytest.mark.skipif(
 
 
 @pytest.fixture
-def native_calls(monkeypatch):
+def native_calls(count_calls):
     """Counts the forward's calls of the C block kernel and head (so a test cannot pass on
     eager alone)."""
-    calls = {"block": 0, "head": 0}
-    block, head = native.lstm_block, native.head_nll
-
-    def counting_block(*args):
-        calls["block"] += 1
-        return block(*args)
-
-    def counting_head(*args):
-        calls["head"] += 1
-        return head(*args)
-
-    monkeypatch.setattr(native, "lstm_block", counting_block)
-    monkeypatch.setattr(model, "head_nll", counting_head)
-    return calls
+    return {"block": count_calls(native, "lstm_block"), "head": count_calls(model, "head_nll")}
 
 
 def torch_block(x, w_ih_t, whh_t, fc1_t, fc2_t, h, n):
@@ -52,12 +39,25 @@ def torch_block(x, w_ih_t, whh_t, fc1_t, fc2_t, h, n):
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    "p, tc, b, d, shared", [(5, 3, 4, 32, True), (3, 5, 3, 7, False), (2, 1, 1, 62, False)]
+    "p, tc, b, d, shared",
+    [
+        (5, 3, 4, 32, True),
+        (3, 5, 3, 7, False),
+        (2, 1, 1, 62, False),
+        (2, 9, 13, 32, False),
+        (1, 2, 70, 16, True),
+        (2, 4, 5, 24, False),
+        (2, 5, 16, 32, False),
+        (3, 2, 8, 24, True),
+    ],
 )
 def test_block_kernel_matches_the_eager_block(p, tc, b, d, shared, threads, monkeypatch):
-    """One x for all bodies or one each; an odd batch (a row left over from the two-row loop);
-    widths no multiple of the vector length (the column tails); a carried h that is a strided
-    view, as between chunks; GELU inputs well into both tails of erf."""
+    """One x for all bodies or one each; batches that leave a short register tile (b = 3, 13,
+    70 rows against tiles of 6 / 8 / 16) and the 2-vector tiles of b = 8, 16; chunks of several
+    passes and a short last pass (9 x 13 rows, passes of ~64 rows) and a batch wider than a pass
+    (b = 70); widths no multiple of the vector length (the column tails) and 4d = 96 (tiles of 4
+    and 2 vectors); a carried h
+    that is a strided view, as between chunks; GELU inputs well into both tails of erf."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(p * 100 + d)
     x = torch.randn(1 if shared else p, tc * b, d, generator=gen)
@@ -75,8 +75,60 @@ def test_block_kernel_matches_the_eager_block(p, tc, b, d, shared, threads, monk
 
 
 @needs_kernel
+def test_the_kernels_gelu_and_sigmoid_against_float64():
+    """The block's GELU (a fitted rational erf) and sigmoid (exp by a fitted 2^f polynomial and a
+    Newton-refined reciprocal) over their whole range, against float64: GELU within 1e-6
+    absolute and 1e-6 relative, exactly 0 far left (an erf one rounding short of -1 would leave
+    -x * 6e-8, 2.4e-5 at x = -400) and x far right; sigmoid within 2e-7."""
+    x = torch.cat([torch.linspace(-400, 400, 200_001), torch.linspace(-8, 8, 200_001)])
+    gelu = native.pointwise("gelu", x)
+    ref = F.gelu(x.double())
+    torch.testing.assert_close(gelu.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.all(gelu[x < -6] == 0) and torch.all(gelu[x > 6] == x[x > 6])
+    sig = native.pointwise("sigmoid", x)
+    torch.testing.assert_close(sig.double(), torch.sigmoid(x.double()), rtol=0, atol=2e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_gain", [True, False])
+def test_the_fused_final_norm_is_layer_norm_of_the_block_output(with_gain):
+    """``final_norm``: the block's output through layer_norm (times the body's gain), as the
+    torch path's final norm; the state is what the plain call gives."""
+    p, tc, b, d = 3, 11, 7, 32  # 77 rows: two passes
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(p, tc * b, d, generator=gen)
+    wcat = torch.randn(p, 2 * d, 4 * d, generator=gen) / d**0.5
+    fc1_t = torch.randn(p, d, 4 * d, generator=gen) / d**0.5
+    fc2_t = torch.randn(p, 4 * d, d, generator=gen) / (4 * d) ** 0.5
+    h, n0 = torch.randn(p, b, d, generator=gen), torch.randn(p, b, d, generator=gen)
+    gain = 1 + torch.randn(p, 2, d, generator=gen)[:, :1]  # a strided view, as from theta
+    n = n0.clone()
+    plain, h_plain = native.lstm_block(x, wcat, fc1_t, fc2_t, h, n, NORM_EPS)
+    n_fused = n0.clone()
+    fused, h_fused = native.lstm_block(
+        x,
+        wcat,
+        fc1_t,
+        fc2_t,
+        h,
+        n_fused,
+        NORM_EPS,
+        final_norm=True,
+        gain=gain if with_gain else None,
+    )
+    want = F.layer_norm(plain, (d,), eps=NORM_EPS) * (gain if with_gain else 1)
+    torch.testing.assert_close(fused, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(h_fused, h_plain) and torch.equal(n_fused, n)
+    with pytest.raises(ValueError, match="gain"):
+        native.lstm_block(x, wcat, fc1_t, fc2_t, h, n, NORM_EPS, final_norm=True, gain=gain[:2])
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("p, rows, e, v, per_body", [(3, 7, 32, 256, False), (2, 4, 24, 9, True)])
+@pytest.mark.parametrize(
+    "p, rows, e, v, per_body",
+    [(3, 7, 32, 256, False), (2, 4, 24, 9, True), (2, 29, 32, 256, False)],
+)
 def test_head_kernel_matches_cross_entropy(p, rows, e, v, per_body, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(rows)
@@ -99,10 +151,12 @@ def test_native_forward_matches_eager_and_float64(shape, native_calls):
     layout, thetas, emb, tokens = _setup(shape, p=4, b=3, t=21, dtype=torch.float32)
     with torch.inference_mode():
         eager = batched_loss(thetas, emb, tokens, layout, fused="off")
-        assert not any(native_calls.values())
+        assert not any(c["calls"] for c in native_calls.values())
         got = batched_loss(thetas, emb, tokens, layout, fused="native", max_chunk_bytes=2**14)
         auto = batched_loss(thetas, emb, tokens, layout)
-    assert native_calls["block"] > 2 * shape.num_blocks and native_calls["head"] > 2
+    assert (
+        native_calls["block"]["calls"] > 2 * shape.num_blocks and native_calls["head"]["calls"] > 2
+    )
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     assert torch.equal(auto, batched_loss(thetas, emb, tokens, layout, fused="native"))
     ref = torch.stack([reference_loss(t.double(), emb.double(), tokens, shape) for t in thetas])
@@ -119,7 +173,7 @@ def test_native_routed_scoring_matches_eager(native_calls):
     with torch.inference_mode():
         eager = target_log_probs(thetas, emb, tokens, layout, start=4, fused="off")
         got = target_log_probs(thetas, emb, tokens, layout, start=4, fused="native")
-    assert native_calls["block"] and native_calls["head"]
+    assert native_calls["block"]["calls"] and native_calls["head"]["calls"]
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -177,29 +231,28 @@ def test_float64_under_native_warns_and_runs_eager(monkeypatch):
 
 
 @needs_kernel
-def test_auto_takes_the_kernels_only_for_whole_vector_widths(native_calls):
-    """d = 24 (three 8-float vectors): native under "auto"; d = 15: eager under "auto" (scalar
-    tails, measured slower), native only when asked -- with the same losses."""
-    whole = ExpertShape(d_embed=16, d_model=24)
-    layout, thetas, emb, tokens = _setup(whole, p=2, b=2, t=6, dtype=torch.float32)
-    with torch.inference_mode():
-        batched_loss(thetas, emb, tokens, layout)
-    assert forward.native_pays(layout) and native_calls["block"]
-    odd = ExpertShape(d_embed=16, d_model=15)
-    layout, thetas, emb, tokens = _setup(odd, p=2, b=2, t=6, dtype=torch.float32)
-    native_calls["block"] = 0
-    with torch.inference_mode():
-        auto = batched_loss(thetas, emb, tokens, layout)
-        assert not native_calls["block"] and not forward.native_pays(layout)
-        asked = batched_loss(thetas, emb, tokens, layout, fused="native")
-    assert native_calls["block"]
-    torch.testing.assert_close(asked, auto, rtol=1e-5, atol=1e-5)
+def test_auto_takes_the_kernels_at_any_width_padded_to_whole_vectors(native_calls):
+    """Odd widths (d = 15 narrow, d = 15 wide over d_E = 16): "auto" runs the kernels, at the
+    width padded to whole vectors, with eager's losses and hidden states (the padding never
+    leaks into them)."""
+    for shape in (ExpertShape(d_embed=15, d_model=15), ExpertShape(d_embed=16, d_model=15)):
+        layout, thetas, emb, tokens = _setup(shape, p=3, b=5, t=19, dtype=torch.float32)
+        native_calls["block"]["calls"] = 0
+        with torch.inference_mode():
+            auto = batched_loss(thetas, emb, tokens, layout, max_chunk_bytes=2**13)
+            assert native_calls["block"]["calls"] > shape.num_blocks
+            eager = batched_loss(thetas, emb, tokens, layout, fused="off")
+            hidden = body_hidden(thetas, emb, tokens[:, :-1], layout)
+            hidden_eager = body_hidden(thetas, emb, tokens[:, :-1], layout, fused="off")
+        assert native.padded_width(15) > 15 and hidden.shape[-1] == shape.d_embed
+        torch.testing.assert_close(auto, eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, hidden_eager, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
-def test_the_8_float_build_matches_too(monkeypatch, tmp_path):
-    """The kernels as built for a host without AVX-512 (8-float vectors, the AVX-512VL or plain
-    reciprocal): same results as the torch path."""
+def test_the_8_float_build_matches_too(monkeypatch, tmp_path, count_calls):
+    """The kernels as built for a host without AVX-512 (8-float vectors, the portable exp, the
+    AVX-512VL or plain reciprocal): same results as the torch path, widths padded to 8."""
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSOMA_VW=8"))
     monkeypatch.setenv(native.CACHE_VAR, str(tmp_path / "cache"))
     native._library.cache_clear()
@@ -207,7 +260,57 @@ def test_the_8_float_build_matches_too(monkeypatch, tmp_path):
         assert native.native_available() == (True, "")
         test_block_kernel_matches_the_eager_block(3, 5, 3, 7, False, 2, monkeypatch)
         test_block_kernel_matches_the_eager_block(5, 3, 4, 32, True, 2, monkeypatch)
+        test_block_kernel_matches_the_eager_block(2, 9, 13, 32, False, 2, monkeypatch)
         test_head_kernel_matches_cross_entropy(3, 7, 32, 256, False, 2, monkeypatch)
+        assert native.padded_width(15) == 16 and native.padded_width(16) == 16
+        test_auto_takes_the_kernels_at_any_width_padded_to_whole_vectors(
+            {"block": count_calls(native, "lstm_block")}
+        )
+        test_the_kernels_gelu_and_sigmoid_against_float64()
     finally:
         native._library.cache_clear()
     assert len(list((tmp_path / "cache" / "kernels").glob("soma_lstm_*.so"))) == 1
+
+
+def test_native_chunks_are_sized_by_the_block_outputs_not_the_logits():
+    """On the kernels the largest per-position intermediate is d wide (logits stay in scratch):
+    time chunks 8x longer at d = 32, V = 256, within the same byte budget."""
+    layout = BodyLayout.from_shape(ExpertShape(d_embed=32, d_model=32))
+    budget = 8 * 2**20
+    bodies, steps = forward.chunk_sizes(layout, 128, 16, 256, torch.float32, budget)
+    nb, ns = forward.chunk_sizes(layout, 128, 16, 256, torch.float32, budget, on_kernels=True)
+    assert (bodies, nb) == (128, 128) and (steps, ns) == (4, 32)
+    assert nb * ns * 16 * 32 * 4 <= budget < nb * (ns + 1) * 16 * 32 * 4
+
+
+@needs_kernel
+def test_a_new_build_prunes_kernels_not_loaded_for_a_month(monkeypatch, tmp_path):
+    """Kernels of earlier sources pile up with each upgrade: a build removes those not loaded
+    for STALE_DAYS, keeps younger ones (another host's, say) and the one it built; loading a
+    cached kernel refreshes its time."""
+    import os
+    import time
+
+    folder = tmp_path / "cache" / "kernels"
+    folder.mkdir(parents=True)
+    old, young, other = (folder / f"soma_lstm_{n}.so" for n in ("old", "young", "other"))
+    for f in (old, young, other):
+        f.write_bytes(b"not a kernel")
+    month = time.time() - (native.STALE_DAYS + 1) * 86400
+    os.utime(old, (month, month))
+    os.utime(other, (month, month))
+    (folder / "notes.txt").write_text("kept")
+    os.utime(folder / "notes.txt", (month, month))
+    monkeypatch.setenv(native.CACHE_VAR, str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        assert native.native_available() == (True, "")
+        built = [f for f in folder.glob("soma_lstm_*.so") if f not in (old, young, other)]
+        assert len(built) == 1 and young.exists() and (folder / "notes.txt").exists()
+        assert not old.exists() and not other.exists()
+        os.utime(built[0], (month, month))
+        native._library.cache_clear()
+        assert native.native_available() == (True, "")  # loads the cached one: its time renewed
+        assert built[0].stat().st_mtime > time.time() - 60
+    finally:
+        native._library.cache_clear()

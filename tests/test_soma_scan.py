@@ -20,17 +20,9 @@ needs_compiler = pytest.mark.skipif(
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
+def fused_calls(count_calls):
     """Counts the forward's calls of the compiled chunk (so a test cannot pass on eager alone)."""
-    calls = []
-    real = forward._FUSED
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-
-    monkeypatch.setattr(forward, "_FUSED", counting)
-    return calls
+    return count_calls(forward, "_FUSED")
 
 
 @needs_compiler
@@ -39,11 +31,11 @@ def test_fused_scan_matches_eager_and_float64(shape, fused_calls):
     layout, thetas, emb, tokens = _setup(shape, p=4, b=3, t=21, dtype=torch.float32)
     with torch.inference_mode():
         eager = batched_loss(thetas, emb, tokens, layout, fused="off")
-        assert not fused_calls
+        assert not fused_calls["calls"]
         fused = batched_loss(thetas, emb, tokens, layout, fused="on", max_chunk_bytes=2**14)
         hidden_f = body_hidden(thetas, emb, tokens[:, :-1], layout, fused="on")
         hidden_e = body_hidden(thetas, emb, tokens[:, :-1], layout, fused="off")
-    assert fused_calls and not scan.COMPILE_FAILURES
+    assert fused_calls["calls"] and not scan.COMPILE_FAILURES
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden_f, hidden_e, rtol=1e-5, atol=1e-5)
     ref = torch.stack([reference_loss(t.double(), emb.double(), tokens, shape) for t in thetas])
@@ -74,7 +66,7 @@ def test_auto_follows_the_measured_table_and_off_never_fuses(fused_calls, monkey
     with torch.inference_mode():
         batched_loss(thetas, emb, tokens, layout)  # "auto"
         batched_loss(thetas, emb, tokens, layout, fused="off")
-    assert not fused_calls
+    assert not fused_calls["calls"]
     assert not scan.use_fused("auto", torch.device("meta"))  # a device type never measured
     monkeypatch.setitem(scan.AUTO_FUSED, "cpu", True)
     assert scan.use_fused("auto", torch.device("cpu")) == scan.fused_available("cpu")[0]
@@ -88,7 +80,7 @@ def test_unavailable_compiler_warns_under_on_and_runs_eager(monkeypatch, fused_c
         with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
             on = batched_loss(thetas, emb, tokens, layout, fused="on")
         off = batched_loss(thetas, emb, tokens, layout, fused="off")
-    assert not fused_calls
+    assert not fused_calls["calls"]
     assert torch.equal(on, off)
     assert scan.fused_available("cpu") == (False, "no C++ compiler (test)")
 

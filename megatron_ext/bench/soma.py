@@ -18,11 +18,11 @@ perturbed bodies on one shared (B, T+1) batch --
 
 Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the speedup of the
 faster batched variant, the batched forward's achieved GFLOP/s (analytic FLOP count of the
-forward) against the machine's measured fp32 matmul rate, the speedup ceiling (anchor time / the
-forward's FLOPs at that matmul rate: what any batched forward could reach here) and the share
-of it reached, and the peak resident memory added by the batched update the trainer runs
-(native where built, else eager). Every variant is timed
-in the same round-robin rounds and reports its fastest round (medians in the JSON).
+forward) against the machine's measured fp32 matmul rate (a 1024³ matmul timed in every round,
+its best kept), the speedup ceiling (anchor time / the forward's FLOPs at that matmul rate: what
+any batched forward could reach here) and the share of it reached, and the peak resident memory
+added by the batched update the trainer runs (native where built, else eager). Every variant is
+timed in the same round-robin rounds and reports its fastest round (medians in the JSON).
 
 Routed inference: the two sweeps of :mod:`._soma_inference` (equal total parameters, equal
 expert size) with the ratio N=256 / N=8 beside the paper's 9.19×. ``--inference-sweep`` runs
@@ -208,7 +208,15 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         # Each variant's fastest round: load from other jobs only ever slows a call down, and not
         # alike -- on 2 shared cores the per-probe loops (thousands of small kernels, each a
         # thread barrier) were seen 10x slower while the batched forward lost 1.5x.
-        rounds = _interleaved_times([*batched.values(), *loops.values()], args.repeats, sync)
+        # The matmul rate is measured in every round too and its best kept, as each variant's
+        # best round is: one reading after the rounds ranged 357-426 GFLOP/s on this host.
+        rates: list[float] = []
+
+        def measure_rate() -> None:
+            rates.append(matmul_gflops(device=args.device))
+
+        timed = [*batched.values(), *loops.values(), measure_rate]
+        rounds = _interleaved_times(timed, args.repeats, sync)[:-1]
         seconds = [min(t) for t in rounds]
         ref = batched["eager"]()
         diffs = {name: float((fn() - ref).abs().max()) for name, fn in {**batched, **loops}.items()}
@@ -218,7 +226,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     anchor = min(anchors, key=anchors.__getitem__)
     naive_s = anchors[anchor]
     flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
-    rate = matmul_gflops(device=args.device)
+    rate = max(rates)
     ceiling = naive_s / (flops / (rate * 1e9))
     return {
         "shape": {

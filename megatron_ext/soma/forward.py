@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.soma import native
 from megatron_ext.soma.layout import BodyLayout
 from megatron_ext.soma.scan import (
     Compiled,
@@ -57,17 +58,29 @@ def block_weights(
     )
 
 
-def row_width(layout: BodyLayout) -> int:
-    """Widest per-position intermediate (elements): 4d-wide gates / MLP, or the V logits."""
-    return max(4 * layout.shape.d_model, layout.shape.vocab, layout.shape.d_embed)
+def row_width(layout: BodyLayout, on_kernels: bool = False) -> int:
+    """Widest per-position intermediate (elements): 4d-wide gates / MLP, or the V logits; on
+    the C kernels (``on_kernels``) the d-wide block outputs and hidden states (gates, MLP and
+    logits stay in per-thread scratch)."""
+    shape = layout.shape
+    if on_kernels:
+        return max(shape.d_model, shape.d_embed)
+    return max(4 * shape.d_model, shape.vocab, shape.d_embed)
 
 
 def chunk_sizes(
-    layout: BodyLayout, p: int, b: int, t_len: int, dtype: torch.dtype, max_chunk_bytes: int
+    layout: BodyLayout,
+    p: int,
+    b: int,
+    t_len: int,
+    dtype: torch.dtype,
+    max_chunk_bytes: int,
+    on_kernels: bool = False,
 ) -> tuple[int, int]:
     """(bodies per chunk, time steps per chunk) so that one (bodies, steps·B, width) intermediate
-    stays within ``max_chunk_bytes`` (at least one body and one step)."""
-    row = row_width(layout) * torch.empty((), dtype=dtype).element_size()
+    stays within ``max_chunk_bytes`` (at least one body and one step); ``on_kernels``: the
+    forward runs on the C kernels (:func:`row_width`)."""
+    row = row_width(layout, on_kernels) * torch.empty((), dtype=dtype).element_size()
     bodies = max(1, min(p, max_chunk_bytes // (b * row)))
     steps = max(1, min(t_len, max_chunk_bytes // (bodies * b * row)))
     return bodies, steps
@@ -155,20 +168,38 @@ def _native_body_chunk(
     in_proj_t: torch.Tensor | None,
     out_proj_t: torch.Tensor | None,
     gain: torch.Tensor | None,
+    *,
+    d_model: int,
 ) -> tuple[torch.Tensor, State]:
-    """:func:`_body_chunk` with each block one call of the C kernel
-    (:func:`~.native.lstm_block`); ``blocks`` hold (wcat = [w_ih_t; whh_t] (P, 2d, 4d), fc1_t,
-    fc2_t), contiguous. The projections of a wide body and the final norm stay torch."""
-    from megatron_ext.soma.native import lstm_block
-
+    """:func:`_body_chunk` with each block one call of the C kernel (:func:`~.native.lstm_block`),
+    at the padded width of ``blocks`` (:func:`~.native.pack_block`; the state, gain and a wide
+    body's projections zero-padded to it, :func:`hidden_chunks`); the last block also applies
+    the final norm. A wide body's projections stay torch. Returns hidden states (P, rows, d_E)
+    (a view of the padded ones for a narrow body)."""
+    width = blocks[0][0].shape[1] // 2
     if in_proj_t is not None:
         x = torch.matmul(x, in_proj_t)
+    elif width > d_model:
+        x = F.pad(x, (0, width - d_model))
     new_state = []
-    for (wcat, fc1_t, fc2_t), (h, n) in zip(blocks, state, strict=True):
-        x, h = lstm_block(x, wcat, fc1_t, fc2_t, h, n, NORM_EPS)
+    for i, ((wcat, fc1_t, fc2_t), (h, n)) in enumerate(zip(blocks, state, strict=True)):
+        last = i == len(blocks) - 1  # the final norm (and gain) in the same pass
+        x, h = native.lstm_block(
+            x,
+            wcat,
+            fc1_t,
+            fc2_t,
+            h,
+            n,
+            NORM_EPS,
+            final_norm=last,
+            gain=gain if last else None,
+            norm_width=d_model,
+        )
         new_state.append((h, n))
-    hid = F.layer_norm(x, (x.shape[-1],), eps=NORM_EPS)
-    return (hid * gain if out_proj_t is None else torch.bmm(hid, out_proj_t)), new_state
+    if out_proj_t is not None:
+        return torch.bmm(x, out_proj_t), new_state
+    return x[..., :d_model], new_state
 
 
 Kind = str  # "autograd", "compiled", "native" or "eager"
@@ -179,24 +210,13 @@ def forward_kind(
 ) -> Kind:
     """How :func:`hidden_chunks` runs for these arguments: with autograd (the out-of-place
     scan, eagerly) when gradients are wanted; else compiled (:func:`~.scan.use_fused`), the C
-    kernels (:func:`~.scan.use_native`; under "auto" only for widths that are whole vectors,
-    :func:`native_pays`) or eager torch (the in-place scan)."""
+    kernels (:func:`~.scan.use_native`, any width: padded to whole vectors) or eager torch (the
+    in-place scan)."""
     if torch.is_grad_enabled() and (theta.requires_grad or emb.requires_grad):
         return "autograd"
     if use_fused(fused, theta.device):
         return "compiled"
-    if fused == "auto" and not native_pays(layout):
-        return "eager"
     return "native" if use_native(fused, theta.device, theta.dtype) else "eager"
-
-
-def native_pays(layout: BodyLayout) -> bool:
-    """Whether "auto" takes the C kernels for this body: its widths are whole 8-float vectors.
-    Other widths run scalar column tails there, slower than eager torch (``bench soma
-    --inference-sweep``: d=62 34.8 K tokens/s native vs 52.8 K eager, d=15 166 K vs 213 K;
-    d=128 31.0 K vs 29.2 K; d=32 in the SPSA bench 1.7-1.9x)."""
-    shape = layout.shape
-    return shape.d_model % 8 == 0 and shape.d_embed % 8 == 0
 
 
 def hidden_chunks(
@@ -225,17 +245,22 @@ def hidden_chunks(
     }[kind]
     perm = gate_order(d, theta.device)
     blocks: list[Any] = [block_weights(w, f"blocks.{i}", perm) for i in range(shape.num_blocks)]
-    if kind == "native":
-        blocks = [
-            (torch.cat([wi, wh], dim=1), f1.contiguous(), f2.contiguous())
-            for wi, wh, f1, f2 in blocks
-        ]
-    state = [(theta.new_zeros(p, b, d), theta.new_zeros(p, b, d)) for _ in blocks]
     gain = w["final_norm.gain"][:, None, :]
     in_proj_t, out_proj_t = None, None
     if shape.wide:
         in_proj_t = w["in_proj"].transpose(1, 2)
         out_proj_t, gain = (w["out_proj"] * gain).transpose(1, 2), None
+    width = d
+    if kind == "native":  # whole vectors of the kernel: the matrices zero-padded
+        width = native.padded_width(d)
+        blocks = [native.pack_block(*weights, width) for weights in blocks]
+        pad = width - d
+        if gain is not None:
+            gain = F.pad(gain, (0, pad))
+        if shape.wide:
+            in_proj_t, out_proj_t = F.pad(in_proj_t, (0, pad)), F.pad(out_proj_t, (0, 0, 0, pad))
+        run = functools.partial(run, d_model=d)
+    state = [(theta.new_zeros(p, b, width), theta.new_zeros(p, b, width)) for _ in blocks]
 
     # Time-major (1 or P, T, B, d_E): shared tokens stay one copy, broadcast by the matmuls.
     per_body = inputs.dim() == 3

@@ -73,7 +73,8 @@ def body_hidden(
     check_inputs(theta, emb, tokens, layout)
     tokens = tokens.long()
     b, t_len = tokens.shape[-2:]
-    _, steps = chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes)
+    native = forward_kind(fused, theta, emb, layout) == "native"
+    _, steps = chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes, native)
     chunks = hidden_chunks(theta, emb, tokens, layout, steps, fused)
     parts = [h.transpose(1, 2) for _, h in chunks]
     return torch.cat(parts, dim=2)
@@ -141,9 +142,9 @@ def target_log_probs(
     per_body = tokens.dim() == 3
     targets_tm = tokens[..., 1:].transpose(-1, -2)  # (P or 1, T, B) time-major
     targets_tm = targets_tm if per_body else targets_tm[None]
-    bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes)
     # The C kernels' head: logits and log-sum-exp per row in cache, never stored.
     native = forward_kind(fused, theta, emb, layout) == "native"
+    bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes, native)
     out = []
     for first in range(0, p, bodies):
         part = theta[first : first + bodies]

@@ -1,11 +1,11 @@
 """Two no-grad kernels of the SOMA forward in C (``native_lstm.c``), for CPU float32.
 
-* :func:`lstm_block` -- an LSTM block's norm, input projection, recurrence, residual and second
-  norm over one time chunk. The eager torch path runs the projection as one batched matmul into
-  a (P, rows, 4d) tensor and then seven kernels per time step over all ``P`` bodies, each a pass
-  over memory and a thread barrier; the C kernel gives each thread whole bodies and runs every
-  step of a chunk for a pair of batch rows with their state in registers, the body's matrices
-  in cache.
+* :func:`lstm_block` -- an LSTM block (norm, input projection, recurrence, residual, norm, MLP,
+  residual; for the last block also the body's final norm) over one time chunk. The eager torch
+  path runs seven kernels per time step over all ``P`` bodies, each a pass over memory and a
+  thread barrier; the C kernel gives each thread whole bodies, runs the products of ~64 rows at
+  a time as register-tiled matrix products with the body's matrices in cache, and only the
+  recurrent product ``h @ whh`` step by step.
 * :func:`head_nll` -- the head's cross-entropy, the (rows, V) logits never stored.
 
 Same arithmetic as the torch path; results equal it to float rounding (tested). Threads are
@@ -16,13 +16,14 @@ The source is compiled on first use with the host's C compiler (``$CC``, else ``
 CPU (``-march=native``) into ``$MEGATRON_EXT_CACHE/kernels`` (default
 ``~/.cache/megatron-ext/kernels``; the temporary folder when that is not writable), keyed by the
 source, compiler, flags (``$MEGATRON_EXT_CFLAGS`` adds some) and CPU model, written
-atomically, and loaded through ``ctypes``. Where
-there is no compiler, or the compile fails, :func:`native_available` says why and callers run
-the torch path.
+atomically, and loaded through ``ctypes``; building a new one removes the folder's kernels not
+loaded for :data:`STALE_DAYS` days. Where there is no compiler, or the compile fails,
+:func:`native_available` says why and callers run the torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -31,16 +32,21 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["head_nll", "lstm_block", "native_available"]
+__all__ = ["head_nll", "lstm_block", "native_available", "pack_block", "padded_width"]
 
 SOURCE = Path(__file__).with_name("native_lstm.c")
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-funroll-loops", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
 FLAGS += tuple(os.environ.get("MEGATRON_EXT_CFLAGS", "").split())  # e.g. -DSOMA_VW=8
 CACHE_VAR = "MEGATRON_EXT_CACHE"
+# Kernels of other sources, compilers or flags not loaded for this long are removed when a new
+# one is built (each source change of an upgrade builds one).
+STALE_DAYS = 30
 
 
 def _cache_dir() -> Path:
@@ -109,19 +115,55 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"loading {target} failed: {exc}"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     signatures = {
-        "soma_lstm_block": [ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, *[i32] * 4, f32, i32],
+        "soma_lstm_block": [
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            *[i32] * 5,
+            f32,
+            i32,
+            ptr,
+            i64,
+            i32,
+        ],
         "soma_head_nll": [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5],
+        "soma_pointwise": [ptr, i64, i32],
+        "soma_vector_width": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    lib.soma_pointwise.restype = None
     return lib, ""
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Remove kernels in ``folder`` other than ``keep`` not loaded for :data:`STALE_DAYS` (a
+    load refreshes a kernel's time, so one in use on any host sharing the folder stays). Best
+    effort: a kernel another process removes first, or one it cannot remove, is left."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in folder.glob("soma_lstm_*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass
 
 
 def _build(cc: str, target: Path) -> Path | str:
     """Compile :data:`SOURCE` into ``target`` unless it is there (written atomically: a
-    concurrent builder writes the same bytes); the compiler's first error line on failure."""
+    concurrent builder writes the same bytes), then prune the folder's stale kernels; the
+    compiler's first error line on failure."""
     if target.is_file():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # in use: not stale
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -137,6 +179,7 @@ def _build(cc: str, target: Path) -> Path | str:
             first = next((x for x in lines if "error" in x), lines[0])
             return f"compiling {SOURCE.name} with {cc} failed: {first}"
         os.replace(built, target)
+    _prune(target.parent, target)
     return target
 
 
@@ -155,6 +198,34 @@ def _check(tensors: tuple[torch.Tensor, ...]) -> ctypes.CDLL:
     return lib
 
 
+def padded_width(d: int) -> int:
+    """``d`` rounded up to whole vectors of the built kernel (16 floats with AVX-512, else 8):
+    the width the forward runs the kernel at, the model's matrices zero-padded (a column tail
+    would run scalar, several times slower than the padding costs)."""
+    lib = _check(())
+    vw = lib.soma_vector_width()
+    return -(-d // vw) * vw
+
+
+def pack_block(
+    w_ih_t: torch.Tensor, whh_t: torch.Tensor, fc1_t: torch.Tensor, fc2_t: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's matrices (:func:`~.forward.block_weights`' layouts, (P, d, 4d) x3 and
+    (P, 4d, d)) as :func:`lstm_block` takes them at ``width`` >= d: (wcat (P, 2w, 4w) =
+    ``[w_ih_t; whh_t]``, fc1_t (P, w, 4w), fc2_t (P, 4w, w)), contiguous, zero in the padding --
+    the input rows past d, each gate's columns past d, the MLP's hidden columns past 4d."""
+    p, d = w_ih_t.shape[:2]
+    pad = width - d
+
+    def gates(w: torch.Tensor) -> torch.Tensor:  # (P, d, 4d) -> (P, w, 4w), per-gate padding
+        return F.pad(w.reshape(p, d, 4, d), (0, pad, 0, 0, 0, pad)).reshape(p, width, 4 * width)
+
+    wcat = torch.cat([gates(w_ih_t), gates(whh_t)], dim=1)
+    fc1 = F.pad(fc1_t, (0, 4 * pad, 0, pad)).contiguous()
+    fc2 = F.pad(fc2_t, (0, pad, 0, 4 * pad)).contiguous()
+    return wcat, fc1, fc2
+
+
 def _per_body_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``t`` (1 or P, rows, width) with each body's rows contiguous (copied if they are not),
     and its body stride (0 for one body shared by all)."""
@@ -171,14 +242,21 @@ def lstm_block(
     h: torch.Tensor,
     n: torch.Tensor,
     eps: float,
+    *,
+    final_norm: bool = False,
+    gain: torch.Tensor | None = None,
+    norm_width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One LSTM block of the body over a time chunk on the C kernel: x (1 or P, tc·B, d)
     time-major rows (one x shared by all bodies, or one per body), wcat (P, 2d, 4d) =
     ``[w_ih_t; whh_t]``, fc1_t (P, d, 4d), fc2_t (P, 4d, d) (:func:`~.forward.block_weights`'s
     layouts, norm gains folded in), state h, n (P, B, d) -> (the block's output
     ``x1 + gelu(norm(x1) @ fc1_t) @ fc2_t`` with ``x1 = x + LSTM(norm(x))``, (P, tc·B, d); h after
-    the chunk, (P, B, d)); ``n`` is updated in place."""
-    lib = _check((x, wcat, fc1_t, fc2_t, h, n))
+    the chunk, (P, B, d)); ``n`` is updated in place. With ``final_norm`` the output is
+    ``layer_norm(out)`` times ``gain`` (P, 1, d) where given: the body's final norm fused into
+    its last block. ``norm_width``: the model's width when d is padded (:func:`pack_block`;
+    x, h, n and gain zero in the padding): norms over the first ``norm_width`` columns."""
+    lib = _check((x, wcat, fc1_t, fc2_t, h, n, *([] if gain is None else [gain])))
     p, b, d = h.shape
     rows = x.shape[1]
     shapes_ok = (
@@ -188,12 +266,18 @@ def lstm_block(
         and x.shape[2] == d
         and rows % b == 0
         and x.shape[0] in (1, p)
+        and (gain is None or (final_norm and gain.shape == (p, 1, d)))
+        and (norm_width is None or 1 <= norm_width <= d)
     )
     if not shapes_ok:
         raise ValueError(
             f"shapes x {tuple(x.shape)}, wcat {tuple(wcat.shape)}, fc1_t {tuple(fc1_t.shape)}, "
             f"fc2_t {tuple(fc2_t.shape)}, h {tuple(h.shape)}"
+            + ("" if gain is None else f", gain {tuple(gain.shape)} (final_norm={final_norm})")
+            + ("" if norm_width is None else f", norm_width {norm_width}")
         )
+    if gain is not None and gain.stride(-1) != 1:
+        gain = gain.contiguous()
     if h.stride()[1:] != (d, 1):
         h = h.contiguous()
     wcat, fc1_t, fc2_t = wcat.contiguous(), fc1_t.contiguous(), fc2_t.contiguous()
@@ -216,7 +300,11 @@ def lstm_block(
         rows // b,
         b,
         d,
+        d if norm_width is None else norm_width,
         eps,
+        int(final_norm),
+        None if gain is None else gain.data_ptr(),
+        0 if gain is None else gain.stride(0),
         torch.get_num_threads(),
     )
     if status != 0:
@@ -258,4 +346,13 @@ def head_nll(hid: torch.Tensor, weight_t: torch.Tensor, targets: torch.Tensor) -
         raise ValueError(f"targets outside 0..{v - 1}")
     if status:
         raise MemoryError("SOMA's C kernel could not allocate its scratch buffers")
+    return out
+
+
+def pointwise(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' own ``"gelu"`` or ``"sigmoid"`` of a float32 CPU tensor (a new tensor): the
+    approximations the block computes with, for their tests."""
+    lib = _check((x,))
+    out = x.contiguous().clone()
+    lib.soma_pointwise(out.data_ptr(), out.numel(), {"gelu": 0, "sigmoid": 1}[kind])
     return out

@@ -1,8 +1,8 @@
 /* Two no-grad kernels of the SOMA forward, for P bodies at once, in C (compiled for the host by
  * megatron_ext/soma/native.py):
  *
- * soma_lstm_block -- the mixing half of an LSTM block over one time chunk: per step and batch
- * row, a = [norm(x), h], z = a @ [w_ih_t; whh_t], and the cell in the arithmetic of
+ * soma_lstm_block -- an LSTM block over one time chunk: the input projection norm(x) @ w_ih_t
+ * for all rows of a pass, then per step z = zin + h @ whh_t and the cell in the arithmetic of
  * megatron_ext/soma/scan.py::lstm_scan_inplace (gates in the order i, f, o, g with the g columns
  * pre-scaled by 2, n = -2c carried instead of the cell state c):
  *
@@ -10,20 +10,22 @@
  *     n <- f*n - 4*i*s_g + 2*i               (that is c <- f*c + i*g)
  *     h <- o - 2*o*sigmoid(n)                (that is o*tanh(c))
  *
- * then x1 = x + h and y = norm(x1) for the MLP that follows (in torch). Batch rows are
- * independent, so each thread takes whole bodies and each pair of rows runs every step of the
- * chunk with its state in registers and L1 and the body's matrices in L1/L2: no (P, rows, 4d)
- * input projection in memory, no kernel launch or thread barrier per step (the eager torch path
- * has seven of each per step).
+ * then x1 = x + h and the MLP, out = x1 + gelu(norm(x1) @ fc1) @ fc2, again for all rows of the
+ * pass (and for the last block the body's final norm). Each thread takes whole bodies; a pass's
+ * rows (~64) keep their scratch in L2, so only the recurrent product runs b rows at a time, and
+ * there is no kernel launch or thread barrier per step (the eager torch path has seven of each).
+ * Widths may be padded to whole vectors (zero matrices in the padding; see soma_lstm_block).
  *
- * soma_head_nll -- the tied (or per-body) head's cross-entropy: per row the logits h @ wt and
- * their log-sum-exp in cache, never stored.
+ * soma_head_nll -- the tied (or per-body) head's cross-entropy: per block of rows the logits
+ * h @ wt and their log-sum-exp in cache, never stored.
  *
- * Vectors are GCC/Clang vector extensions. exp is a Cephes-style polynomial on [-ln2/2, ln2/2]
- * (relative error ~1e-7), so results match the torch path to float rounding (tested).
+ * Products are register-tiled (tile_4/2/1 below). Vectors are GCC/Clang vector extensions; exp
+ * (2^f by a polynomial, times 2^n) and GELU's erf (a rational) are fitted by
+ * scripts/fit_kernel_approximations.py, so results match the torch path to float rounding
+ * (tested against torch and float64).
  */
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h> /* only for the AVX-512 reciprocal estimate; elsewhere plain C */
+#include <immintrin.h> /* AVX-512 only: rcp14, roundscale, scalef, min/max, reduce_max */
 #endif
 #include <math.h>
 #include <stddef.h>
@@ -31,8 +33,9 @@
 #include <string.h>
 
 /* Floats per vector: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8
- * (one AVX register, or two SSE ones). Measured on this project's AVX-512 host, one SPSA
- * update's forward: 16 took 0.38 s where 8 took 0.42 s. -DSOMA_VW=8 forces 8. */
+ * (one AVX register, or two SSE ones). Measured on this project's AVX-512 host, the kernels'
+ * time in one SPSA update (d = 32, 128 bodies, B = 16, T = 256): 0.23 s with 16, 0.32 s with 8.
+ * -DSOMA_VW=8 forces 8. */
 #ifndef SOMA_VW
 #ifdef __AVX512F__
 #define SOMA_VW 16
@@ -58,26 +61,53 @@ static inline vf splat(float x) { return (vf){0} + x; }
 /* where mask (all ones / all zeros per lane): a, else b */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
-/* exp(y) for y in [-88, 88] (clamped): y = m*ln2 + r, e^r by a degree-7 polynomial. */
+/* 2^f for |f| <= 1/2 by a degree-6 polynomial, fitted here (scripts/fit_kernel_approximations.py:
+ * least maximum relative error on [-1/2, 1/2]): 1.9e-9 in float64, 9.6e-8 in float arithmetic. */
+static inline vf exp2_poly(vf f) {
+    vf p = splat(1.5345812196168425e-04f);
+    p = p * f + 1.3399931881453082e-03f;
+    p = p * f + 9.6184889622730040e-03f;
+    p = p * f + 5.5503287753796662e-02f;
+    p = p * f + 2.4022646890534879e-01f;
+    p = p * f + 6.9314720573796207e-01f;
+    return p * f + 1.0f;
+}
+
+#if defined(__AVX512F__) && VW == 16
+/* exp(y), y <= 88.7 (above: inf): y*log2(e) = n + f with n an integer and |f| <= 1/2 (f by an
+ * FMA with log2(e)'s float value and a correction for the rest of it), 2^f by exp2_poly, times
+ * 2^n by vscalefps, which also gives 0 for n far below the normal range. 11 instructions. */
+static inline vf vexp(vf y) {
+    const __m512 x = (__m512)y;
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf f = (vf)_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269502162933349609375f),
+                               _mm512_sub_ps(_mm512_setzero_ps(), n));
+    f = f + y * 1.925962989e-08f; /* log2(e) - its float value */
+    return (vf)_mm512_scalef_ps((__m512)exp2_poly(f), n);
+}
+
+static inline vf vmax(vf a, float b) { return (vf)_mm512_max_ps((__m512)a, _mm512_set1_ps(b)); }
+static inline vf vmin(vf a, float b) { return (vf)_mm512_min_ps((__m512)a, _mm512_set1_ps(b)); }
+#else
+/* exp(y) for y in [-87, 88] (clamped): n = round(y log2 e); r = y - n ln2 with ln2 split in a
+ * 9-bit high part (n times it is exact) and the rest; e^r = 2^(r log2 e) by exp2_poly; times 2^n
+ * through the exponent bits. */
 static inline vf vexp(vf y) {
     y = vselect(y < 88.0f, y, splat(88.0f));
-    y = vselect(y > -88.0f, y, splat(-88.0f));
+    y = vselect(y > -87.0f, y, splat(-87.0f));
     const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vf m = (y * 1.44269504088896341f + magic) - magic;
-    vf r = y - m * 0.693359375f;     /* ln2, high part (exact product) */
-    r = r - m * -2.12194440e-4f;     /* ln2, low part */
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    vi bits = (__builtin_convertvector(m, vi) + 127) << 23;
+    const vf n = (y * 1.44269504088896341f + magic) - magic;
+    const vf r = (y - n * 0.693359375f) - n * -2.12194440e-4f; /* ln2 = 0.693359375 - 2.12e-4 */
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     vf scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return exp2_poly(r * 1.44269504088896341f) * scale;
 }
+
+static inline vf vmax(vf a, float b) { return vselect(a > b, a, splat(b)); }
+static inline vf vmin(vf a, float b) { return vselect(a < b, a, splat(b)); }
+#endif
 
 /* 1/x: the 14-bit hardware estimate and one Newton step (relative error ~1e-7) where AVX-512
  * has it -- a division costs several times more -- else a division. */
@@ -93,30 +123,40 @@ static inline vf vrecip(vf x) {
 #endif
 }
 
-static inline vf vsigmoid(vf x) { return vrecip(1.0f + vexp(-x)); }
+/* 1 / (1 + e^-x); x >= -88 keeps e^-x finite (the reciprocal's Newton step needs it). */
+static inline vf vsigmoid(vf x) { return vrecip(1.0f + vexp(-vmax(x, -88.0f))); }
 
-/* erf(x) by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7), odd in x. */
-static inline vf verf(vf x) {
-    vi neg = x < 0.0f;
-    vf ax = vselect(neg, -x, x);
-    vf t = vrecip(1.0f + 0.3275911f * ax);
-    vf p = splat(1.061405429f);
-    p = p * t - 1.453152027f;
-    p = p * t + 1.421413741f;
-    p = p * t - 0.284496736f;
-    p = p * t + 0.254829592f;
-    vf e = 1.0f - p * t * vexp(-ax * ax);
-    return vselect(neg, -e, e);
+/* GELU (the erf form, torch's default), 0.5 x (1 + erf(x / sqrt 2)), of a vector (vgelu), a float
+ * (sgelu) or in place over n floats (gelu_row):
+ * erf(x / sqrt 2) = x P(x^2) / Q(x^2), degree 5 over 5, |x| clamped to 4 sqrt 2 (where erf is 1
+ * in float). Coefficients fitted here (scripts/fit_kernel_approximations.py: least maximum
+ * error on [0, 4] for erf(u) = u P(u^2) / Q(u^2), then u = x / sqrt 2 folded in): 2.1e-8 in
+ * float64, 4.3e-7 absolute in float arithmetic (GELU: within 1e-6 absolute everywhere, the most
+ * near x = -5.5; 0 below the clamp). 23 instructions a vector where
+ * Abramowitz & Stegun 7.1.26 (an exp and a reciprocal) took 38. */
+static inline vf vgelu(vf x) {
+    const vf c = vmin(vmax(x, -5.656854249f), 5.656854249f), s = c * c;
+    vf p = splat(4.363321094e-08f), q = splat(1.171165844e-06f);
+    p = p * s + 1.272868577e-05f;
+    q = q * s + 7.601688917e-05f;
+    p = p * s + 3.538570416e-04f;
+    q = q * s + 1.930506835e-03f;
+    p = p * s + 9.451696071e-03f;
+    q = q * s + 2.911880285e-02f;
+    p = p * s + 6.938370961e-02f;
+    q = q * s + 2.536251676e-01f;
+    p = p * s + 7.978844266e-01f;
+    q = q * s + 1.0f;
+    const vf half = 0.5f * x, y = half + half * (c * p * vrecip(q));
+    return vselect(x > -5.656854249f, y, splat(0.0f)); /* not -x * 1 ulp, growing */
 }
 
-/* GELU (the erf form, as torch's default): 0.5 x (1 + erf(x / sqrt 2)), in place over n. */
+static inline float sgelu(float x) { return vgelu(splat(x))[0]; }
+
 static void gelu_row(float *u, int n) {
     int j = 0;
-    for (; j + VW <= n; j += VW) {
-        vf x = load(u + j);
-        store(u + j, 0.5f * x * (1.0f + verf(x * 0.70710678118654752f)));
-    }
-    for (; j < n; ++j) u[j] = 0.5f * u[j] * (1.0f + erff(u[j] * 0.70710678118654752f));
+    for (; j + VW <= n; j += VW) store(u + j, vgelu(load(u + j)));
+    for (; j < n; ++j) u[j] = sgelu(u[j]);
 }
 
 static inline float ssigmoid(float x) {
@@ -124,74 +164,93 @@ static inline float ssigmoid(float x) {
     return v[0];
 }
 
-/* z[j] = (x ? x[j] : 0) + sum_k a[k] * w[k, j] for columns j0 <= j < nc of one row; w
- * row-major (kdim, nc); x, w and z indexed from column 0. */
-static void matvec_cols(const float *x, const float *a, const float *w, int kdim, int nc, int j0,
-                        float *z) {
-    int j = j0;
-    for (; j + VW <= nc; j += VW) { /* four partial sums over k: four FMA chains, not one */
-        vf c0 = x ? load(x + j) : splat(0.0f), c1 = splat(0.0f), c2 = c1, c3 = c1;
-        int k = 0;
-        for (; k + 4 <= kdim; k += 4) {
-            const float *wk = w + (size_t)k * nc + j;
-            c0 += a[k] * load(wk);
-            c1 += a[k + 1] * load(wk + nc);
-            c2 += a[k + 2] * load(wk + 2 * (size_t)nc);
-            c3 += a[k + 3] * load(wk + 3 * (size_t)nc);
-        }
-        for (; k < kdim; ++k) c0 += a[k] * load(w + (size_t)k * nc + j);
-        store(z + j, (c0 + c1) + (c2 + c3));
-    }
-    for (; j < nc; ++j) {
-        float acc = x ? x[j] : 0.0f;
-        for (int k = 0; k < kdim; ++k) acc += a[k] * w[(size_t)k * nc + j];
-        z[j] = acc;
-    }
-}
-
-/* Vectors per row in one pass of matvec2: 2 rows x NV accumulators are the independent FMA
- * chains that hide the FMA latency (16 of the 32 AVX-512 registers; 8 of AVX's 16). */
+/* Register tiles of the matrix products: MR rows x NR vectors of the output in MR*NR
+ * accumulators, each load of w feeding MR rows and each a[r, k] NR vectors. Measured on this
+ * project's AVX-512 host, one thread, (48 x 64) @ (64 x 128): 6 rows x 4 vectors 214 GFLOP/s
+ * where 2 rows x 8 vectors ran 144; (48 x 128) @ (128 x 32): 8 x 2 195, 12 x 2 203; 16 rows
+ * (the recurrent product at B = 16), (16 x 32) @ (32 x 128): 8 x 2 181, 6 x 4 171 (it computes
+ * 18 rows). AVX has 16 registers, not 32: half the rows. */
 #if VW == 16
-#define NV 8
+#define MR4 6
+#define MR2 8
+#define MR1 16
 #else
-#define NV 4
+#define MR4 3
+#define MR2 6
+#define MR1 8
 #endif
+#define UNROLL _Pragma("GCC unroll 16")
 
-/* matvec_cols of two rows at once (x0, a0 -> z0; x1, a1 -> z1; x0, x1 may be NULL): each load
- * of w feeds both rows; the columns left over go one row at a time. */
-static void matvec2(const float *x0, const float *x1, const float *a0, const float *a1,
-                    const float *w, int kdim, int nc, float *z0, float *z1) {
-    int j = 0;
-    for (; j + NV * VW <= nc; j += NV * VW) {
-        vf c[NV], e[NV];
-        for (int v = 0; v < NV; ++v) {
-            c[v] = x0 ? load(x0 + j + v * VW) : splat(0.0f);
-            e[v] = x1 ? load(x1 + j + v * VW) : splat(0.0f);
-        }
-        for (int k = 0; k < kdim; ++k) {
-            const float *wk = w + (size_t)k * nc + j;
-            const float p = a0[k], q = a1[k];
-            for (int v = 0; v < NV; ++v) {
-                vf wv = load(wk + v * VW);
-                c[v] += p * wv;
-                e[v] += q * wv;
-            }
-        }
-        for (int v = 0; v < NV; ++v) {
-            store(z0 + j + v * VW, c[v]);
-            store(z1 + j + v * VW, e[v]);
-        }
-    }
-    matvec_cols(x0, a0, w, kdim, nc, j, z0);
-    matvec_cols(x1, a1, w, kdim, nc, j, z1);
+/* What a product applies to its outputs as it stores them (the gates' sigmoids, the MLP's GELU:
+ * no second pass over them). */
+enum { ACT_NONE, ACT_SIGMOID, ACT_GELU };
+
+static inline vf activate(vf v, int act) {
+    return act == ACT_SIGMOID ? vsigmoid(v) : act == ACT_GELU ? vgelu(v) : v;
 }
 
-/* The gate arithmetic of one row: z (4d) in i, f, o, s order; n (d) in place; h_out (d). */
-static void cell_row(float *z, float *n, float *h_out, int d) {
-    const int g = 4 * d;
+/* tile_NR: z[r, :NR*VW] = act((init ? init[r, :] : 0) + sum_k a[r, k] w[k, :NR*VW]) for rows
+ * r < mr (1 <= mr <= MR); rows at strides lda, ldw, ldz (init has z's layout and may be z). A
+ * short tile repeats its last row in the spare accumulators and does not store them. */
+#define TILE(NR, MR)                                                                             \
+    static inline __attribute__((always_inline)) void tile_##NR(                                \
+        const float *a, int lda, const float *w, int ldw, int kdim, const float *init, float *z, \
+        int ldz, int mr, int act) {                                                              \
+        const float *ar[MR];                                                                     \
+        vf c[MR][NR];                                                                            \
+        UNROLL for (int r = 0; r < MR; ++r) {                                                    \
+            const size_t row = (size_t)(r < mr ? r : mr - 1);                                    \
+            ar[r] = a + row * lda;                                                               \
+            UNROLL for (int v = 0; v < NR; ++v) c[r][v] =                                        \
+                init ? load(init + row * ldz + v * VW) : splat(0.0f);                            \
+        }                                                                                        \
+        for (int k = 0; k < kdim; ++k) {                                                         \
+            vf wv[NR];                                                                           \
+            UNROLL for (int v = 0; v < NR; ++v) wv[v] = load(w + (size_t)k * ldw + v * VW);     \
+            UNROLL for (int r = 0; r < MR; ++r) {                                                \
+                const float s = ar[r][k];                                                        \
+                UNROLL for (int v = 0; v < NR; ++v) c[r][v] += s * wv[v];                        \
+            }                                                                                    \
+        }                                                                                        \
+        UNROLL for (int r = 0; r < MR; ++r) if (r < mr) UNROLL for (int v = 0; v < NR; ++v)     \
+            store(z + (size_t)r * ldz + v * VW, activate(c[r][v], act));                         \
+    }
+TILE(4, MR4)
+TILE(2, MR2)
+TILE(1, MR1)
+
+static inline int imin(int a, int b) { return a < b ? a : b; }
+
+/* z (rows, n) = act((init ? init : 0) + a (rows, kdim) @ w (kdim, n)), row-major at row strides
+ * lda, ldw, ldz (init: z's layout, may be z). Column blocks of 4, 2, 1 vectors outside, row
+ * tiles inside (a block of w stays in L1 for all rows); the last n % VW columns scalar. */
+static void gemm(const float *a, int lda, const float *w, int ldw, int kdim, int n,
+                 const float *init, float *z, int ldz, int rows, int act) {
     int j = 0;
-    for (; j + VW <= g; j += VW) store(z + j, vsigmoid(load(z + j)));
-    for (; j < g; ++j) z[j] = ssigmoid(z[j]);
+#define BLOCKS(NR, MR)                                                                           \
+    for (; j + NR * VW <= n; j += NR * VW)                                                       \
+        for (int r = 0; r < rows; r += MR)                                                       \
+            tile_##NR(a + (size_t)r * lda, lda, w + j, ldw, kdim,                                \
+                      init ? init + (size_t)r * ldz + j : NULL, z + (size_t)r * ldz + j, ldz,    \
+                      imin(MR, rows - r), act);
+    if (rows % MR4 == 0 || rows % MR2 || rows > 2 * MR2)
+        BLOCKS(4, MR4)
+    /* else (a batch of 8 or 16 rows: the recurrent product) 2-vector tiles, no spare rows */
+    BLOCKS(2, MR2)
+    BLOCKS(1, MR1)
+#undef BLOCKS
+    for (; j < n; ++j)
+        for (int r = 0; r < rows; ++r) {
+            float acc = init ? init[(size_t)r * ldz + j] : 0.0f;
+            for (int k = 0; k < kdim; ++k) acc += a[(size_t)r * lda + k] * w[(size_t)k * ldw + j];
+            z[(size_t)r * ldz + j] = activate(splat(acc), act)[0];
+        }
+}
+
+/* The cell of one row: z (4d) the gates' sigmoids in i, f, o, s order (the product stored them
+ * so); n (d) in place; h_out (d). */
+static void cell_row(const float *z, float *n, float *h_out, int d) {
+    int j = 0;
     const float *i_g = z, *f_g = z + d, *o_g = z + 2 * d, *s_g = z + 3 * d;
     j = 0;
     for (; j + VW <= d; j += VW) {
@@ -207,31 +266,47 @@ static void cell_row(float *z, float *n, float *h_out, int d) {
     }
 }
 
-/* Layer norm of one row without gain (the gain is folded into the matrix that follows):
- * y = (x - mean) / sqrt(var + eps), biased variance, as torch's layer_norm. */
 static float hsum(vf v) {
-    float s = 0.0f;
-    for (int k = 0; k < VW; ++k) s += v[k];
-    return s;
+    float t[VW];
+    memcpy(t, &v, sizeof t);
+    for (int w = VW / 2; w > 0; w /= 2) /* a tree: log2(VW) dependent adds, not VW */
+        for (int k = 0; k < w; ++k) t[k] += t[k + w];
+    return t[0];
 }
 
-static void norm_row(const float *x, int d, float eps, float *y) {
+/* x - mean over the vector at column k, with the lanes at or past column dn zeroed */
+static inline vf centred(const float *x, int k, int dn, float mean) {
+    vf t = load(x + k) - mean;
+    if (k + VW <= dn) return t;
+    vf lane;
+    for (int l = 0; l < VW; ++l) lane[l] = (float)(k + l);
+    return vselect(lane < (float)dn, t, splat(0.0f));
+}
+
+/* Layer norm of one row over its first dn of d columns (the rest are padding, zero in x and
+ * set to zero in y): y = (x - mean) / sqrt(var + eps) (biased variance, as torch's layer_norm)
+ * times gain where gain is not NULL -- inside a block the gain is folded into the matrix that
+ * follows instead. y may be x. */
+static void norm_row(const float *x, int d, int dn, float eps, const float *gain, float *y) {
     vf acc = splat(0.0f);
     int k = 0;
     for (; k + VW <= d; k += VW) acc += load(x + k);
     float mean = hsum(acc);
     for (; k < d; ++k) mean += x[k];
-    mean /= (float)d;
+    mean /= (float)dn;
     acc = splat(0.0f);
     for (k = 0; k + VW <= d; k += VW) {
-        vf t = load(x + k) - mean;
+        vf t = centred(x, k, dn, mean);
         acc += t * t;
     }
     float var = hsum(acc);
-    for (; k < d; ++k) var += (x[k] - mean) * (x[k] - mean);
-    const float inv = 1.0f / sqrtf(var / (float)d + eps);
-    for (k = 0; k + VW <= d; k += VW) store(y + k, (load(x + k) - mean) * inv);
-    for (; k < d; ++k) y[k] = (x[k] - mean) * inv;
+    for (; k < dn; ++k) var += (x[k] - mean) * (x[k] - mean);
+    const float inv = 1.0f / sqrtf(var / (float)dn + eps);
+    for (k = 0; k + VW <= d; k += VW) {
+        const vf t = centred(x, k, dn, mean) * inv;
+        store(y + k, gain ? t * load(gain + k) : t);
+    }
+    for (; k < d; ++k) y[k] = k < dn ? (x[k] - mean) * inv * (gain ? gain[k] : 1.0f) : 0.0f;
 }
 
 /* o = a + b over d floats */
@@ -241,58 +316,53 @@ static void add_row(const float *a, const float *b, int d, float *o) {
     for (; k < d; ++k) o[k] = a[k] + b[k];
 }
 
-/* One body of an LSTM block over tc steps; per step, for each batch row
- *   a = [norm(x), h], z = a @ wcat (wcat = [w_ih_t; whh_t], (2d, 4d)), the cell -> h;
- *   x1 = x + h; u = gelu(norm(x1) @ fc1 (d, 4d)); out = x1 + u @ fc2 (4d, d)
- * in three passes over the B rows, two rows at a time, so that each pass's matrix is read from
- * L1 for all rows (the three together do not fit). Rows of the chunk are time-major (row s*B +
- * r): x and out are (tc*B, d). h and n (B, d) in place. Scratch: 2 x (2d + 4d) + B x 6d. */
+/* Rows (steps x batch rows) per pass of block_body: the passes' scratch, ~10 d floats a row,
+ * stays in L2. */
+#define BLOCK_ROWS 64
+
+/* One body of an LSTM block over tc steps of b rows (time-major: row s*b + r; x and out (tc*b,
+ * d)); wcat = [w_ih_t; whh_t] (2d, 4d), fc1 (d, 4d), fc2 (4d, d); h and n (b, d) in place.
+ * In passes over ts steps at a time (ts*b ~ BLOCK_ROWS rows):
+ *   zin = norm(x) @ w_ih_t                          all rows at once
+ *   per step: z = zin + h @ whh_t, the cell -> h    the recurrence: b rows
+ *   x1 = x + h; u = gelu(norm(x1) @ fc1)            all rows at once
+ *   out = x1 + u @ fc2                              all rows at once
+ * so that only the recurrent product is done b rows at a time; with final_norm, out rows are
+ * then normed (times gain unless NULL): the body's final norm. xn: norm(x) already computed
+ * (an x shared by all bodies), or NULL. Scratch: ts*b*10d floats. */
 static void block_body(const float *x, float *out, const float *wcat, const float *fc1,
-                       const float *fc2, float *h, float *n, int tc, int b, int d, float eps,
+                       const float *fc2, float *h, float *n, int tc, int b, int d, int dn,
+                       float eps, int final_norm, const float *gain, const float *xn,
                        float *scratch) {
-    const int g = 4 * d;
-    float *a0 = scratch, *a1 = a0 + 2 * d, *z0 = a1 + 2 * d, *z1 = z0 + g;
-    float *x1 = z1 + g, *y = x1 + (size_t)b * d, *u = y + (size_t)b * d; /* (B,d) (B,d) (B,4d) */
-    for (int s = 0; s < tc; ++s) {
-        const float *xs = x + (size_t)s * b * d;
-        float *os = out + (size_t)s * b * d;
-        for (int r = 0; r < b; r += 2) { /* the LSTM: wcat */
-            const size_t o = (size_t)r * d;
-            norm_row(xs + o, d, eps, a0);
-            memcpy(a0 + d, h + o, sizeof(float) * d);
-            if (r + 1 < b) {
-                norm_row(xs + o + d, d, eps, a1);
-                memcpy(a1 + d, h + o + d, sizeof(float) * d);
-                matvec2(NULL, NULL, a0, a1, wcat, 2 * d, g, z0, z1);
-                cell_row(z1, n + o + d, h + o + d, d);
-            } else {
-                matvec_cols(NULL, a0, wcat, 2 * d, g, 0, z0);
-            }
-            cell_row(z0, n + o, h + o, d);
-            for (int q = 0; q < 2 && r + q < b; ++q) {
-                add_row(xs + o + q * d, h + o + q * d, d, x1 + o + q * d);
-                norm_row(x1 + o + q * d, d, eps, y + o + q * d);
-            }
+    const int g = 4 * d, ts = b >= BLOCK_ROWS ? 1 : BLOCK_ROWS / b;
+    const float *w_ih = wcat, *w_hh = wcat + (size_t)d * g;
+    float *y = scratch, *zin = y + (size_t)ts * b * d, *x1 = zin + (size_t)ts * b * g;
+    float *u = x1 + (size_t)ts * b * d; /* (ts*b, d), (ts*b, 4d), (ts*b, d), (ts*b, 4d) */
+    for (int s0 = 0; s0 < tc; s0 += ts) {
+        const int m = imin(ts, tc - s0), rows = m * b;
+        const float *xs = x + (size_t)s0 * b * d;
+        if (!xn)
+            for (int r = 0; r < rows; ++r)
+                norm_row(xs + (size_t)r * d, d, dn, eps, NULL, y + (size_t)r * d);
+        gemm(xn ? xn + (size_t)s0 * b * d : y, d, w_ih, g, d, g, NULL, zin, g, rows, ACT_NONE);
+        for (int s = 0; s < m; ++s) {
+            float *zs = zin + (size_t)s * b * g, *hs = x1 + (size_t)s * b * d;
+            gemm(s ? hs - (size_t)b * d : h, d, w_hh, g, d, g, zs, zs, g, b, ACT_SIGMOID);
+            for (int r = 0; r < b; ++r)
+                cell_row(zs + (size_t)r * g, n + (size_t)r * d, hs + (size_t)r * d, d);
         }
-        for (int r = 0; r < b; r += 2) { /* the MLP's first layer: fc1 */
-            float *u0 = u + (size_t)r * g;
-            if (r + 1 < b) {
-                matvec2(NULL, NULL, y + (size_t)r * d, y + (size_t)(r + 1) * d, fc1, d, g, u0,
-                        u0 + g);
-                gelu_row(u0, 2 * g);
-            } else {
-                matvec_cols(NULL, y + (size_t)r * d, fc1, d, g, 0, u0);
-                gelu_row(u0, g);
-            }
+        memcpy(h, x1 + (size_t)(m - 1) * b * d, sizeof(float) * b * d);
+        for (int r = 0; r < rows; ++r) {
+            float *x1r = x1 + (size_t)r * d;
+            add_row(xs + (size_t)r * d, x1r, d, x1r);
+            norm_row(x1r, d, dn, eps, NULL, y + (size_t)r * d);
         }
-        for (int r = 0; r < b; r += 2) { /* its second layer and the residual: fc2 */
-            const size_t o = (size_t)r * d;
-            if (r + 1 < b)
-                matvec2(x1 + o, x1 + o + d, u + (size_t)r * g, u + (size_t)(r + 1) * g, fc2, g, d,
-                        os + o, os + o + d);
-            else
-                matvec_cols(x1 + o, u + (size_t)r * g, fc2, g, d, 0, os + o);
-        }
+        gemm(y, d, fc1, g, d, g, NULL, u, g, rows, ACT_GELU);
+        float *os = out + (size_t)s0 * b * d;
+        gemm(u, g, fc2, d, g, d, x1, os, d, rows, ACT_NONE);
+        if (final_norm)
+            for (int r = 0; r < rows; ++r)
+                norm_row(os + (size_t)r * d, d, dn, eps, gain, os + (size_t)r * d);
     }
 }
 
@@ -300,16 +370,28 @@ static void block_body(const float *x, float *out, const float *wcat, const floa
  *   x (P bodies at x_pstride floats apart -- 0 when all bodies read the same x; each (tc*B, d),
  *   time-major rows), wcat (P, 2d, 4d), fc1 (P, d, 4d), fc2 (P, 4d, d), h0 (body q's (B, d)
  *   at h0 + q * h0_pstride), n (P, B, d) in place -> h_last (P, B, d), out (P, tc*B, d) the
- *   block's output. Norms have no gain (folded into the matrix after them).
+ *   block's output. Norms have no gain (folded into the matrix after them). With final_norm
+ *   the output is normed, times body q's gain at gain + q * g_pstride (d floats) unless gain is
+ *   NULL: the last block and the body's final norm in one pass.
+ * d may be the model's width dn padded to whole vectors: the matrices are then zero in the
+ * padding (its rows, and each gate's and the MLP's padded columns) and so are x, h0 and n there;
+ * norms take their statistics over the first dn columns, and the padding stays zero.
  * Returns 0, or 1 when scratch memory is short. */
 int soma_lstm_block(const float *x, long x_pstride, const float *wcat, const float *fc1,
                     const float *fc2, const float *h0, long h0_pstride, float *n, float *h_last,
-                    float *out, int p, int tc, int b, int d, float eps, int threads) {
+                    float *out, int p, int tc, int b, int d, int dn, float eps, int final_norm,
+                    const float *gain, long g_pstride, int threads) {
     const size_t g = 4 * (size_t)d, rows = (size_t)tc * b;
     int status = 0;
+    float *xn = NULL; /* one x for all bodies: its first norm once, not once a body */
+    if (x_pstride == 0 && p > 1) {
+        if (!(xn = malloc(sizeof(float) * rows * d))) return 1;
+        for (size_t r = 0; r < rows; ++r) norm_row(x + r * d, d, dn, eps, NULL, xn + r * d);
+    }
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : status)
     {
-        float *scratch = malloc(sizeof(float) * (2 * (2 * (size_t)d + g) + (size_t)b * 6 * d));
+        const size_t ts = b >= BLOCK_ROWS ? 1 : BLOCK_ROWS / b;
+        float *scratch = malloc(sizeof(float) * ts * b * 10 * d);
         if (!scratch) {
             status = 1;
         } else {
@@ -320,30 +402,59 @@ int soma_lstm_block(const float *x, long x_pstride, const float *wcat, const flo
                 block_body(x + (size_t)q * x_pstride, out + (size_t)q * rows * d,
                            wcat + (size_t)q * 2 * d * g, fc1 + (size_t)q * d * g,
                            fc2 + (size_t)q * g * d, hq, n + (size_t)q * b * d, (int)(rows / b), b,
-                           d, eps, scratch);
+                           d, dn, eps, final_norm, gain ? gain + (size_t)q * g_pstride : NULL, xn,
+                           scratch);
             }
         }
         free(scratch);
     }
+    free(xn);
     return status;
 }
 
-/* log(sum(exp(z))) - z[t] over nc logits. */
+/* Rows of logits per pass of soma_head_nll (a multiple of the widest tile's rows). */
+#define HEAD_ROWS (2 * MR4)
+
+/* the largest lane of v */
+static float hmax(vf v) {
+#if defined(__AVX512F__) && VW == 16
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float t[VW];
+    memcpy(t, &v, sizeof t);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int k = 0; k < w; ++k) t[k] = t[k + w] > t[k] ? t[k + w] : t[k];
+    return t[0];
+#endif
+}
+
+/* log(sum(exp(z))) - z[t] over nc logits; four accumulators per pass, so that neither the
+ * maximum nor the sum is one long chain of dependent instructions. */
 static float nll_row(const float *z, int nc, long t) {
-    float m = z[0];
     int j = 0;
-    if (nc >= VW) {
-        vf vm = load(z);
-        for (j = VW; j + VW <= nc; j += VW) {
-            vf v = load(z + j);
-            vm = vselect(v > vm, v, vm);
+    float m = z[0];
+    if (nc >= 4 * VW) {
+        vf m0 = load(z), m1 = load(z + VW), m2 = load(z + 2 * VW), m3 = load(z + 3 * VW);
+        for (j = 4 * VW; j + 4 * VW <= nc; j += 4 * VW) {
+            m0 = vselect(load(z + j) > m0, load(z + j), m0);
+            m1 = vselect(load(z + j + VW) > m1, load(z + j + VW), m1);
+            m2 = vselect(load(z + j + 2 * VW) > m2, load(z + j + 2 * VW), m2);
+            m3 = vselect(load(z + j + 3 * VW) > m3, load(z + j + 3 * VW), m3);
         }
-        for (int k = 0; k < VW; ++k) m = vm[k] > m ? vm[k] : m;
+        m0 = vselect(m1 > m0, m1, m0);
+        m2 = vselect(m3 > m2, m3, m2);
+        m = hmax(vselect(m2 > m0, m2, m0));
     }
     for (; j < nc; ++j) m = z[j] > m ? z[j] : m;
-    vf acc = splat(0.0f);
-    for (j = 0; j + VW <= nc; j += VW) acc += vexp(load(z + j) - m);
-    float sum = hsum(acc);
+    vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    for (j = 0; j + 4 * VW <= nc; j += 4 * VW) {
+        a0 += vexp(load(z + j) - m);
+        a1 += vexp(load(z + j + VW) - m);
+        a2 += vexp(load(z + j + 2 * VW) - m);
+        a3 += vexp(load(z + j + 3 * VW) - m);
+    }
+    for (; j + VW <= nc; j += VW) a0 += vexp(load(z + j) - m);
+    float sum = hsum((a0 + a1) + (a2 + a3));
     for (; j < nc; ++j) sum += vexp(splat(z[j] - m))[0];
     return logf(sum) + m - z[t];
 }
@@ -351,8 +462,8 @@ static float nll_row(const float *z, int nc, long t) {
 /* The head and cross-entropy of one time chunk, for P bodies: hidden states (body q's (rows, e)
  * at hid + q * h_pstride), decoder wt (e, v) row-major (body q's at wt + q * w_pstride; 0: one
  * shared), targets (body q's rows at tgt + q * t_pstride) -> out (P, rows) negative
- * log-likelihoods (nats). The (rows, v) logits are never stored: each pair of rows is one
- * matrix-vector pass and one log-sum-exp in cache. Returns 0, 1 when scratch memory is short,
+ * log-likelihoods (nats). The (rows, v) logits are never stored: each block of HEAD_ROWS rows
+ * is one product into scratch and one log-sum-exp a row, in cache. Returns 0, 1 when scratch memory is short,
  * 2 for a target outside 0..v-1. */
 int soma_head_nll(const float *hid, long h_pstride, const float *wt, long w_pstride,
                   const long *tgt, long t_pstride, float *out, int p, int rows, int e, int v,
@@ -360,7 +471,7 @@ int soma_head_nll(const float *hid, long h_pstride, const float *wt, long w_pstr
     int status = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(| : status)
     {
-        float *z = malloc(sizeof(float) * 2 * (size_t)v);
+        float *z = malloc(sizeof(float) * HEAD_ROWS * (size_t)v);
         if (!z) {
             status = 1;
         } else {
@@ -368,13 +479,9 @@ int soma_head_nll(const float *hid, long h_pstride, const float *wt, long w_pstr
             for (int q = 0; q < p; ++q) {
                 const float *hq = hid + (size_t)q * h_pstride, *wq = wt + (size_t)q * w_pstride;
                 const long *tq = tgt + (size_t)q * t_pstride;
-                for (int r = 0; r < rows; r += 2) {
-                    const int nr = r + 1 < rows ? 2 : 1;
-                    const float *h0 = hq + (size_t)r * e;
-                    if (nr == 2)
-                        matvec2(NULL, NULL, h0, h0 + e, wq, e, v, z, z + v);
-                    else
-                        matvec_cols(NULL, h0, wq, e, v, 0, z);
+                for (int r = 0; r < rows; r += HEAD_ROWS) {
+                    const int nr = imin(HEAD_ROWS, rows - r);
+                    gemm(hq + (size_t)r * e, e, wq, v, e, v, NULL, z, v, nr, ACT_NONE);
                     for (int k = 0; k < nr; ++k) {
                         const long t = tq[r + k];
                         if (t < 0 || t >= v) {
@@ -390,3 +497,19 @@ int soma_head_nll(const float *hid, long h_pstride, const float *wt, long w_pstr
     }
     return status;
 }
+
+/* The kernels' own GELU (kind 0) or sigmoid (kind 1) over n floats in place: what the block
+ * computes, exposed for the tests of its approximations. */
+void soma_pointwise(float *u, long n, int kind) {
+    long j = 0;
+    if (kind == 0) {
+        for (; j + 4096 <= n; j += 4096) gelu_row(u + j, 4096);
+        gelu_row(u + j, (int)(n - j));
+        return;
+    }
+    for (; j + VW <= n; j += VW) store(u + j, vsigmoid(load(u + j)));
+    for (; j < n; ++j) u[j] = ssigmoid(u[j]);
+}
+
+/* Floats per vector of this build: callers pad widths to a multiple of it. */
+int soma_vector_width(void) { return VW; }
