@@ -4,8 +4,9 @@ Each fixture under ``tests/fixtures`` was written by the old code (``tests/fixtu
 gives the commands): AdamW state laid out like the model (main at 1ad6c63) and KL-SOAP's explicit
 factors (the tree before 7b2e38b). Resuming each for 3 steps on 2 gloo ranks must give, bit for
 bit, the losses and gradient norms that resuming it gave with the code before the name-keyed form
-(02f9e04, the expected values below); the AdamW figures need the loaded moments (zeroing the
-first moment on load moves the second loss by 4e-3).
+(02f9e04, the expected values below; the norms to one rounding, which depends on the CPU); the
+AdamW figures need the loaded moments (zeroing the first moment on load moves the second loss
+by 4e-3).
 
 The bf16 AdamW fixture (``legacy_adamw/adamw_bf16``) is kept but not resumed here: since bf16
 models run in megatron-core's ``Float16Module`` (322d2fb) their norms are bf16, so its old
@@ -105,7 +106,10 @@ def test_each_older_layout_resumes_as_the_old_code_did(recipe_file, tmp_path):
         ]
         assert [r["step"] for r in rows] == [4, 5, 6], layout
         assert [r["loss"] for r in rows] == losses, layout
-        assert [r["grad_norm"] for r in rows] == norms, layout
+        # The norm's own reduction rounds by the CPU's vector kernels: on an AMD Zen 5 host the
+        # step-4 norms differ from the Intel host's that recorded them by 6e-8 (one rounding),
+        # every loss and later norm bit for bit.
+        assert [r["grad_norm"] for r in rows] == pytest.approx(norms, rel=1e-6, abs=0), layout
 
 
 def test_kl_soap_factors_are_asked_for_under_their_old_names_only_where_needed():
@@ -131,7 +135,7 @@ def test_kl_soap_factors_are_asked_for_under_their_old_names_only_where_needed()
             }
 
     saved = {f"{prefix}.factor_l.w@0_0", f"{prefix}.factor_basis_l.v@0_0", f"{prefix}.e.w@0_0"}
-    state = ExplicitKLSoapFactors(saved).sharded_state(Adapter(), {})["layerwise"]
+    state = ExplicitKLSoapFactors(saved, prefix).sharded_state(Adapter(), {})["layerwise"]
     assert set(state["w"]) == {"factor_l", "exp_avg"}
     assert state["w"]["factor_l"].key == f"{prefix}.factor_l.w@0_0"
     assert set(state["v"]) == {"factor_basis_l"}  # the current key is in the checkpoint

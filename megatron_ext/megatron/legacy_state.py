@@ -49,17 +49,16 @@ class OlderLayout(Protocol):
         ...
 
 
-def older_layout(checkpoint_dir: str | Path) -> OlderLayout | None:
-    """The reader of ``checkpoint_dir``'s optimizer state, or None when it is today's form."""
+def older_layout(checkpoint_dir: str | Path, state_prefix: str) -> OlderLayout | None:
+    """The reader of ``checkpoint_dir``'s optimizer state, or None when it is today's form
+    (name-keyed state under ``state_prefix``, the optimizer's own)."""
     keys = set(dist_checkpointing.load_tensors_metadata(str(checkpoint_dir)))
     if any(k.startswith(f"{MODEL_LAID_OUT_PREFIX}.") for k in keys):
         common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
         return ModelLaidOutAdamW(common["optimizer"]["optimizer"]["state"]["common_step"])
-    from megatron_ext.megatron.optimizer import STATE_PREFIX
-
-    old = tuple(f"{STATE_PREFIX}.{name}." for name in LEGACY_STATE_KEYS.values())
+    old = tuple(f"{state_prefix}.{name}." for name in LEGACY_STATE_KEYS.values())
     if any(k.startswith(old) for k in keys):
-        return ExplicitKLSoapFactors(keys)
+        return ExplicitKLSoapFactors(keys, state_prefix)
     return None
 
 
@@ -120,17 +119,17 @@ class ExplicitKLSoapFactors:
     (under ``factor_l`` / ``factor_r``) where the checkpoint holds only those."""
 
     saved_keys: Collection[str]
+    state_prefix: str
 
     def sharded_state(self, opt: MegatronExtOptimizer, model_sd: dict) -> dict[str, Any]:
-        from megatron_ext.megatron.optimizer import STATE_PREFIX
-
+        prefix = self.state_prefix
         state = opt.named_sharded_state(model_sd)
         for entry in state["layerwise"].values():
             for new, old in LEGACY_STATE_KEYS.items():
                 sharded = entry.get(new)
                 if not isinstance(sharded, ShardedTensor) or sharded.key in self.saved_keys:
                     continue
-                old_key = sharded.key.replace(f"{STATE_PREFIX}.{new}.", f"{STATE_PREFIX}.{old}.", 1)
+                old_key = sharded.key.replace(f"{prefix}.{new}.", f"{prefix}.{old}.", 1)
                 if old_key in self.saved_keys:
                     entry[old] = dataclasses.replace(entry.pop(new), key=old_key)
         return state

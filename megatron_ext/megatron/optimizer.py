@@ -275,7 +275,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
         if is_loading and checkpoint_dir is not None:
             from megatron_ext.megatron import legacy_state
 
-            older = legacy_state.older_layout(checkpoint_dir)
+            older = legacy_state.older_layout(checkpoint_dir, STATE_PREFIX)
             if older is not None:
                 return older.sharded_state(self, model_sharded_state_dict)
         return self.named_sharded_state(model_sharded_state_dict)
