@@ -3,6 +3,7 @@ replace and the float64 reference of test_soma_model, and what happens where the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -314,3 +315,21 @@ def test_a_new_build_prunes_kernels_not_loaded_for_a_month(monkeypatch, tmp_path
         assert built[0].stat().st_mtime > time.time() - 60
     finally:
         native._library.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fma_peak_loop_does_the_work_it_counts(threads):
+    """``bench soma``'s FMA peak divides the flops :func:`native.fma_peak` reports by its time:
+    the loop must do them. Each of 12 accumulators k starts at k and takes ``iters`` steps
+    c <- a c + b (a, b: 0.999 and 0.001 in float32; fixed point f = b / (1 - a)), so thread 0's
+    checksum is VW · Σ_k (f + (k - f)·a^iters) (float64, the recurrence solved), and the flops
+    2 · 12 · VW · iters · threads."""
+    vw = native.padded_width(1)  # one vector
+    a, b = float(np.float32(0.999)), float(np.float32(0.001))  # the float32 constants
+    for iters in (1, 100, 3000):
+        checksum, flops = native.fma_peak(iters, threads)
+        fixed = b / (1 - a)
+        want = vw * sum(fixed + (k - fixed) * a**iters for k in range(12))
+        assert checksum == pytest.approx(want, rel=1e-5)
+        assert flops == 2 * 12 * vw * iters * threads

@@ -20,7 +20,10 @@ Figures: perturbed byte-tokens per second (``2·n_pert·B·T`` per update), the 
 faster batched variant, the batched forward's achieved GFLOP/s (analytic FLOP count of the
 forward) against the machine's measured fp32 matmul rate (a 1024³ matmul timed in every round,
 its best kept), the speedup ceiling (anchor time / the forward's FLOPs at that matmul rate: what
-any batched forward could reach here) and the share of it reached, and the peak resident memory
+a batched forward at torch's matmul rate would reach here) and the share of it reached, the
+share of the CPU's FMA peak (:func:`~megatron_ext.soma.native.fma_peak_gflops`, also timed in
+every round; torch's matmul is not always near it, and a forward may then beat the "ceiling"),
+and the peak resident memory
 added by the batched update the trainer runs (native where built, else eager). Every variant is
 timed in the same round-robin rounds and reports its fastest round (medians in the JSON).
 
@@ -158,7 +161,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.soma import scan
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.model import batched_loss, naive_loss_loop
-    from megatron_ext.soma.native import native_available
+    from megatron_ext.soma.native import fma_peak_gflops, native_available
     from megatron_ext.zo.probes import probe_matrix
     from megatron_ext.zo.spsa import perturb
 
@@ -210,12 +213,18 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         # thread barrier) were seen 10x slower while the batched forward lost 1.5x.
         # The matmul rate is measured in every round too and its best kept, as each variant's
         # best round is: one reading after the rounds ranged 357-426 GFLOP/s on this host.
+        # So is the FMA peak of the C kernels' vectors (CPU): torch's matmul is not always near
+        # it (on an AMD host MKL ran 200 GFLOP/s where the FMAs reach 530, and the native
+        # forward beat the matmul), so the share of the peak is printed beside the ceiling.
         rates: list[float] = []
+        peaks: list[float] = []
 
-        def measure_rate() -> None:
+        def measure_rates() -> None:
             rates.append(matmul_gflops(device=args.device))
+            if native_ok:
+                peaks.append(fma_peak_gflops(args.threads, repeats=1))
 
-        timed = [*batched.values(), *loops.values(), measure_rate]
+        timed = [*batched.values(), *loops.values(), measure_rates]
         rounds = _interleaved_times(timed, args.repeats, sync)[:-1]
         seconds = [min(t) for t in rounds]
         ref = batched["eager"]()
@@ -226,7 +235,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     anchor = min(anchors, key=anchors.__getitem__)
     naive_s = anchors[anchor]
     flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
-    rate = max(rates)
+    rate, peak = max(rates), max(peaks, default=None)
     ceiling = naive_s / (flops / (rate * 1e9))
     return {
         "shape": {
@@ -266,6 +275,9 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
         "naive_gflops": flops / naive_s / 1e9,
         "matmul_gflops": rate,
         "fraction_of_matmul_rate": flops / batched_s[best] / 1e9 / rate,
+        "fma_peak_gflops": peak,
+        "matmul_fraction_of_fma_peak": rate / peak if peak else None,
+        "fraction_of_fma_peak": flops / batched_s[best] / 1e9 / peak if peak else None,
         "device": str(device),
         "peak_mem_mb": peak_bytes / 2**20,
         "peak_mem_kind": "device memory allocated" if cuda else "process resident memory",
@@ -308,6 +320,12 @@ def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
         f" = {spsa['fraction_of_matmul_rate']:.0%} of matmul; peak +{spsa['peak_mem_mb']:.0f} MB"
         f" ({spsa['peak_mem_variant']})"
     )
+    if spsa["fma_peak_gflops"]:
+        print(
+            f"  FMA peak of the kernels' vectors {spsa['fma_peak_gflops']:.1f} GFLOP/s: "
+            f"batched {spsa['fraction_of_fma_peak']:.0%} of it, torch's matmul "
+            f"{spsa['matmul_fraction_of_fma_peak']:.0%}"
+        )
     print(
         "  max |loss - batched eager| "
         + ", ".join(f"{k} {v:.1e}" for k, v in spsa["max_loss_difference_vs_batched_eager"].items())

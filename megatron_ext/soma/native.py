@@ -136,11 +136,13 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         "soma_head_nll": [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5],
         "soma_pointwise": [ptr, i64, i32],
         "soma_vector_width": [],
+        "soma_fma_peak": [i64, i32, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
     lib.soma_pointwise.restype = None
+    lib.soma_fma_peak.restype = ctypes.c_float
     return lib, ""
 
 
@@ -356,3 +358,32 @@ def pointwise(kind: str, x: torch.Tensor) -> torch.Tensor:
     out = x.contiguous().clone()
     lib.soma_pointwise(out.data_ptr(), out.numel(), {"gelu": 0, "sigmoid": 1}[kind])
     return out
+
+
+def fma_peak(iters: int, threads: int) -> tuple[float, float]:
+    """Run the kernels' FMA-peak loop (``soma_fma_peak`` in the C source: 12 independent vector
+    accumulators per thread, ``iters`` steps ``c <- 0.999 c + 0.001`` each, no memory traffic)
+    on ``threads`` threads: (thread 0's checksum -- the sum of its accumulators' lanes --, the
+    flops done)."""
+    flops = ctypes.c_double()
+    checksum = _check(()).soma_fma_peak(iters, threads, ctypes.byref(flops))
+    return float(checksum), flops.value
+
+
+def fma_peak_gflops(threads: int, repeats: int = 5) -> float:
+    """The fp32 FMA rate of this build's vectors on ``threads`` threads, GFLOP/s, best of
+    ``repeats`` calls of at least 0.05 s: the arithmetic peak any kernel here could reach
+    (:func:`fma_peak`)."""
+    iters = 1 << 16
+    while True:  # calibrate: at least 0.05 s a call
+        start = time.perf_counter()
+        fma_peak(iters, threads)
+        if time.perf_counter() - start > 0.05:
+            break
+        iters *= 2
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, flops = fma_peak(iters, threads)
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9

@@ -28,6 +28,9 @@
 #include <immintrin.h> /* AVX-512 only: rcp14, roundscale, scalef, min/max, reduce_max */
 #endif
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -509,6 +512,34 @@ void soma_pointwise(float *u, long n, int kind) {
     }
     for (; j + VW <= n; j += VW) store(u + j, vsigmoid(load(u + j)));
     for (; j < n; ++j) u[j] = ssigmoid(u[j]);
+}
+
+/* For bench soma: the FMA rate of this build's vectors with no memory traffic, the arithmetic
+ * peak any kernel here could reach. On each of `threads` threads, FMA_CHAINS independent
+ * accumulators (enough to hide the FMA latency on two pipes) each take iters steps
+ * c <- c * a + b, 2 * FMA_CHAINS * VW * iters flops a thread: their total is written to
+ * *flops. Returns the sum of thread 0's accumulators' lanes, so that the work is kept and a test
+ * can check it was done. */
+#define FMA_CHAINS 12
+float soma_fma_peak(long iters, int threads, double *flops) {
+    float result = 0.0f;
+    threads = threads > 0 ? threads : 1;
+    *flops = 2.0 * FMA_CHAINS * VW * (double)iters * threads;
+#pragma omp parallel num_threads(threads)
+    {
+        vf c[FMA_CHAINS];
+        const vf a = splat(0.999f), b = splat(0.001f);
+        UNROLL for (int k = 0; k < FMA_CHAINS; ++k) c[k] = splat((float)k);
+        for (long i = 0; i < iters; ++i)
+            UNROLL for (int k = 0; k < FMA_CHAINS; ++k) c[k] = c[k] * a + b;
+        vf sum = splat(0.0f);
+        UNROLL for (int k = 0; k < FMA_CHAINS; ++k) sum += c[k];
+#ifdef _OPENMP
+        if (omp_get_thread_num() == 0)
+#endif
+            result = hsum(sum);
+    }
+    return result;
 }
 
 /* Floats per vector of this build: callers pad widths to a multiple of it. */
