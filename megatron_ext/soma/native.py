@@ -114,35 +114,18 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     except OSError as exc:
         return None, f"loading {target} failed: {exc}"
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    signatures = {
-        "soma_lstm_block": [
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            *[i32] * 5,
-            f32,
-            i32,
-            ptr,
-            i64,
-            i32,
-        ],
-        "soma_head_nll": [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5],
-        "soma_pointwise": [ptr, i64, i32],
-        "soma_vector_width": [],
-        "soma_fma_peak": [i64, i32, ptr],
+    block_args = [ptr, i64, *[ptr] * 4, i64, *[ptr] * 3]  # x .. out (pointers, body strides)
+    block_args += [*[i32] * 5, f32, i32, ptr, i64, i32]  # p, tc, b, d, dn, eps, final_norm ..
+    signatures = {  # name: (return type, argument types), as in native_lstm.c
+        "soma_lstm_block": (i32, block_args),
+        "soma_head_nll": (i32, [ptr, i64, ptr, i64, ptr, i64, ptr, *[i32] * 5]),
+        "soma_pointwise": (None, [ptr, i64, i32]),
+        "soma_vector_width": (i32, []),
+        "soma_fma_peak": (f32, [i64, i32, ptr]),
     }
-    for name, argtypes in signatures.items():
+    for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, argtypes
-    lib.soma_pointwise.restype = None
-    lib.soma_fma_peak.restype = ctypes.c_float
+        fn.restype, fn.argtypes = restype, argtypes
     return lib, ""
 
 
