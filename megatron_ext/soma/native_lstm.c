@@ -274,12 +274,13 @@ static void cell_row(const float *z, float *n, float *h_out, int d) {
 static float hsum(vf v) {
 #if defined(__AVX512F__) && VW == 16
     return _mm512_reduce_add_ps((__m512)v);
-#endif
+#else
     float t[VW];
     memcpy(t, &v, sizeof t);
     for (int w = VW / 2; w > 0; w /= 2) /* a tree: log2(VW) dependent adds, not VW */
         for (int k = 0; k < w; ++k) t[k] += t[k + w];
     return t[0];
+#endif
 }
 
 /* x - mean over the vector at column k, with the lanes at or past column dn zeroed */
