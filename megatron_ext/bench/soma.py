@@ -325,6 +325,11 @@ def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
             f"  FMA peak of the kernels' vectors {spsa['fma_peak_gflops']:.1f} GFLOP/s: "
             f"batched {spsa['fraction_of_fma_peak']:.0%} of it, torch's matmul "
             f"{spsa['matmul_fraction_of_fma_peak']:.0%}"
+            + (
+                " (slower than the batched forward: the ceiling above is no ceiling on this CPU)"
+                if spsa["fraction_of_ceiling"] > 1
+                else ""
+            )
         )
     print(
         "  max |loss - batched eager| "
