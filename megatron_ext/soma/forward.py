@@ -225,18 +225,18 @@ def hidden_chunks(
     inputs: torch.Tensor,
     layout: BodyLayout,
     steps: int,
-    fused: FusedMode,
+    kind: Kind,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Stream the forward over time: yields ``(t0, h)`` with h (P, tc, B, d_E) the final hidden
     states of steps ``t0 .. t0+tc-1`` (time-major inside the chunk).
 
     Every block only needs its own LSTM state from the previous chunk, so all blocks advance one
     chunk at a time and no intermediate ever spans the whole window. The chunk runs as
-    :func:`forward_kind` says."""
+    ``kind`` says (:func:`forward_kind`, decided once by the caller, which also sizes the chunks
+    by it)."""
     shape = layout.shape
     w = layout.views(theta)
     p, (b, t_len), d, e = theta.shape[0], inputs.shape[-2:], shape.d_model, shape.d_embed
-    kind = forward_kind(fused, theta, emb, layout)
     run: Callable[..., tuple[torch.Tensor, State]] = {
         "autograd": functools.partial(_body_chunk, scan=lstm_scan_cells),
         "compiled": _FUSED,

@@ -73,9 +73,10 @@ def body_hidden(
     check_inputs(theta, emb, tokens, layout)
     tokens = tokens.long()
     b, t_len = tokens.shape[-2:]
-    native = forward_kind(fused, theta, emb, layout) == "native"
-    _, steps = chunk_sizes(layout, theta.shape[0], b, t_len, theta.dtype, max_chunk_bytes, native)
-    chunks = hidden_chunks(theta, emb, tokens, layout, steps, fused)
+    kind = forward_kind(fused, theta, emb, layout)
+    p, native = theta.shape[0], kind == "native"
+    _, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes, native)
+    chunks = hidden_chunks(theta, emb, tokens, layout, steps, kind)
     parts = [h.transpose(1, 2) for _, h in chunks]
     return torch.cat(parts, dim=2)
 
@@ -143,7 +144,8 @@ def target_log_probs(
     targets_tm = tokens[..., 1:].transpose(-1, -2)  # (P or 1, T, B) time-major
     targets_tm = targets_tm if per_body else targets_tm[None]
     # The C kernels' head: logits and log-sum-exp per row in cache, never stored.
-    native = forward_kind(fused, theta, emb, layout) == "native"
+    kind = forward_kind(fused, theta, emb, layout)
+    native = kind == "native"
     bodies, steps = chunk_sizes(layout, p, b, t_len, theta.dtype, max_chunk_bytes, native)
     out = []
     for first in range(0, p, bodies):
@@ -154,7 +156,7 @@ def target_log_probs(
             weight_t = (weight[None] if weight.dim() == 2 else weight).transpose(1, 2)
             weight_t = weight_t.contiguous()  # (1 or pc, E, V), once per part
         cols = []
-        for t0, hid in hidden_chunks(part, emb, inputs[rows], layout, steps, fused):
+        for t0, hid in hidden_chunks(part, emb, inputs[rows], layout, steps, kind):
             lo = max(start - t0, 0)  # first scored step of this chunk
             if lo >= hid.shape[1]:
                 continue
