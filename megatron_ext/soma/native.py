@@ -353,20 +353,27 @@ def fma_peak(iters: int, threads: int) -> tuple[float, float]:
     return float(checksum), flops.value
 
 
+def _timed_fma(iters: int, threads: int) -> tuple[float, float]:
+    """(seconds, flops) of one :func:`fma_peak` call."""
+    start = time.perf_counter()
+    _, flops = fma_peak(iters, threads)
+    return time.perf_counter() - start, flops
+
+
+@functools.cache
+def _fma_iters(threads: int) -> int:
+    """Steps per :func:`fma_peak` call for at least 0.05 s on ``threads`` threads (found once
+    per process)."""
+    iters = 1 << 16
+    while _timed_fma(iters, threads)[0] <= 0.05:
+        iters *= 2
+    return iters
+
+
 def fma_peak_gflops(threads: int, repeats: int = 5) -> float:
     """The fp32 FMA rate of this build's vectors on ``threads`` threads, GFLOP/s, best of
     ``repeats`` calls of at least 0.05 s: the arithmetic peak any kernel here could reach
     (:func:`fma_peak`)."""
-    iters = 1 << 16
-    while True:  # calibrate: at least 0.05 s a call
-        start = time.perf_counter()
-        fma_peak(iters, threads)
-        if time.perf_counter() - start > 0.05:
-            break
-        iters *= 2
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _, flops = fma_peak(iters, threads)
-        best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    iters = _fma_iters(threads)
+    seconds, flops = min(_timed_fma(iters, threads) for _ in range(repeats))
+    return flops / seconds / 1e9
