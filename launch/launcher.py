@@ -42,6 +42,7 @@ from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
 from megatron_ext.launch.preflight import check_before_launch
 from megatron_ext.launch.supervise import run_ranks
 from megatron_ext.run.hardware import check_precision_before_launch
+from megatron_ext.run.startup import LAUNCHED_AT_VAR, process_start_time
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
 from megatron_ext.schedules.table import describe_schedule
 
@@ -138,7 +139,10 @@ def launch_main(args: argparse.Namespace) -> int:
     recipe = read_recipe(request.recipe, request.overrides)
     layout = resolve_layout(request, os.environ, host, recipe)
     check_before_launch(recipe, layout.rdzv_endpoint, layout.node_rank)
-    resume = {LAUNCH_COMMAND_VAR: shlex.join(["megatron-ext", "launch", *request.argv()])}
+    resume = {
+        LAUNCH_COMMAND_VAR: shlex.join(["megatron-ext", "launch", *request.argv()]),
+        LAUNCHED_AT_VAR: repr(process_start_time()),  # the ranks time their start-up from it
+    }
     stop = [getattr(signal, name) for name in recipe.training.exit_signals]
     return run_ranks(
         argv, {**os.environ, **env, **resume}, Path(recipe.run_dir), layout.node_rank, stop

@@ -27,7 +27,7 @@ _EXPORTS = {
     "MOP": "mop",
     "polar_factor": "mop",
     "Muon": "muon",
-    "newton_schulz": "newton_schulz",
+    "newton_schulz": "ns_iteration",
     "COEFFICIENT_SETS": "ns_schedule",
     "newton_schulz_flops": "ns_schedule",
     "resolve_coefficients": "ns_schedule",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from .newton_schulz import newton_schulz
+from .ns_iteration import newton_schulz
 from .options import PolarPrecision, ScaleMode, TPMode
 from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .newton_schulz import GramReduce, newton_schulz, newton_schulz_iterate
+from .ns_iteration import GramReduce, newton_schulz, newton_schulz_iterate
 from .ns_schedule import (
     default_gram_restart,
     gram_is_cheaper,

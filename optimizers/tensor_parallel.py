@@ -16,7 +16,7 @@ An elementwise optimizer does not care; a matrix optimizer does. Three modes (:d
   the split runs along its columns, ``X = [X_1 … X_t]``; then ``X Xᵀ = Σ_r X_r X_rᵀ``, so
   every Newton–Schulz Gram product is an all-reduce of per-shard products, and every other
   product is a left-multiplication by a replicated matrix, which acts on each column block
-  alone (:func:`~megatron_ext.optimizers.newton_schulz.newton_schulz_iterate`). The Frobenius
+  alone (:func:`~megatron_ext.optimizers.ns_iteration.newton_schulz_iterate`). The Frobenius
   norm comes from an all-reduced sum of squares; the scale uses the full shape. The TP=1 update
   up to rounding (the Grams are summed in another order).
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
+from tests.warm import Zygote, differs_at_startup
+
 ROOT = Path(__file__).resolve().parent.parent
 DIST = Path(__file__).resolve().parent / "dist"
 SITE = DIST / "site"  # sitecustomize.py for the processes run_torchrun starts
@@ -34,12 +37,13 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``script`` (a file, or a module name with ``module=True``) with ``nproc`` gloo ranks
     on this host; fails the test with the output when it exits non-zero and ``check``."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    # Each line one write in every process it starts (dist/site/sitecustomize.py): torchrun
-    # runs its ranks unbuffered (python -u), where a rank's print writes its text and its
-    # newline separately and the other rank's line can land in between (seen in CI).
-    paths = [str(SITE), *filter(None, [full_env.get("PYTHONPATH")])]
-    full_env["PYTHONPATH"] = os.pathsep.join(paths)
+    full_env = {**rank_base_env(), **(env or {})}
+    argv = [*(["-m"] if module else []), str(script), *args]
+    zygote = warm_zygote()
+    if zygote is not None and not differs_at_startup(full_env, zygote.env):
+        code, out, err = zygote.launch(argv, nproc, full_env, cwd or ROOT, timeout)
+        proc = subprocess.CompletedProcess(["warm", str(nproc), *argv], code, out, err)
+        return _checked(proc, check)
     cmd = [
         sys.executable,
         "-m",
@@ -52,9 +56,7 @@ def run_torchrun(
         "c10d",
         "--rdzv-endpoint",
         f"127.0.0.1:{free_port()}",
-        *(["-m"] if module else []),
-        str(script),
-        *args,
+        *argv,
     ]
     # Output goes to files, not pipes: helper processes that outlive a crashed rank (e.g.
     # dist_checkpointing's writer) would hold a pipe open and block the read until timeout.
@@ -65,12 +67,46 @@ def run_torchrun(
         out.seek(0)
         err.seek(0)
         proc = subprocess.CompletedProcess(cmd, code, out.read(), err.read())
+    return _checked(proc, check)
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         pytest.fail(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"{' '.join(proc.args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def rank_base_env() -> dict[str, str]:
+    """The environment of every rank ``run_torchrun`` starts: one OpenMP thread, warnings off,
+    and each line one write (``dist/site/sitecustomize.py`` leads PYTHONPATH: torchrun runs its
+    ranks unbuffered, ``python -u``, where a rank's print writes its text and its newline
+    separately and the other rank's line can land in between; seen in CI)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(SITE), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    return env
+
+
+_ZYGOTE: list[Zygote] = []
+
+
+def warm_zygote() -> Zygote | None:
+    """The session's warm-rank server (:mod:`tests.warm`), started on first use; None with
+    ``MEGATRON_EXT_TEST_COLD=1`` (every launch under torchrun, as before)."""
+    if os.environ.get("MEGATRON_EXT_TEST_COLD") == "1":
+        return None
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(rank_base_env(), ROOT))
+    return _ZYGOTE[0]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +139,23 @@ def count_calls(monkeypatch):
         return counter
 
     return install
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.register(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.mark_items(items, sys.modules[__name__])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    with tiers.guard_process_starts(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    with tiers.guard_process_starts(item):
+        return (yield)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DIST, ROOT, run_torchrun
+from tests.conftest import DIST, ROOT, rank_base_env, run_torchrun
 
 SCRIPT = DIST / "allgather_v_check.py"
 
@@ -60,6 +60,7 @@ def test_mpi(tmp_path):
         text=True,
         timeout=300,
         cwd=ROOT,
+        env=rank_base_env(),  # the rank scripts import tests.dist.ending
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check(tmp_path, 2, "mpi")

@@ -228,7 +228,11 @@ def run_launch(*args: str) -> subprocess.CompletedProcess:
         ("not_key_value", "override 'optimizer.lr' is not key=value"),
         ("layout", "world size 2 is not divisible by tp*pp*cp = 4*1*1 = 4"),
         ("missing_file", "recipe file 'no/such/recipe.yaml' not found"),
-        ("wsd_window", "lr_decay_style=WSD needs 1 <= lr_wsd_decay_steps <= lr_decay_steps"),
+        (
+            "wsd_window",
+            "(training.lr_wsd_decay_steps=15) must fit between the warmup's end "
+            "(training.lr_warmup_steps=10) and the decay's end (20",
+        ),
     ],
 )
 def test_cli_prints_one_line_and_exits_2(tmp_path: Path, case: str, message: str) -> None:

@@ -82,16 +82,25 @@ def test_dependencies_and_priorities_decide_what_is_claimable(url: str) -> None:
     assert q.result("t1") == {"loss": 1.0}
 
 
+def _wait_past(queue, moment: float) -> None:
+    """Until the database clock has passed ``moment`` (an event, not a guess at how long the
+    machine takes)."""
+    while queue.db.now() <= moment:
+        time.sleep(0.02)
+
+
 def test_lease_expiry_takeover_and_zombie_fencing(url: str) -> None:
-    a = open_queue(url, lease=0.6, worker="A")
-    b = open_queue(url, lease=0.6, worker="B")
+    a = open_queue(url, lease=2.0, worker="A")
+    b = open_queue(url, lease=2.0, worker="B")
     a.enqueue([TaskSpec("t", "train")])
+    before = a.db.now()
     lease_a = a.claim()
+    after = a.db.now()
     assert lease_a.attempt == 1 and not lease_a.taken_over
-    # the expiry is the database clock plus the lease
-    assert lease_a.expires - a.db.now() == pytest.approx(0.6, abs=0.2)
+    # the expiry is the database clock at the claim plus the lease
+    assert before + 2.0 - 1e-3 <= lease_a.expires <= after + 2.0 + 1e-3
     assert b.claim() is None  # leased
-    time.sleep(0.8)
+    _wait_past(a, lease_a.expires)
     lease_b = b.claim()
     assert lease_b.task == "t" and lease_b.attempt == 2 and lease_b.taken_over
     assert lease_b.token != lease_a.token
@@ -121,14 +130,19 @@ def test_a_released_task_is_claimable_at_once_without_spending_an_attempt(url: s
 
 
 def test_heartbeats_keep_a_lease(url: str) -> None:
-    a = open_queue(url, lease=0.5, worker="A")
-    b = open_queue(url, lease=0.5, worker="B")
+    """Heartbeats every 0.2 s keep a 1.5 s lease past its first expiry: no other worker can
+    claim the task then (a pause of more than 1.5 s between two heartbeats would lose it)."""
+    a = open_queue(url, lease=1.5, worker="A")
+    b = open_queue(url, lease=1.5, worker="B")
     a.enqueue([TaskSpec("t", "train")])
     lease = a.claim()
-    for _ in range(6):
+    first_expiry = lease.expires
+    beats = 0
+    while a.db.now() <= first_expiry + 0.5:
         time.sleep(0.2)
         assert a.heartbeat(lease)
-        assert b.claim() is None
+        beats += 1
+    assert beats >= 2 and b.claim() is None  # past the first expiry, still A's
     assert a.complete(lease)
     workers = {w[0]: w for w in a.workers()}
     assert set(workers) == {"A", "B"}
@@ -151,10 +165,12 @@ def test_max_attempts_stops_every_worker_with_one_message(url: str) -> None:
 def test_expired_leases_count_as_attempts(url: str) -> None:
     q = open_queue(url, lease=0.2, attempts=2)
     q.enqueue([TaskSpec("t", "train")])
-    assert q.claim().attempt == 1
-    time.sleep(0.3)
-    assert q.claim().attempt == 2
-    time.sleep(0.3)
+    first = q.claim()
+    assert first.attempt == 1
+    _wait_past(q, first.expires)
+    second = q.claim()
+    assert second.attempt == 2
+    _wait_past(q, second.expires)
     with pytest.raises(TaskFailedError, match="lease expired 2 times"):
         q.claim()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.optimizers.newton_schulz import newton_schulz
+from megatron_ext.optimizers.ns_iteration import newton_schulz
 from megatron_ext.optimizers.ns_schedule import (
     COEFFICIENT_SETS,
     gram_is_cheaper,

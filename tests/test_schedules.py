@@ -220,8 +220,15 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
     ("kwargs", "match"),
     [
         ({"decay_style": "WSD"}, "lr_wsd_decay_steps"),
-        ({"decay_style": "WSD", "wsd_decay_steps": DECAY - WARMUP + 1}, "must fit after warmup"),
-        ({"warmup_steps": DECAY}, "lr_warmup_steps < lr_decay_steps"),
+        (
+            {"decay_style": "WSD", "wsd_decay_steps": DECAY - WARMUP + 1},
+            rf"training\.lr_wsd_decay_steps={DECAY - WARMUP + 1}\) must fit between .* "
+            rf"run at least {DECAY + 1} steps",
+        ),
+        (
+            {"warmup_steps": DECAY},
+            rf"training\.lr_warmup_steps={DECAY} must be below .* run at least {DECAY + 1} steps",
+        ),
         ({"min_lr": 2 * MAX_LR}, "min_lr"),
         ({"decay_style": "step"}, "lr_decay_style"),
         (

@@ -192,11 +192,18 @@ def test_a_non_finite_loss_stops_the_run_before_checkpointing_it(tmp_path, corpu
     assert load_file(expert_path(tmp_path / "nan", SEED_EXPERT))["state"]["update"] == 2
 
 
-def test_routed_eval_matches_direct_mixture(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, corpus) -> Path:
+    """A finished two-expert run (its recipe's path)."""
+    recipe_path = write_recipe(tmp_path_factory.mktemp("soma"), corpus, "ev", expert_updates=2)
+    train_here(recipe_path)
+    return recipe_path
+
+
+def test_routed_eval_matches_direct_mixture(trained_run):
     """summary.json's test loss == a mixture computed here from the saved router and experts,
     expert by expert with the single-probe forward."""
-    recipe_path = write_recipe(tmp_path, corpus, "ev", expert_updates=2)
-    train_here(recipe_path)
+    recipe_path = trained_run
     from megatron_ext.soma.corpus import test_windows
     from megatron_ext.soma.data import window_texts
     from megatron_ext.soma.layout import BodyLayout
@@ -224,6 +231,34 @@ def test_routed_eval_matches_direct_mixture(tmp_path, corpus):
     expected = float(torch.cat(nll).mean())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["test_nats_per_byte"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_soma_eval_and_generate_on_a_trained_run(trained_run, capsys):
+    """``megatron-ext soma eval`` prints the run's own test loss; ``soma generate`` writes the
+    prompt and then exactly --bytes sampled bytes, the same for the same seed, other for
+    another, and refuses --bytes 0."""
+    from megatron_ext.launch.cli import main
+
+    summary = json.loads((Path(load_recipe(trained_run).run_dir) / "summary.json").read_text())
+    assert main(["soma", "eval", str(trained_run)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["k"] == 2
+    assert printed["test_nats_per_byte"] == pytest.approx(summary["test_nats_per_byte"], rel=1e-6)
+
+    def generate(seed: int) -> str:
+        argv = ["soma", "generate", str(trained_run), "--prompt", "def f(x):", "--bytes", "40"]
+        assert main([*argv, "--seed", str(seed)]) == 0
+        captured = capsys.readouterr()
+        assert captured.err.startswith("[experts ")
+        return captured.out
+
+    first, again, other = generate(0), generate(0), generate(1)
+    assert first == again != other
+    assert first.startswith("def f(x):") and first.endswith("\n")
+    sampled = first[len("def f(x):") : -1].encode("utf-8", errors="surrogateescape")
+    assert 0 < len(sampled) <= 40 * 3  # 40 bytes, invalid UTF-8 shown as U+FFFD (3 bytes)
+    argv = ["soma", "generate", str(trained_run), "--prompt", "x", "--bytes", "0"]
+    assert main(argv) == 2
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,23 @@ def test_report_csv_matches_measurements(tmp_path, n_pert_law, four_experts):
         assert float(got["predicted"]) == row["predicted"]
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["variance.csv", "variance.png"]
+
+
+def test_the_variance_command_writes_the_paper_claims(tmp_path):
+    """``megatron-ext soma variance``: every measured point within 20% of its prediction at
+    1,200 probes (about 4% standard error), the 1/n_pert law and the 4x of summed losses in the
+    CSV, and the plot written."""
+    import csv
+
+    from megatron_ext.launch.cli import main
+
+    assert main(["soma", "variance", "--out", str(tmp_path), "--probes", "1200"]) == 0
+    rows = list(csv.DictReader((tmp_path / "variance.csv").open()))
+    assert [r["x"] for r in rows] == ["1", "2", "4", "8", "independent", "summed"]
+    for r in rows:
+        assert float(r["measured"]) == pytest.approx(float(r["predicted"]), rel=0.2), r
+    measured = {r["x"]: float(r["measured"]) for r in rows}
+    assert measured["1"] / measured["8"] == pytest.approx(8, rel=0.25)
+    assert measured["summed"] / measured["independent"] == pytest.approx(4, rel=0.25)
+    assert (tmp_path / "variance.png").stat().st_size > 10_000
+    assert main(["soma", "variance", "--out", str(tmp_path), "--probes", "1"]) == 2

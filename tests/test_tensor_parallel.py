@@ -27,7 +27,7 @@ from megatron_ext.optimizers import (
     kl_soap_direction,
     resolve_coefficients,
 )
-from megatron_ext.optimizers.newton_schulz import newton_schulz_iterate
+from megatron_ext.optimizers.ns_iteration import newton_schulz_iterate
 from megatron_ext.optimizers.tensor_parallel import TPShardInfo, orthogonalize_distributed
 from tests.conftest import DIST, run_torchrun
 from tests.dist.tp_modes import (

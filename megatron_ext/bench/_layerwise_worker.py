@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.bench.common import optimizer_state_bytes
-from megatron_ext.bench.optimizers import DENSE_SHAPES, EXPERT_SHAPES, EXPERTS, LAYERS
+from megatron_ext.bench.optimizers import Workload, add_workload_arguments
 from megatron_ext.distributed.allgather_v import WireStats, make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 from megatron_ext.distributed.plan import OwnershipPlan
@@ -49,15 +49,15 @@ DENSE_NAMES = (
 EXPERT_NAMES = ("linear_fc1", "linear_fc2")
 
 
-def workload_names() -> list[tuple[str, tuple[int, int]]]:
-    """The reference workload's 144 matrices with megatron-core-style names, forward order."""
+def workload_names(workload: Workload) -> list[tuple[str, tuple[int, int]]]:
+    """The workload's matrices with megatron-core-style names, forward order."""
     named: list[tuple[str, tuple[int, int]]] = []
-    for layer in range(LAYERS):
+    for layer in range(workload.layers):
         pre = f"decoder.layers.{layer}"
-        for name, shape in zip(DENSE_NAMES, DENSE_SHAPES, strict=True):
+        for name, shape in zip(DENSE_NAMES, workload.dense_shapes(), strict=True):
             named.append((f"{pre}.{name}.weight", shape))
-        for name, shape in zip(EXPERT_NAMES, EXPERT_SHAPES, strict=True):
-            for e in range(EXPERTS):
+        for name, shape in zip(EXPERT_NAMES, workload.expert_shapes(), strict=True):
+            for e in range(workload.experts):
                 named.append((f"{pre}.mlp.experts.local_experts.{e}.{name}.weight", shape))
     return named
 
@@ -97,6 +97,7 @@ def fingerprint(params: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--optimizer", default="muon")
+    add_workload_arguments(parser)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-numel", type=int, default=4_000_000)
@@ -116,7 +117,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         sync = lambda: None  # noqa: E731
     gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on any device
-    named = workload_names()
+    named = workload_names(Workload.from_args(args))
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     params = [
         (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device, dtype)))

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import ConfigError
+
 
 def matmul_gflops(size: int = 1024, repeats: int = 12, device: str = "cpu") -> float:
     """Best-of-``repeats`` fp32 GFLOP/s of a ``size``³ matmul at the current torch thread count
@@ -83,3 +85,65 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     if not train:
         raise RuntimeError(f"{run_dir}/metrics.jsonl has no training steps")
     return train, [r for r in records if "val_loss" in r]
+
+
+#: the recipe's step counts that a shorter or longer run scales with it
+SCHEDULE_STEP_KEYS = (
+    "training.lr_warmup_steps",
+    "training.lr_decay_steps",
+    "training.lr_wsd_decay_steps",
+    "training.eval_interval",
+    "training.batch_ramp.double_every",
+)
+
+
+def run_length_overrides(
+    recipe: str, overrides: list[str], steps: int | None, label: str
+) -> list[str]:
+    """``overrides`` plus what makes ``recipe`` run ``steps`` optimizer steps (``None``: as the
+    recipe says) with its schedule scaled to that length.
+
+    A benchmark's ``--steps`` means "this recipe, shorter (or longer)": every step count of the
+    schedule (:data:`SCHEDULE_STEP_KEYS`: warmup, decay end, WSD window, validation interval, ramp
+    doubling) is multiplied by ``steps / recipe steps``, rounded, and kept at 1 or more (0 or
+    unset stays so); a count set in ``overrides`` is the user's and is kept. What was scaled is
+    printed.
+    ``ConfigError`` when the result still does not fit, with the recipe keys and the smallest run
+    that works (the schedule's own message)."""
+    from megatron_ext.config.load import load_recipe
+
+    if steps is None:
+        return list(overrides)
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    base = load_recipe(recipe, overrides)  # training.steps resolved (train_tokens included)
+    given = {o.split("=", 1)[0] for o in overrides}
+    factor = steps / base.training.steps
+    scaled, notes = [], []
+    for key in SCHEDULE_STEP_KEYS:
+        value = _field(base, key)
+        if key in given or not value:  # the user's, or unset / 0 (off)
+            continue
+        new = max(1, round(value * factor))
+        if new != value:
+            scaled.append(f"{key}={new}")
+            notes.append(f"{key} {value} -> {new}")
+    length = [f"training.steps={steps}"]
+    if base.training.train_tokens is not None and "training.train_tokens" not in given:
+        length.append("training.train_tokens=null")  # --steps is the run's length now
+        notes.append(f"training.train_tokens {base.training.train_tokens} -> unset")
+    result = [*overrides, *length, *scaled]
+    if notes:
+        print(
+            f"[{label}] --steps {steps} (the recipe runs {base.training.steps}): its schedule "
+            f"scaled with it: {', '.join(notes)}"
+        )
+    load_recipe(recipe, result)  # still does not fit: the schedule says which key, and the fix
+    return result
+
+
+def _field(recipe: Any, dotted: str) -> Any:
+    value = recipe
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value

@@ -35,9 +35,21 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
+QUICK = {"optimizers": "adamw,muon", "steps": 12, "last": 4}
+EXAMPLE = "megatron-ext bench convergence tiny_cpu_gpt --quick"
+#: the JSON's top-level keys (``convergence.json``); ``results`` holds one entry per variant
+JSON_KEYS = ("recipe", "overrides", "last", "results", "curves")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training.steps of every run, the recipe's schedule scaled with it (printed)",
+    )
     p.add_argument(
         "--optimizers",
         default=",".join(VARIANTS),
@@ -158,27 +170,25 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import write_json
-    from megatron_ext.config.load import load_recipe
+    from megatron_ext.bench.common import run_length_overrides, write_json
 
     variants = parse_variants(args.optimizers)
     if args.last < 1:
         raise ConfigError(f"--last must be >= 1, got {args.last}")
-    load_recipe(args.recipe, args.overrides)  # a bad recipe fails before any run starts
+    # a bad recipe fails here, before any run starts
+    overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "convergence")
     out = Path(args.out)
     results = {}
     for name, extra in variants.items():
         print(f"[convergence] {name}: running", flush=True)
-        results[name] = summarize(
-            run_variant(args.recipe, args.overrides, name, extra, out), args.last
-        )
+        results[name] = summarize(run_variant(args.recipe, overrides, name, extra, out), args.last)
         print(f"[convergence] {name}: train loss {results[name]['train_loss']:.4f}", flush=True)
     print(report(results, args.last))
-    title = f"{args.recipe} {' '.join(args.overrides)}".strip()
+    title = f"{args.recipe} {' '.join(overrides)}".strip()
     plot(results, out / "convergence.png", title)
     payload = {
         "recipe": args.recipe,
-        "overrides": args.overrides,
+        "overrides": overrides,
         "last": args.last,
         "results": {n: {k: v for k, v in r.items() if k != "curve"} for n, r in results.items()},
         "curves": {n: r["curve"] for n, r in results.items()},

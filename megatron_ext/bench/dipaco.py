@@ -49,6 +49,20 @@ OWN_EMBEDDING = (
 )
 
 
+QUICK = {"clients": [1, 2], "tasks": 20, "sizes": [100_000], "paths": [1, 4]}
+EXAMPLE = "megatron-ext bench dipaco --quick --json runs/bench_dipaco.json"
+#: the JSON's top-level keys (``faults`` with ``--faults``, ``trends`` with ``--trends``)
+JSON_KEYS = (
+    "tau",
+    "paths",
+    "clean_run_wall_s",
+    "comm",
+    "comm_path_specific_embedding",
+    "outer",
+    "queue",
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="queue clients")
     parser.add_argument("--tasks", type=int, default=200, help="queue tasks per measurement")

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.bench.common import write_json
+from megatron_ext.bench.optimizers import Workload, add_workload_arguments
 
 DESCRIPTION = (
     "layer-wise distributed optimizer at several DP sizes on the reference workload: step time, "
@@ -61,7 +62,26 @@ GRAD_SYNC_NOTE = (
 )
 
 
+QUICK = {"dp": [1, 2], "layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0}
+EXAMPLE = "megatron-ext bench layerwise --quick --json runs/bench_layerwise.json"
+#: the JSON's top-level keys; ``dp`` holds one entry per DP size that ran
+JSON_KEYS = (
+    "optimizer",
+    "workload",
+    "host_cpus",
+    "steps",
+    "warmup",
+    "device",
+    "step_time",
+    "dp",
+    "speedup_ratio",
+    "targets",
+    "notes",
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
     parser.add_argument(
         "--dp", type=int, nargs="+", default=[1, 2, 4], help="DP sizes to run (default 1 2 4)"
     )
@@ -113,10 +133,12 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "cuda"
         else f"gloo ranks on this host ({os.cpu_count()} CPUs), one compute thread each"
     )
+    workload = Workload.from_args(args)
+    shapes = workload.shapes()
+    matrices, parameters = len(shapes), sum(m * n for m, n in shapes)
     print(
-        f"layer-wise optimizer, {args.optimizer}, reference workload (144 {args.precision} "
-        f"matrices, 29,360,128 parameters); {ranks}; {args.warmup} warmup + {args.steps} timed "
-        "steps"
+        f"layer-wise optimizer, {args.optimizer}, {workload} ({workload.describe()}, "
+        f"{args.precision}); {ranks}; {args.warmup} warmup + {args.steps} timed steps"
     )
     sizes = sorted(set(args.dp))
     per_dp: dict[str, dict[str, Any]] = {}
@@ -138,7 +160,14 @@ def run(args: argparse.Namespace) -> int:
         d["params_equal_dp1"] = fingerprints[int(n)] == fingerprints[1] if base else None
     report: dict[str, Any] = {
         "optimizer": args.optimizer,
-        "workload": {"matrices": 144, "parameters": 29_360_128, "dtype": args.precision},
+        "workload": {
+            "layers": workload.layers,
+            "width": workload.width,
+            "experts": workload.experts,
+            "matrices": matrices,
+            "parameters": parameters,
+            "dtype": args.precision,
+        },
         "host_cpus": os.cpu_count(),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -170,6 +199,9 @@ def _launch(n: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
             "-m",
             "megatron_ext.bench._layerwise_worker",
             f"--optimizer={args.optimizer}",
+            f"--layers={args.layers}",
+            f"--width={args.width}",
+            f"--experts={args.experts}",
             f"--steps={args.steps}",
             f"--warmup={args.warmup}",
             f"--bucket-numel={args.bucket_numel}",

@@ -1,19 +1,20 @@
 """``megatron-ext bench optimizers``: seconds per step of every optimizer on the reference workload.
 
-Workload (fp32): 4 layers of a d=512 GPT block — fused QKV 1536×512, proj 512×512, fc1 2048×512,
-fc2 512×2048 — each with 16 experts of 256×512 and 16 of 512×256: 144 matrices, 29,360,128
-parameters, gradients drawn from N(0, 1e-3²). Prints, per optimizer and mode: seconds per step
-(median over ``--steps`` after ``--warmup``), Newton–Schulz GFLOP/s against the machine's
-measured fp32 matmul rate, the orthogonality error ‖O − UVᵀ‖_F/‖UVᵀ‖_F, and optimizer state in
-bytes. If Emerging-Optimizers is importable its Muon and KL-SOAP run in the same process and the
-ratios (our time / theirs) are reported. Figures only, never pass/fail.
-"""
+Workload (fp32, :class:`Workload`): 4 layers of a d=512 GPT block — fused QKV 1536×512, proj
+512×512, fc1 2048×512, fc2 512×2048 — each with 16 experts of 256×512 and 16 of 512×256: 144
+matrices, 29,360,128 parameters (``--layers/--width/--experts`` change it), gradients drawn from
+N(0, 1e-3²). Prints, per optimizer and mode: seconds per step (median over ``--steps`` after
+``--warmup``), Newton–Schulz GFLOP/s against the machine's measured fp32 matmul rate, the
+orthogonality error ‖O − UVᵀ‖_F/‖UVᵀ‖_F, and optimizer state in bytes. If Emerging-Optimizers is
+importable its Muon and KL-SOAP run in the same process and the ratios (our time / theirs) are
+reported. Figures only, never pass/fail."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
@@ -39,13 +40,68 @@ MODES = (
 )
 DEFAULT_MODES = tuple(m for m in MODES if m not in ("kl_soap_eigh", "kl_soap_ns_root"))
 
-LAYERS, EXPERTS = 4, 16
-DENSE_SHAPES = ((1536, 512), (512, 512), (2048, 512), (512, 2048))
-EXPERT_SHAPES = ((256, 512), (512, 256))
+
+@dataclass(frozen=True)
+class Workload:
+    """The benchmark's matrices: ``layers`` GPT blocks of width ``width`` (d), each a fused QKV
+    (3d × d), proj (d × d), fc1 (4d × d), fc2 (d × 4d) and ``experts`` experts of (d/2 × d) and
+    (d × d/2). The default is the reference workload: 144 matrices, 29,360,128 parameters."""
+
+    layers: int = 4
+    width: int = 512
+    experts: int = 16
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Workload:
+        """The workload of ``--layers/--width/--experts``; ConfigError when one is too small."""
+        if args.layers < 1 or args.width < 2 or args.width % 2 or args.experts < 0:
+            raise ConfigError(
+                "--layers must be >= 1, --width even and >= 2, --experts >= 0; got "
+                f"{args.layers}, {args.width}, {args.experts}"
+            )
+        return cls(args.layers, args.width, args.experts)
+
+    def dense_shapes(self) -> tuple[tuple[int, int], ...]:
+        """QKV, proj, fc1, fc2 of one block."""
+        d = self.width
+        return ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))
+
+    def expert_shapes(self) -> tuple[tuple[int, int], ...]:
+        """fc1, fc2 of one expert."""
+        d = self.width
+        return ((d // 2, d), (d, d // 2))
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every matrix's shape, block by block, in forward order."""
+        shapes: list[tuple[int, int]] = []
+        for _ in range(self.layers):
+            shapes.extend(self.dense_shapes())
+            for shape in self.expert_shapes():
+                shapes.extend([shape] * self.experts)
+        return shapes
+
+    def describe(self) -> str:
+        shapes = self.shapes()
+        return f"{len(shapes)} matrices, {sum(m * n for m, n in shapes):,} parameters"
+
+
+QUICK = {"layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0}
+EXAMPLE = "megatron-ext bench optimizers --quick --json runs/bench_optimizers.json"
+#: the JSON's top-level keys; ``results`` holds one entry per mode that ran
+JSON_KEYS = ("workload", "machine", "steps", "warmup", "interleave", "results", "ratios")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--layers/--width/--experts`` (defaults: the reference workload)."""
+    ref = Workload()
+    parser.add_argument("--layers", type=int, default=ref.layers, help="GPT blocks (default 4)")
+    parser.add_argument("--width", type=int, default=ref.width, help="d (default 512)")
+    parser.add_argument("--experts", type=int, default=ref.experts, help="per block (default 16)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    add_workload_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -69,16 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def workload_shapes() -> list[tuple[int, int]]:
-    """The 144 matrix shapes of the reference workload, layer by layer."""
-    shapes: list[tuple[int, int]] = []
-    for _ in range(LAYERS):
-        shapes.extend(DENSE_SHAPES)
-        for shape in EXPERT_SHAPES:
-            shapes.extend([shape] * EXPERTS)
-    return shapes
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -92,12 +138,15 @@ def run(args: argparse.Namespace) -> int:
         newton_schulz_flops,
     )
 
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError("bench optimizers: --steps must be >= 1, --warmup >= 0")
+    workload = Workload.from_args(args)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("bench optimizers: --device cuda needs a CUDA GPU, and torch sees none")
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    shapes = workload_shapes()
+    shapes = workload.shapes()
     gen = torch.Generator().manual_seed(0)  # drawn on the CPU: the same values on any device
     weights = [(torch.randn(s, generator=gen) * 0.02).to(device) for s in shapes]
     grads = [(torch.randn(s, generator=gen) * 1e-3).to(device) for s in shapes]
@@ -236,7 +285,14 @@ def run(args: argparse.Namespace) -> int:
 
     ratios = _ratios(results)
     report = {
-        "workload": {"matrices": len(shapes), "parameters": numel, "grad_std": 1e-3},
+        "workload": {
+            "layers": workload.layers,
+            "width": workload.width,
+            "experts": workload.experts,
+            "matrices": len(shapes),
+            "parameters": numel,
+            "grad_std": 1e-3,
+        },
         "machine": {
             "device": args.device,
             "threads": args.threads,

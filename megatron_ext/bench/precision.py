@@ -37,6 +37,29 @@ DESCRIPTION = "one recipe once per precision, same start: loss deltas, tokens/s,
 MARKS = (0.25, 0.5, 0.75, 1.0)  # fractions of the run where losses are compared
 
 
+QUICK = {"steps": 8, "last": 2}
+EXAMPLE = "megatron-ext bench precision tiny_cpu_gpt --precisions fp32,bf16 --quick"
+#: the JSON's top-level keys (``precision.json``); ``results`` holds one entry per precision
+JSON_KEYS = (
+    "precisions",
+    "reference",
+    "last",
+    "steps",
+    "matched_tokens",
+    "matched_window",
+    "noise",
+    "mfu_basis",
+    "peak_tflops_per_device",
+    "results",
+    "curves",
+    "recipe",
+    "overrides",
+    "device",
+    "start_checkpoint",
+    "noise_run",
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from megatron_ext.run.precision import PRECISIONS
 
@@ -47,7 +70,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="fp32,bf16",
         help=f"comma-separated, the first is the reference; known: {', '.join(PRECISIONS)}",
     )
-    p.add_argument("--steps", type=int, default=None, help="training.steps of every run")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training.steps of every run, the recipe's schedule scaled with it (printed)",
+    )
     p.add_argument("--last", type=int, default=20, help="K: final losses are means of the last K")
     p.add_argument(
         "--noise", action="store_true", help="run the first precision again with the next seed"
@@ -72,14 +100,14 @@ def parse_precisions(spec: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import launch_run, write_json
+    from megatron_ext.bench.common import launch_run, run_length_overrides, write_json
     from megatron_ext.config.load import load_recipe
     from megatron_ext.run.hardware import probe_device, unmet_requirement
 
     precisions = parse_precisions(args.precisions)
     if args.last < 1:
         raise ConfigError(f"--last must be >= 1, got {args.last}")
-    overrides = [*args.overrides, *([f"training.steps={args.steps}"] if args.steps else [])]
+    overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "precision")
     recipe = load_recipe(args.recipe, overrides)  # a bad recipe fails before any run starts
     device = probe_device()
     for reason in (unmet_requirement(p, device) for p in precisions):

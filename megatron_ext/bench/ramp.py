@@ -25,9 +25,21 @@ DESCRIPTION = "constant batch vs a doubling batch ramp at equal tokens: final lo
 RUN = ("checkpoint.load=none", "checkpoint.save_interval=0", "checkpoint.save_at_end=false")
 
 
+QUICK = {"steps": 16, "double_every": 4, "last": 4}
+EXAMPLE = "megatron-ext bench ramp tiny_cpu_gpt training.micro_batch_size=2 --quick"
+#: the JSON's top-level keys (``ramp.json``); ``results`` holds ``constant`` and ``ramp``
+JSON_KEYS = ("recipe", "overrides", "ramp", "results", "curves")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="recipe file or shipped recipe name (a GPT recipe)")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training.steps of the constant run, the recipe's schedule scaled with it (printed)",
+    )
     p.add_argument("--start", type=int, default=4, help="the ramp's first global batch")
     p.add_argument("--double-every", type=int, default=32, help="optimizer steps per doubling")
     p.add_argument("--last", type=int, default=20, help="K: final loss = mean of the last K")
@@ -84,11 +96,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import write_json
+    from megatron_ext.bench.common import run_length_overrides, write_json
     from megatron_ext.config.load import load_recipe
     from megatron_ext.schedules.plan import training_schedule
 
-    recipe = load_recipe(args.recipe, args.overrides)  # a bad recipe fails before any run
+    overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "ramp")
+    recipe = load_recipe(args.recipe, overrides)  # a bad recipe fails before any run
     if recipe.trainer != "gpt":
         raise ConfigError(
             f"bench ramp needs a GPT recipe, {args.recipe} is trainer {recipe.trainer}"
@@ -100,12 +113,12 @@ def run(args: argparse.Namespace) -> int:
         "training.lr_warmup_steps=0",  # the warmup is the ramp's
         f"training.train_tokens={tokens}",
     ]
-    load_recipe(args.recipe, [*args.overrides, *ramp])
+    load_recipe(args.recipe, [*overrides, *ramp])
     out = Path(args.out)
     results = {}
     for name, extra in (("constant", []), ("ramp", ramp)):
         print(f"[ramp] {name}: running", flush=True)
-        run_dir = launch_run(args.recipe, [*args.overrides, *RUN, *extra], out / name, name)
+        run_dir = launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
         results[name] = summarize(run_dir, args.last)
     for name, r in results.items():
         val = "–" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
@@ -118,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'ramp.png'}")
     payload = {
         "recipe": args.recipe,
-        "overrides": args.overrides,
+        "overrides": overrides,
         "ramp": ramp,
         "results": {n: {k: v for k, v in r.items() if k != "curve"} for n, r in results.items()},
         "curves": {n: r["curve"] for n, r in results.items()},

@@ -51,6 +51,22 @@ DESCRIPTION = (
 )
 
 
+QUICK = {
+    "n_pert": 8,
+    "batch": 4,
+    "seq": 64,
+    "repeats": 1,
+    "experts": [8, 32],
+    "windows": 16,
+    "inference_repeats": 1,
+    "skip_compiled": True,
+}
+EXAMPLE = "megatron-ext bench soma --quick --json runs/bench_soma.json"
+#: the JSON's top-level keys (``spsa`` without ``--inference-sweep``, ``inference`` without
+#: ``--spsa-only``)
+JSON_KEYS = ("spsa", "inference")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--d-model", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=2)
@@ -96,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--inference-sweep", action="store_true", help="only the routed-inference sweeps"
     )
     part.add_argument("--spsa-only", action="store_true", help="only the SPSA timing")
+    parser.add_argument(
+        "--skip-compiled",
+        action="store_true",
+        help="leave out the torch.compile'd variant of the SPSA timing (its first compile takes "
+        "minutes on a CPU)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
 
 
@@ -178,6 +200,8 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     pert_tokens = thetas.shape[0] * args.batch * args.seq
     module = torch_nn_expert(layout).to(device)
     fused_ok, fused_why = scan.fused_available(device)
+    if fused_ok and args.skip_compiled:
+        fused_ok, fused_why = False, "skipped (--skip-compiled)"
     batched = {"eager": lambda: batched_loss(thetas, emb, tokens, layout, fused="off")}
     native_ok, native_why = (False, "runs on CPU only") if cuda else native_available()
     if native_ok:

@@ -303,8 +303,11 @@ class Recipe:
                 f"{p.pipeline_model_parallel_size}"
             )
         if t.lr_warmup_steps > t.steps:
+            window = t.lr_wsd_decay_steps if t.lr_decay_style == "WSD" else None
+            fits = t.lr_warmup_steps + (window or 1)  # warmup, then the decay (WSD: its window)
             raise ConfigError(
-                f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={t.steps}"
+                f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={t.steps}: "
+                f"lower training.lr_warmup_steps, or set training.steps to at least {fits}"
             )
         if self.optimizer.min_lr > self.optimizer.lr:
             raise ConfigError(

@@ -157,6 +157,8 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
             tokens / seconds / world * run.flops_per_token / 1e12 if seconds else None
         ),
         "elapsed_s": recs[-1]["elapsed_s"] if recs else 0.0,
+        # rank 0: launch command -> first step, by phase (megatron_ext.run.startup)
+        "startup_s": run.startup_s,
         # rank 0's gradient reduce-scatter payload this run (layer-wise optimizer only)
         "grad_sync_bytes": run.optimizer.grad_sync_bytes(),
         # rank 0's peak memory: CUDA allocator peaks, or on CPU the process's peak RSS

@@ -50,6 +50,7 @@ class GPTRun:
     run_dir: Path
     expert_load: ExpertLoad | None = None  # MoE models: tokens per expert, router losses
     start_step: int = 0
+    startup_s: dict[str, float] | None = None  # launch command -> first step (run.startup)
 
 
 def setup(recipe: Recipe) -> GPTRun:

@@ -24,6 +24,7 @@ from megatron_ext.gpt.report import record_step, record_validation, summarize
 from megatron_ext.gpt.setup import setup
 from megatron_ext.gpt.step import train_step
 from megatron_ext.run.metrics import MetricsLogger
+from megatron_ext.run.startup import StartupClock
 from megatron_ext.run.stopping import RunStopped, StopPolicy
 
 __all__ = ["train"]
@@ -34,6 +35,8 @@ def train(recipe: Recipe) -> dict[str, Any]:
     checkpoint (``checkpoint.load``). Returns the run summary (rank 0 also writes
     ``run_dir/summary.json``); raises :class:`TrainingDivergedError` on a non-finite loss and
     :class:`RunStopped` after saving when asked to stop early."""
+    clock = StartupClock.start()  # from the launch command: what a user waits for
+    clock.mark("imports")  # this process's start -> here: interpreter, imports, the recipe
     stop = StopPolicy.from_training(recipe.training)  # before setup: a signal during it counts
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
@@ -70,6 +73,7 @@ def train(recipe: Recipe) -> dict[str, Any]:
     log.info(update_rms_note(recipe.optimizer))
     if run.start_step == 0 and checkpointer.should_save(0, t.steps):  # checkpoint.save_initial
         checkpointer.save(0, run.model, run.optimizer, {"step": 0, "consumed_samples": 0})
+    clock.mark("setup")  # model, data, optimizer, resume
     stopping = None
     try:
         for step in range(run.start_step, t.steps):
@@ -82,6 +86,10 @@ def train(recipe: Recipe) -> dict[str, Any]:
                     f"stopping without checkpointing this state. Lower optimizer.lr, enable "
                     f"optimizer.clip_grad, or resume from {checkpointer.ckpt_dir}"
                 )
+            if step == run.start_step:
+                clock.mark("first_step")
+                run.startup_s = clock.phases()
+                log.info(clock.report())
             record_step(log, run, done, result, step_time)
             if evaluator.should_evaluate(done, t.steps):
                 record_validation(log, run, done, evaluator.evaluate(run))

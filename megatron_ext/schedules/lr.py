@@ -68,28 +68,37 @@ class LRSchedule:
         # Messages use the recipe's field names: that is where these numbers come from.
         if self.decay_style not in get_args(DecayStyle):
             raise ConfigError(
-                f"lr_decay_style={self.decay_style!r} is not one of "
+                f"training.lr_decay_style={self.decay_style!r} is not one of "
                 f"{', '.join(get_args(DecayStyle))}"
             )
         if self.wsd_decay_style not in get_args(WsdDecayStyle):
             raise ConfigError(
-                f"lr_wsd_decay_style={self.wsd_decay_style!r} is not one of "
+                f"training.lr_wsd_decay_style={self.wsd_decay_style!r} is not one of "
                 f"{', '.join(get_args(WsdDecayStyle))}"
             )
         if not 0.0 <= self.min_lr <= self.max_lr:
-            raise ConfigError(f"need 0 <= min_lr <= lr, got min_lr={self.min_lr}, lr={self.max_lr}")
+            raise ConfigError(
+                f"optimizer.min_lr={self.min_lr} must lie in [0, optimizer.lr={self.max_lr}]: "
+                "lower optimizer.min_lr"
+            )
         if not 0 <= self.warmup_steps < self.decay_steps:
             raise ConfigError(
-                f"need 0 <= lr_warmup_steps < lr_decay_steps, got "
-                f"{self.warmup_steps} and {self.decay_steps}"
+                f"training.lr_warmup_steps={self.warmup_steps} must be below the step where the "
+                f"decay ends, {self.decay_steps} (training.lr_decay_steps; training.steps when "
+                f"unset): lower training.lr_warmup_steps, or run at least "
+                f"{self.warmup_steps + 1} steps"
             )
         if self.decay_style == "WSD":
             room = self.decay_steps - self.warmup_steps
             if self.wsd_decay_steps is None or not 1 <= self.wsd_decay_steps <= room:
+                fit = self.warmup_steps + (self.wsd_decay_steps or 1)
                 raise ConfigError(
-                    f"lr_decay_style=WSD needs 1 <= lr_wsd_decay_steps <= lr_decay_steps - "
-                    f"lr_warmup_steps = {room} (the final decay window must fit after warmup), "
-                    f"got lr_wsd_decay_steps={self.wsd_decay_steps}"
+                    f"training.lr_decay_style=WSD: the final decay window "
+                    f"(training.lr_wsd_decay_steps={self.wsd_decay_steps}) must fit between the "
+                    f"warmup's end (training.lr_warmup_steps={self.warmup_steps}) and the "
+                    f"decay's end ({self.decay_steps}: training.lr_decay_steps; training.steps "
+                    f"when unset), which leaves {room}: shorten either, or run at least "
+                    f"{fit} steps"
                 )
 
     def lr_at(self, step: int) -> float:

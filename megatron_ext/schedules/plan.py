@@ -204,14 +204,15 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
             raise ConfigError(
                 f"the warmup ends at step {warmup_step} (token {tokens(warmup_step):,}), after "
                 f"the WSD decay window starts at step {window_start} (token "
-                f"{tokens(window_start):,}): shorten the warmup or training.lr_wsd_decay_steps"
+                f"{tokens(window_start):,}): shorten the warmup or training.lr_wsd_decay_steps, "
+                f"or run at least {warmup_step + t.lr_wsd_decay_steps} steps"
             )
         wsd = tokens(decay_steps) - tokens(window_start)
     if warmup_step >= decay_steps:
         raise ConfigError(
             f"the warmup ends at step {warmup_step}, not before the decay ends at step "
             f"{decay_steps}: shorten the warmup (training.lr_warmup_steps or "
-            f"training.batch_ramp.warmup) or lengthen the run"
+            f"training.batch_ramp.warmup), or run at least {warmup_step + 1} steps"
         )
     lr = LRSchedule(
         max_lr=o.lr,

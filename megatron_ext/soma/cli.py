@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "independent vs summed losses (CSV + PNG)",
     )
     v.add_argument("--out", default="runs/soma_variance", help="folder for variance.csv/.png")
+    v.add_argument(
+        "--probes",
+        type=int,
+        default=4800,
+        help="probes per measured point (default 4800: about 2%% standard error)",
+    )
     g = ssub.add_parser("generate", help="sample bytes after a prompt from the routed mixture")
     g.add_argument("recipe")
     g.add_argument("overrides", nargs="*")
@@ -43,7 +49,9 @@ def soma_main(args: argparse.Namespace) -> int:
     if args.soma_command == "variance":
         from megatron_ext.soma.variance import measure_paper_claims
 
-        for row in measure_paper_claims(args.out):
+        if args.probes < 2:
+            raise ConfigError(f"--probes={args.probes} must be at least 2")
+        for row in measure_paper_claims(args.out, probes_per_point=args.probes):
             print(
                 f"{row['experiment']:>11s} {row['x_label']}={row['x']}: measured "
                 f"{row['measured']:.2f}, predicted {row['predicted']:.2f}"

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from megatron_ext.distributed.allgather_v import make_allgather_v, segment_offsets
+from tests.dist.ending import leave
 
 
 def expected(counts: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +56,7 @@ def main(backend: str, out_dir: str) -> None:
             f,
         )
     if backend != "mpi":
-        torch.distributed.destroy_process_group()
+        leave()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.parallel import init_distributed
-from megatron_ext.run.distributed import destroy_process_groups
+from tests.dist.ending import leave
 
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 64
 
@@ -103,7 +103,7 @@ def main(out: str, kind: str) -> None:
             },
             out,
         )
-    destroy_process_groups()
+    leave()
 
 
 if __name__ == "__main__":

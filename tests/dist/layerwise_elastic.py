@@ -15,6 +15,7 @@ from layerwise_step import grads_for, make_params  # same folder (run as a scrip
 
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+from tests.dist.ending import leave
 
 
 def save_named_state(optimizer: LayerwiseOptimizer, folder: str) -> None:
@@ -59,14 +60,7 @@ def main(
     save_named_state(opt, out_dir)
     if opt.rank == 0:
         torch.save({n: p.detach().clone() for n, p in params}, Path(out_dir) / "params.pt")
-    # Leave together, and without gloo's teardown: a rank destroying its gloo pairs while a
-    # peer still closed its own aborted a rank now and then, even after a barrier ("terminate
-    # called without an active exception", exit -6; twice in ~20 clean-clone runs). Every
-    # result is on disk by now, so the process ends here.
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

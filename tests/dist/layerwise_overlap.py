@@ -11,6 +11,7 @@ import torch
 
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+from tests.dist.ending import leave
 
 LAYERS = 4
 
@@ -53,7 +54,7 @@ def main(out: str) -> None:
                 },
                 f,
             )
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

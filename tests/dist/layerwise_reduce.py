@@ -16,6 +16,7 @@ from layerwise_step import make_params  # same folder (run as a script)
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 from megatron_ext.distributed.plan import OwnershipPlan
+from tests.dist.ending import leave
 
 
 def grads_of(rank: int, params) -> dict[str, torch.Tensor]:
@@ -53,10 +54,7 @@ def main(out: str) -> None:
     }
     with open(f"{out}.{opt.rank}.json", "w") as f:
         json.dump(result, f)
-    # Leave together: a rank tearing down its gloo pairs while a peer still finishes its last
-    # transfer aborted a rank once ("terminate called without an active exception").
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

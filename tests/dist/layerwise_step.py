@@ -12,6 +12,7 @@ import torch
 
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+from tests.dist.ending import leave
 
 STEPS = 3
 
@@ -89,13 +90,7 @@ def main(optimizer: str, out: str, dtype: str = "fp32") -> None:
             },
             out,
         )
-    # Leave together, and without gloo's teardown, as layerwise_elastic.py does: here too a rank
-    # aborted at exit ("terminate called without an active exception", exit -6; once in a
-    # clean-clone run). The result is on disk by now, so the process ends here.
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

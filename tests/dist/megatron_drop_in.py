@@ -32,6 +32,7 @@ from megatron_ext.gpt.setup import ensure_dataset
 from megatron_ext.megatron.drop_in import get_megatron_optimizer
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.parallel import init_distributed
+from tests.dist.ending import leave
 
 
 def forward_step(data_iterator, model):
@@ -155,8 +156,7 @@ def main() -> None:
                 },
                 f,
             )
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_ext.gpt.checkpoint import verify_replicas
+from tests.dist.ending import leave
 
 
 def main(out: str) -> None:
@@ -29,8 +30,7 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"message": message}, f)
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

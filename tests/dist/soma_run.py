@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from tests.dist.ending import leave
 
 
 def main() -> None:
@@ -64,8 +65,7 @@ def main() -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{count_file}.{rank}", "w") as f:
         json.dump(calls, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import signal
 import torch.distributed as dist
 
 from megatron_ext.run.stopping import StopPolicy
+from tests.dist.ending import leave
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
@@ -23,4 +24,4 @@ if __name__ == "__main__":
     local, agreed = stop.requested(2), stop.check(2)
     stop.uninstall()
     print(json.dumps({"rank": rank, "before": before, "local": local, "agreed": agreed}))
-    dist.destroy_process_group()
+    leave()

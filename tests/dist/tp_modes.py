@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megatron_ext.optimizers import MOP, KLSoap, Muon, QKVLayout
+from tests.dist.ending import leave
 
 STEPS = 3
 
@@ -186,7 +187,7 @@ def main(out_dir: str) -> None:
         )
         collectives[config] = {k: counts[k] - before[k] for k in counts}
     torch.save({**results, "collectives": collectives}, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
