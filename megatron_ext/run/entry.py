@@ -20,6 +20,7 @@ from typing import Any
 from megatron_ext.config import load_recipe
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.hardware import check_precision_on_rank
+from megatron_ext.run.lazy_compile import defer_compile_on_cpu
 from megatron_ext.run.rank_env import detect_rank_env
 from megatron_ext.run.rank_errors import record_error, record_stop
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR, RunStopped
@@ -49,6 +50,7 @@ def _train_main(recipe_path: str, overrides: Sequence[str], rank: int, world_siz
     check_precision_on_rank(
         recipe, detect_rank_env(os.environ).local_rank
     )  # again, as torch sees this rank's GPU
+    defer_compile_on_cpu()  # before the trainer imports megatron-core (run.lazy_compile)
     train = get_trainer(recipe.trainer).load_train()
     import torch
 
