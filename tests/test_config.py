@@ -230,8 +230,10 @@ def run_launch(*args: str) -> subprocess.CompletedProcess:
         ("missing_file", "recipe file 'no/such/recipe.yaml' not found"),
         (
             "wsd_window",
-            "(training.lr_wsd_decay_steps=15) must fit between the warmup's end "
-            "(training.lr_warmup_steps=10) and the decay's end (20",
+            "training.lr_decay_style=WSD: the final decay window (training.lr_wsd_decay_steps=15) "
+            "must fit between the warmup's end (training.lr_warmup_steps=10) and the decay's end "
+            "(20: training.lr_decay_steps; training.steps when unset), which leaves 10: shorten "
+            "either, or run at least 25 steps",
         ),
     ],
 )
