@@ -91,22 +91,16 @@ def rank_base_env() -> dict[str, str]:
     return env
 
 
-_ZYGOTE: list[Zygote] = []
-
-
 def warm_zygote() -> Zygote | None:
     """The session's warm-rank server (:mod:`tests.warm`), started on first use; None with
     ``MEGATRON_EXT_TEST_COLD=1`` (every launch under torchrun, as before)."""
     if os.environ.get("MEGATRON_EXT_TEST_COLD") == "1":
         return None
-    if not _ZYGOTE:
-        _ZYGOTE.append(Zygote(rank_base_env(), ROOT))
-    return _ZYGOTE[0]
+    return Zygote.session(rank_base_env(), ROOT)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    while _ZYGOTE:
-        _ZYGOTE.pop().close()
+    Zygote.close_session()
 
 
 @pytest.fixture(scope="module")

@@ -96,9 +96,17 @@ def serve(socket_path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(4)
+    listener.settimeout(5.0)
+    parent = os.getppid()
     print("ready", flush=True)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the test session is gone (killed): so is its server
+                return
+            continue
+        conn.settimeout(None)
         with conn:
             request = json.loads(conn.makefile("r").readline())
             reply = _launch(request, listener, conn)
@@ -273,7 +281,25 @@ def end_rank(code: int) -> None:
 
 
 class Zygote:
-    """The session's warm-start server: started on first use, ended with the session."""
+    """The session's warm-start server: started on first use, ended with the session.
+
+    One per process (:meth:`session`): pytest imports ``conftest`` both as ``conftest`` and as
+    ``tests.conftest``, so the one server is kept here, in a module imported once."""
+
+    _session: Zygote | None = None
+
+    @classmethod
+    def session(cls, env: dict[str, str], cwd: Path) -> Zygote:
+        if cls._session is None:
+            cls._session = cls(env, cwd)
+            atexit.register(cls.close_session)
+        return cls._session
+
+    @classmethod
+    def close_session(cls) -> None:
+        if cls._session is not None:
+            cls._session.close()
+            cls._session = None
 
     def __init__(self, env: dict[str, str], cwd: Path) -> None:
         self.env = env
