@@ -46,7 +46,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -264,16 +263,11 @@ def _run_main(argv: list[str], cwd: str, pythonpath: str) -> int:
 
 
 def end_rank(code: int) -> None:
-    """End this process as Python's own exit would, less the teardown of C++ objects: join the
-    non-daemon threads, run the ``atexit`` handlers, flush, ``os._exit(code)``."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter's exit does
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+    """End this process as Python's own exit would, less the interpreter's teardown: the way
+    every rank ends (:func:`megatron_ext.run.ending.end_process`)."""
+    from megatron_ext.run.ending import end_process
+
+    end_process(code)
 
 
 # ---------------------------------------------------------------------------------------------

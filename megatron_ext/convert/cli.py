@@ -85,6 +85,7 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
 
     from megatron_ext.convert.hf import hf_to_mcore_state
     from megatron_ext.convert.parity import build_mcore
+    from megatron_ext.megatron.save_queue import fork_results_queue
 
     hf = _load_hf(args.hf_dir)
     full = {**hf.config.to_dict(), **raw}  # the loaded config fills what the file leaves out
@@ -95,6 +96,7 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     # A step-0 checkpoint: the GPT trainer starts from its weights alone (checkpoint.load=
     # OUT/step_000000). world 0 matches no run, so no RNG streams are asked of it.
     initial = {"model": gpt.sharded_state_dict(), "loop": INITIAL_LOOP, "world": 0}
+    fork_results_queue()
     dist_checkpointing.save(initial, str(args.out / WEIGHTS))
     (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
     from megatron_ext.convert.recipe import RECIPE, continue_recipe

@@ -52,6 +52,7 @@ from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron import fp32_weight_masters
+from megatron_ext.megatron.save_queue import fork_results_queue
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir()
     dist.barrier()
+    fork_results_queue()  # the writer's Manager forked, not a new interpreter (see its module)
     dist_checkpointing.save(
         _sharded_state(model, optimizer, loop_state, is_loading=False), str(tmp)
     )

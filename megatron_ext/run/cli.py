@@ -8,9 +8,10 @@ from megatron_ext.run.commands import Command, add_recipe_arguments, register_co
 
 
 def _run(args: argparse.Namespace) -> int:
+    from megatron_ext.run.ending import end_process
     from megatron_ext.run.entry import train_main
 
-    return train_main(args.recipe, args.overrides)
+    end_process(train_main(args.recipe, args.overrides))  # without the interpreter's teardown
 
 
 register_command(
