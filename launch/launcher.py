@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.moe_presets import describe_moe_preset
+from megatron_ext.config.reads import describe_reads
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
@@ -44,6 +45,7 @@ from megatron_ext.launch.supervise import run_ranks
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.startup import LAUNCHED_AT_VAR, process_start_time
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
+from megatron_ext.run.trainers import get_trainer
 from megatron_ext.schedules.table import describe_schedule
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
@@ -123,6 +125,10 @@ def launch_main(args: argparse.Namespace) -> int:
         # The batch stages and LR on tokens and an MoE preset's fields, for the reader (stderr:
         # stdout stays a shell snippet); writes run_dir/schedule.png.
         recipe = read_recipe(request.recipe, request.overrides)
+        print(
+            f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}",
+            file=sys.stderr,
+        )
         world = resolve_layout(request, os.environ, host, recipe).world_size
         schedule = describe_schedule(recipe, world)
         if schedule:

@@ -18,9 +18,10 @@ from typing import Any
 import yaml
 
 from megatron_ext.config.moe_presets import expand_moe_preset
+from megatron_ext.config.reads import check_reads
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import trainer_sections
+from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 
 def load_recipe(
@@ -102,14 +103,17 @@ def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     """Build a typed ``Recipe``; unknown keys, wrong types and out-of-range values raise.
 
     Every registered trainer's section is built (from its defaults when absent), whichever
-    trainer the recipe names, as the shared sections are."""
+    trainer the recipe names, as the shared sections are; a key the recipe's trainer does not
+    read is refused (:func:`megatron_ext.config.reads.check_reads`)."""
     sections = trainer_sections()
-    shared = {k: v for k, v in expand_moe_preset(raw).items() if k not in sections}
+    expanded = expand_moe_preset(raw)
+    shared = {k: v for k, v in expanded.items() if k not in sections}
     recipe = _build(Recipe, shared, prefix="", more_keys=tuple(sections))
     recipe.sections = {
         name: _build(config, raw.get(name, {}), prefix=f"{name}.")
         for name, config in sections.items()
     }
+    check_reads(expanded, get_trainer(recipe.trainer))  # fields first: a misspelt key says so
     return recipe
 
 

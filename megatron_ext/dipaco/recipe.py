@@ -208,5 +208,8 @@ register_trainer(
         check=check_dipaco,
         section="dipaco",
         config=DipacoConfig,
+        # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
+        # parallel sizes are read to refuse any other than 1 (a rank is one worker)
+        reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
     )
 )

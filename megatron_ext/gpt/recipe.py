@@ -83,4 +83,11 @@ def _check_stages(recipe: Recipe, schedule: TrainingSchedule, world_size: int) -
             )
 
 
-register_trainer(TrainerSpec(name="gpt", train="megatron_ext.gpt.trainer:train", check=check_gpt))
+register_trainer(
+    TrainerSpec(
+        name="gpt",
+        train="megatron_ext.gpt.trainer:train",
+        check=check_gpt,
+        reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
+    )
+)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,11 @@ class TrainerSpec:
     world_size)``: the trainer's cross-field rules (``world_size`` None: the rules that need no
     job size); raises ``ConfigError``. ``section``/``config``: the recipe section the trainer
     owns and the dataclass it is parsed into (None: the trainer uses only shared sections).
+    ``reads``: the shared sections (``model``, ``optimizer``, ``data``, ``training``,
+    ``parallel``) the trainer reads, each mapped to the fields it reads (None: all of them); a
+    recipe that sets any other field of a shared section, or another trainer's own section, is
+    refused before launch (:mod:`megatron_ext.config.reads`). The run sections (``run_dir``,
+    ``logging``, ``checkpoint``, ``launch``) belong to every trainer.
     """
 
     name: str
@@ -58,6 +63,7 @@ class TrainerSpec:
     check: Callable[[Recipe, int | None], None]
     section: str | None = None
     config: type | None = None
+    reads: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.section is None) != (self.config is None):

@@ -115,5 +115,10 @@ register_trainer(
         check=check_soma,
         section="soma",
         config=SomaConfig,
+        # the byte windows come from data.source; the seed and the stop rules from training
+        reads={
+            "data": ("source",),
+            "training": ("seed", "exit_interval", "exit_duration_in_mins", "exit_signals"),
+        },
     )
 )
