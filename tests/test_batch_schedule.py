@@ -35,6 +35,12 @@ from megatron_ext.schedules.table import format_stage_table, stage_rows
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
 
+GPT_READS = (
+    "trainer=gpt reads model, optimizer, data, training, parallel, "
+    "and run_dir, logging, checkpoint, launch"
+)
+
+
 def _recipe(**training) -> Recipe:
     ramp = training.pop("batch_ramp", None)
     t = TrainingConfig(**training)
@@ -358,7 +364,8 @@ def test_dry_run_prints_the_stage_table_and_writes_the_png(tmp_path: Path) -> No
     proc = _dry_run(recipe, "training.step_batch_size_schedule=0:8 16K:16 64K:32")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].split()[1:3] == ["-m", "torch.distributed.run"]
-    lines = proc.stderr.splitlines()
+    reads, *lines = proc.stderr.splitlines()
+    assert reads == GPT_READS  # what the trainer reads, first
     assert lines[0].startswith("batch schedule: 100 steps, 107,520 tokens, target global batch 32")
     # 16K tokens = 250 samples: 32 steps of 8 (256 samples); 64K = 1000: +47 of 16 (1008),
     # then 21 of 32: 1680 samples of 64 tokens

@@ -277,3 +277,25 @@ def test_shipped_recipe_validates_at_its_world_size(path: Path) -> None:
     recipe = load_recipe(path)
     world = CLUSTER_WORLD_SIZES.get(path.stem, recipe.launch.nproc_per_node_cpu)
     load_recipe(path, world_size=world)
+
+
+def test_closed_sets_are_typed_once_by_the_module_that_implements_them() -> None:
+    """The schema's decay styles and precisions are the Literal aliases of schedules.lr and
+    run.precision (one edit adds one), and a value outside them is refused by name."""
+    import typing
+
+    from megatron_ext.config.fields import literal_options
+    from megatron_ext.config.schema import TrainingConfig
+    from megatron_ext.run.precision import PRECISIONS
+    from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
+
+    hints = typing.get_type_hints(TrainingConfig)
+    assert literal_options(hints["lr_decay_style"]) == typing.get_args(DecayStyle)
+    assert literal_options(hints["lr_wsd_decay_style"]) == typing.get_args(WsdDecayStyle)
+    assert literal_options(hints["precision"]) == PRECISIONS
+    with pytest.raises(ConfigError) as caught:
+        load_recipe("tiny_cpu_gpt", ["training.lr_decay_style=cosin"])
+    assert str(caught.value) == (
+        "training.lr_decay_style='cosin' is not one of constant, linear, cosine, WSD "
+        "(did you mean 'cosine'?)"
+    )

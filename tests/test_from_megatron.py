@@ -83,6 +83,12 @@ torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py ${MODEL_ARGS[@]} ${MOE_ARGS[@]} 
 SCRIPT_ARGS = ("runs/moe", "data/moe_text_document")
 
 
+GPT_READS = (
+    "trainer=gpt reads model, optimizer, data, training, parallel, "
+    "and run_dir, logging, checkpoint, launch"
+)
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(MEGATRON_EXT), *args],
@@ -217,7 +223,8 @@ def test_round_trip_the_recipes_dry_run_shows_the_scripts_schedule(converted) ->
             stages[-1] += [theirs.get()]
         tokens.append(consumed * 1024)
         consumed += batch
-    lines = proc.stderr.splitlines()
+    reads, *lines = proc.stderr.splitlines()
+    assert reads == GPT_READS  # what the trainer reads, first
     assert lines[0].startswith(f"batch schedule: 2,000 steps, {consumed * 1024:,} tokens")
     rows = [line.split()[:5] for line in lines[2 : 2 + len(stages)]]
     assert rows == [[i, s, tok, str(b), str(n)] for i, s, tok, b, n in stages]

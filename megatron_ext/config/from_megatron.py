@@ -156,13 +156,16 @@ def _field_metadata(path: str) -> Any:
     import dataclasses
     import typing
 
+    from megatron_ext.config.fields import literal_options
     from megatron_ext.config.schema import Recipe
 
     cls: Any = Recipe
     *parents, leaf = path.split(".")
     for part in parents:
         cls = typing.get_type_hints(cls)[part]
-    return {f.name: f for f in dataclasses.fields(cls)}[leaf].metadata
+    meta = {f.name: f for f in dataclasses.fields(cls)}[leaf].metadata
+    options = literal_options(typing.get_type_hints(cls)[leaf])
+    return {**meta, "choices": options} if options is not None else meta
 
 
 def _value(flag: Flag | None) -> str | None:

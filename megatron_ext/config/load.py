@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.config.fields import literal_options
 from megatron_ext.config.moe_presets import expand_moe_preset
 from megatron_ext.config.reads import check_reads
 from megatron_ext.config.schema import Recipe
@@ -166,6 +167,9 @@ def _coerce(key: str, value: Any, tp: Any, meta: Any) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         tp = next(a for a in args if a is not type(None))
+    options = literal_options(tp)
+    if options is not None:  # Literal["a", "b"]: a value of the options' type, one of them
+        tp, meta = type(options[0]), {**meta, "choices": options}
     value = _convert(key, value, tp)
     _check_range(key, value, meta)
     return value

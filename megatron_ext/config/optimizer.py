@@ -18,7 +18,7 @@ No torch import (the launcher validates recipes before any process starts).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, get_args
+from typing import Any
 
 from megatron_ext.config.fields import spec
 from megatron_ext.errors import ConfigError
@@ -38,10 +38,9 @@ _SHARED: list[tuple[str, Any, Any]] = [
     ("clip_grad", float, spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")),
     (
         "tp_mode",
-        str,
+        TPMode,
         spec(
             "duplicated",
-            choices=get_args(TPMode),
             help="matrix optimizers under tensor parallelism: duplicated = gather the shards, "
             "TP=1 update; distributed = Muon's NS with all-reduced Gram products; blockwise = "
             "each shard alone (not TP=1-equivalent)",

@@ -13,14 +13,15 @@ This module must not import torch: the launcher validates recipes before any pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS, check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.run.precision import PRECISIONS, check_precision_fields
+from megatron_ext.run.precision import Precision, check_precision_fields
 from megatron_ext.run.stopping import check_stop_fields
 from megatron_ext.run.trainers import get_trainer, trainer_sections
+from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
 
 if TYPE_CHECKING:
     from megatron_ext.schedules.lr import LRSchedule
@@ -38,25 +39,23 @@ class ModelConfig:
     kv_channels: int | None = spec(None, ge=1)
     vocab_size: int | None = spec(None, ge=1, help="None = tokenizer's vocabulary")
     make_vocab_size_divisible_by: int = spec(128, ge=1)
-    normalization: str = spec("RMSNorm", choices=("RMSNorm", "LayerNorm"))
+    normalization: Literal["RMSNorm", "LayerNorm"] = spec("RMSNorm")
     layernorm_epsilon: float = spec(1e-5, gt=0.0)
-    position_embedding_type: str = spec("rope", choices=("rope", "learned_absolute"))
+    position_embedding_type: Literal["rope", "learned_absolute"] = spec("rope")
     rotary_base: int = spec(10000, ge=1)
-    activation: str = spec("swiglu", choices=("swiglu", "gelu"))
+    activation: Literal["swiglu", "gelu"] = spec("swiglu")
     add_bias_linear: bool = False
     qk_layernorm: bool = False
-    qk_layernorm_scope: str = spec(
+    qk_layernorm_scope: Literal["head", "projection"] = spec(
         "head",
-        choices=("head", "projection"),
         help="q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE)",
     )
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = spec(0.02, gt=0.0)
     hidden_dropout: float = spec(0.0, ge=0.0, le=1.0)
     attention_dropout: float = spec(0.0, ge=0.0, le=1.0)
-    transformer_impl: str = spec(
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = spec(
         "auto",
-        choices=("auto", "local", "transformer_engine"),
         help="auto = Transformer Engine when installed and on GPU",
     )
     # Mixture of experts (0 experts = dense); megatron_ext.config.moe_presets
@@ -66,11 +65,11 @@ class ModelConfig:
     num_moe_experts: int = spec(0, ge=0)
     moe_router_topk: int = spec(2, ge=1)
     moe_ffn_hidden_size: int | None = spec(None, ge=1)
-    moe_router_score_function: str = spec("softmax", choices=("softmax", "sigmoid"))
+    moe_router_score_function: Literal["softmax", "sigmoid"] = spec("softmax")
     moe_router_enable_expert_bias: bool = False
-    moe_router_load_balancing_type: str = spec(
-        "aux_loss", choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-    )
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = spec("aux_loss")
     moe_aux_loss_coeff: float = spec(0.0, ge=0.0, help="megatron-core's, per MoE layer")
     moe_z_loss_coeff: float | None = spec(None, ge=0.0)
     moe_router_pre_softmax: bool = spec(False, help="softmax over all experts before top-k")
@@ -78,14 +77,14 @@ class ModelConfig:
     moe_router_bias_update_rate: float = spec(1e-3, ge=0.0)
     moe_router_num_groups: int | None = spec(None, ge=1)
     moe_router_group_topk: int | None = spec(None, ge=1)
-    moe_router_dtype: str = spec("fp32", choices=("fp32", "fp64"))
+    moe_router_dtype: Literal["fp32", "fp64"] = spec("fp32")
     moe_shared_expert_intermediate_size: int | None = spec(None, ge=1)
     moe_shared_expert_gate: bool = False
     moe_shared_expert_overlap: bool = False
     moe_layer_freq: list[int] = spec(
         [], help="[] = every layer MoE; [N] = one in N; or a 0/1 pattern, one per layer"
     )
-    moe_token_dispatcher_type: str = spec("alltoall", choices=("alltoall", "allgather"))
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = spec("alltoall")
     moe_grouped_gemm: bool = False
 
 
@@ -99,7 +98,7 @@ class DataConfig:
         help="text inputs built into `path` when it is missing; "
         "'python-stdlib' = the installed stdlib's docstrings",
     )
-    tokenizer: str = spec("byte", choices=("byte", "sentencepiece"))
+    tokenizer: Literal["byte", "sentencepiece"] = spec("byte")
     tokenizer_model: str = spec("", help="SentencePiece .model file")
     split: str = spec("98,2,0", help="train,valid,test weights")
 
@@ -110,9 +109,8 @@ class BatchRampConfig:
 
     start: int = spec(0, ge=0, help="first global batch B0 (sequences); 0 = no ramp")
     double_every: int = spec(0, ge=0, help="optimizer steps between doublings, up to the target")
-    warmup: str = spec(
+    warmup: Literal["ramp", "first_stage", "recipe"] = spec(
         "ramp",
-        choices=("ramp", "first_stage", "recipe"),
         help="LR warmup ends where the ramp ends, at its first doubling, or at "
         "training.lr_warmup_steps",
     )
@@ -137,26 +135,24 @@ class TrainingConfig:
     step_batch_size_schedule: str = spec(
         "", help="megatron-core's 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); '' = none"
     )
-    step_batch_size_schedule_unit: str = spec("tokens", choices=("tokens", "samples"))
-    batch_lr_scaling: str = spec(
-        "sqrt", choices=("sqrt", "none"), help="lr x sqrt(B / target B) at every batch stage"
+    step_batch_size_schedule_unit: Literal["tokens", "samples"] = spec("tokens")
+    batch_lr_scaling: Literal["sqrt", "none"] = spec(
+        "sqrt", help="lr x sqrt(B / target B) at every batch stage"
     )
     seq_length: int = spec(128, ge=1)
     seed: int = spec(1234, ge=0)
-    precision: str = spec(
-        "fp32", choices=PRECISIONS, help="megatron_ext.run.precision maps each to megatron-core"
+    precision: Precision = spec(
+        "fp32", help="megatron_ext.run.precision maps each to megatron-core"
     )
     num_layers_at_start_in_bf16: int = spec(
         0, ge=0, help="FP8/FP4: first transformer layers kept in BF16"
     )
     num_layers_at_end_in_bf16: int = spec(0, ge=0, help="FP8/FP4: last layers kept in BF16")
     lr_warmup_steps: int = spec(0, ge=0)
-    lr_decay_style: str = spec("cosine", choices=("constant", "linear", "cosine", "WSD"))
+    lr_decay_style: DecayStyle = spec("cosine")
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
-    lr_wsd_decay_style: str = spec(
-        "minus_sqrt", choices=("minus_sqrt", "linear", "cosine", "exponential")
-    )
+    lr_wsd_decay_style: WsdDecayStyle = spec("minus_sqrt")
     eval_interval: int = spec(
         0, ge=0, help="validation loss every N steps (and after the last); 0 = after the last only"
     )
@@ -185,8 +181,8 @@ class ParallelConfig:
     context_parallel_size: int = spec(1, ge=1)
     expert_model_parallel_size: int = spec(1, ge=1)
     sequence_parallel: bool = False
-    backend: str = spec(
-        "auto", choices=("auto", "nccl", "gloo"), help="auto = nccl with CUDA, gloo without"
+    backend: Literal["auto", "nccl", "gloo"] = spec(
+        "auto", help="auto = nccl with CUDA, gloo without"
     )
 
 
@@ -194,7 +190,7 @@ class ParallelConfig:
 class LoggingConfig:
     log_interval: int = spec(1, ge=1)
     tensorboard: bool = True
-    progress_bar: str = spec("auto", choices=("auto", "on", "off"))
+    progress_bar: Literal["auto", "on", "off"] = spec("auto")
 
 
 @dataclass
@@ -208,9 +204,8 @@ class CheckpointConfig:
     )
     save_initial: bool = spec(False, help="also write step_000000 before the first step")
     keep_last: int = spec(2, ge=1, help="intact checkpoints kept (older ones are deleted)")
-    verify: str = spec(
+    verify: Literal["checksums", "sizes"] = spec(
         "checksums",
-        choices=("checksums", "sizes"),
         help="before loading: each file's size and CRC-32 against manifest.json, or sizes only",
     )
 

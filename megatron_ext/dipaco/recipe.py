@@ -11,7 +11,7 @@ No torch import: the launcher validates recipes before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.dipaco.layout import PathLayout
@@ -51,18 +51,16 @@ class DipacoConfig:
     sqrt_p_scaling: bool = spec(True, help="multiply a module's delta by sqrt(P_{l,e})")
     alpha_weighting: bool = spec(True, help="weigh path deltas by shard tokens (else uniform)")
     inner_warmup_steps: int = spec(0, ge=0, help="warm-up of the one cosine over phases*tau")
-    inner: str = spec(
+    inner: Literal["gradient", "spsa"] = spec(
         "gradient",
-        choices=("gradient", "spsa"),
         help="gradient: optimizer.name on backprop gradients; spsa: zero-order SPSA estimates "
         "(the shared megatron_ext.zo step) with Adam, no backward pass",
     )
     spsa_n_pert: int = spec(8, ge=1, help="inner: spsa: probe directions per step")
     spsa_eps: float = spec(1e-3, gt=0.0, help="inner: spsa: perturbation size")
     # routing
-    routing: str = spec(
+    routing: Literal["generative", "discriminative"] = spec(
         "discriminative",
-        choices=("generative", "discriminative"),
         help="generative: balanced k-means (k = P) on prefix features; discriminative: then "
         "logistic regression on each router document's best path, with a frequency bias",
     )

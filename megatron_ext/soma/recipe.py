@@ -6,7 +6,7 @@ No torch import: the launcher validates recipes before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.errors import ConfigError
@@ -46,15 +46,13 @@ class SomaConfig:
     expert_updates: int = spec(400, ge=0, help="updates per expert after the seed run")
     eval_interval: int = spec(50, ge=1, help="validation loss (plateau check) every k updates")
     val_windows: int = spec(8, ge=1, help="validation windows scored per check (at most)")
-    distribution: str = spec(
+    distribution: Literal["fso", "ddpp"] = spec(
         "fso",
-        choices=("fso", "ddpp"),
         help="fso: each rank trains its own experts, no communication; "
         "ddpp: every expert's probe directions are split over all ranks",
     )
-    loss_mode: str = spec(
+    loss_mode: Literal["independent", "summed"] = spec(
         "independent",
-        choices=("independent", "summed"),
         help="summed: one finite difference of the sum of a rank's experts' losses (ablation)",
     )
     window_bytes: int = spec(1025, ge=2, help="corpus window: 1,024 inputs + 1 target")
