@@ -16,6 +16,7 @@ from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import load_recipe
 from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.config.megatron_flags import MEGATRON_DEFAULTS
+from megatron_ext.schedules.plan import run_steps
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
@@ -272,7 +273,7 @@ def test_sample_counts_follow_the_stage_table() -> None:
         consumed += calc.get_current_global_batch_size()
         iterations += 1
     recipe = load_recipe_dict(conversion.recipe)
-    assert recipe.training.steps == iterations
+    assert run_steps(recipe) == iterations  # train_tokens: the plan's step count
     # 10K tokens = 78 samples: 10 steps of 8 (80), then 16 per step
     assert recipe.training.lr_warmup_steps == 5  # 40 samples exactly
     assert recipe.training.lr_decay_steps == 10 + 52  # 80 + 52*16 = 912 >= 901

@@ -116,9 +116,11 @@ def run_length_overrides(
         return list(overrides)
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
-    base = load_recipe(recipe, overrides)  # training.steps resolved (train_tokens included)
+    from megatron_ext.schedules.plan import run_steps
+
+    base = load_recipe(recipe, overrides)
     given = {o.split("=", 1)[0] for o in overrides}
-    factor = steps / base.training.steps
+    factor = steps / run_steps(base)  # training.steps, or what training.train_tokens takes
     scaled, notes = [], []
     for key in SCHEDULE_STEP_KEYS:
         value = _field(base, key)

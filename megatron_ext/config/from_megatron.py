@@ -289,8 +289,7 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
         take("train-samples")
         out.set("training.train_tokens", int(samples) * seq)
     recipe = recipe_from_dict(out.recipe)
-    t = recipe.training
-    t.steps = run_steps(recipe)
+    t, run_length = recipe.training, run_steps(recipe)
 
     def steps(key: str, count: int) -> int:
         n, exact = steps_for_samples(recipe, count)
@@ -310,13 +309,13 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
     window = _value(flags.get("lr-wsd-decay-samples"))
     if window is not None:  # a window of samples that ends where the decay ends
         take("lr-wsd-decay-samples")
-        end = t.lr_decay_steps or t.steps
+        end = t.lr_decay_steps or run_length
         start = steps("lr-wsd-decay-samples", max(0, samples_at(recipe, end) - int(window)))
         out.set("training.lr_wsd_decay_steps", end - start)
     fraction = _value(flags.get("lr-warmup-fraction"))
     if fraction is not None:  # Megatron-LM: a fraction of the decay
         take("lr-warmup-fraction")
-        end = t.lr_decay_steps or t.steps
+        end = t.lr_decay_steps or run_length
         n = round(float(fraction) * end)
         out.set("training.lr_warmup_steps", n)
         out.notes.append(f"--lr-warmup-fraction {fraction} of {end:,} decay steps: {n:,} steps")

@@ -250,13 +250,14 @@ class Recipe:
         """The learning-rate schedule this recipe describes (``training.lr_decay_steps=None`` =
         ``training.steps``); raises ``ConfigError`` if it is inconsistent."""
         from megatron_ext.schedules.lr import LRSchedule
+        from megatron_ext.schedules.plan import run_steps
 
         t = self.training
         return LRSchedule(
             max_lr=self.optimizer.lr,
             min_lr=self.optimizer.min_lr,
             warmup_steps=t.lr_warmup_steps,
-            decay_steps=t.steps if t.lr_decay_steps is None else t.lr_decay_steps,
+            decay_steps=run_steps(self) if t.lr_decay_steps is None else t.lr_decay_steps,
             decay_style=t.lr_decay_style,
             wsd_decay_steps=t.lr_wsd_decay_steps,
             wsd_decay_style=t.lr_wsd_decay_style,
@@ -269,10 +270,6 @@ class Recipe:
 
         trainer = get_trainer(self.trainer)  # an unregistered name stops here, first
         m, t, p = self.model, self.training, self.parallel
-        if t.train_tokens is not None:  # the run's length in steps, for every reader of it
-            from megatron_ext.schedules.plan import run_steps
-
-            t.steps = run_steps(self)
         if m.hidden_size % m.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={m.hidden_size} is not divisible by "
@@ -297,11 +294,14 @@ class Recipe:
                 f"parallel.pipeline_model_parallel_size="
                 f"{p.pipeline_model_parallel_size}"
             )
-        if t.lr_warmup_steps > t.steps:
+        from megatron_ext.schedules.plan import run_steps
+
+        steps = run_steps(self)  # training.steps, or the steps training.train_tokens takes
+        if t.lr_warmup_steps > steps:
             window = t.lr_wsd_decay_steps if t.lr_decay_style == "WSD" else None
             fits = t.lr_warmup_steps + (window or 1)  # warmup, then the decay (WSD: its window)
             raise ConfigError(
-                f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={t.steps}: "
+                f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={steps}: "
                 f"lower training.lr_warmup_steps, or set training.steps to at least {fits}"
             )
         if self.optimizer.min_lr > self.optimizer.lr:

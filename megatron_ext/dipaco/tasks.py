@@ -32,6 +32,7 @@ from megatron_ext.dipaco.routing import fit_discriminative, fit_generative, shar
 from megatron_ext.dipaco.store import assign_params, load_tensors, save_tensors, split_by_level
 from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
 from megatron_ext.errors import ConfigError
+from megatron_ext.schedules.plan import run_steps
 
 __all__ = ["run_task"]
 
@@ -117,7 +118,7 @@ def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     assign_params(pm.model, pm.init_state)
     optimizer = InnerOptimizer(list(pm.model.named_parameters()), ctx.recipe.optimizer)
     schedule = ctx.recipe.lr_schedule()
-    steps = ctx.recipe.training.steps
+    steps = run_steps(ctx.recipe)  # training.steps, or what training.train_tokens takes
     batches = (stream.step_batch(ctx.recipe, STREAM_BASE, k) for k in range(steps))
     lrs = [schedule.lr_at(k) for k in range(steps)]
     losses = inner_steps(pm.model, optimizer, _checked(ctx, batches), lrs, lm_loss, "base")

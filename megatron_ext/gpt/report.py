@@ -61,7 +61,7 @@ def record_step(
     batch = schedule.global_batch(step - 1)
     step_tokens = batch * t.seq_length
     elapsed = log.elapsed()
-    eta = elapsed / max(step - run.start_step, 1) * (t.steps - step)
+    eta = elapsed / max(step - run.start_step, 1) * (schedule.steps - step)
     tps = step_tokens / max(step_time_s, 1e-9)
     world = run.env.world_size
     rec = StepRecord(
@@ -80,7 +80,7 @@ def record_step(
         step_time_s=step_time_s,
         optimizer_s=result.optimizer_s,
     )
-    line, scalars = format_line(rec, t.steps), SCALARS
+    line, scalars = format_line(rec, schedule.steps), SCALARS
     if result.moe:  # MoE models: per-layer figures go to TensorBoard as <name>/layer_<n>
         line, scalars = line + format_moe(result.moe), SCALARS + tuple(result.moe)
     log.record(step, {**asdict(rec), **result.moe}, line=line, scalars=scalars)
@@ -91,14 +91,14 @@ def record_validation(log: MetricsLogger, run: GPTRun, step: int, val_loss: floa
     """The validation loss after completed step ``step``: its own ``metrics.jsonl`` line
     (``step``, ``consumed_tokens``, ``val_loss``), TensorBoard ``valid/val_loss`` and a log
     line."""
-    t = run.recipe.training
     figures = {
         "step": step,
         "consumed_tokens": run.schedule.tokens_before(step),
         "val_loss": val_loss,
     }
     log.record(step, figures, scalars=("val_loss",), group="valid", advance=False)
-    log.info(f"step {step:>{len(str(t.steps))}}/{t.steps} | validation loss {val_loss:.4f}")
+    steps = run.schedule.steps
+    log.info(f"step {step:>{len(str(steps))}}/{steps} | validation loss {val_loss:.4f}")
 
 
 def _fmt_count(x: float) -> str:

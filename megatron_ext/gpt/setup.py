@@ -125,7 +125,7 @@ def build_data(recipe: Recipe, tokenizer: Any, schedule: TrainingSchedule) -> tu
         seq_length=t.seq_length,
         split=recipe.data.split,
         seed=t.seed,
-        num_samples=(schedule.samples_before(t.steps), valid_samples, None),
+        num_samples=(schedule.samples_before(schedule.steps), valid_samples, None),
     )
     if t.eval_iters and valid_data is None:
         raise ConfigError(

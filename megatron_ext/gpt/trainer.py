@@ -40,16 +40,17 @@ def train(recipe: Recipe) -> dict[str, Any]:
     stop = StopPolicy.from_training(recipe.training)  # before setup: a signal during it counts
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
+    steps = run.schedule.steps  # training.steps, or the steps training.train_tokens takes
     checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, recipe_hash(recipe))
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
     if loop_state:  # the batch stages must reproduce the samples the checkpoint consumed
         run.schedule.check_resume(run.start_step, int(loop_state["consumed_samples"]))
-    if run.start_step >= t.steps:
+    if run.start_step >= steps:
         if rank0:
             print(
-                f"{run.run_dir}: already trained to step {run.start_step} of {t.steps}; "
+                f"{run.run_dir}: already trained to step {run.start_step} of {steps}; "
                 f"raise training.steps to continue, or delete {run.run_dir} to start over",
                 flush=True,
             )
@@ -61,22 +62,22 @@ def train(recipe: Recipe) -> dict[str, Any]:
         write=rank0,
         tensorboard=recipe.logging.tensorboard,
         log_interval=recipe.logging.log_interval,
-        last_step=t.steps,
+        last_step=steps,
         start_step=run.start_step,
         progress_bar=recipe.logging.progress_bar,
     )
     log.info(
         f"megatron-ext gpt | world {run.env.world_size} ({run.env.backend}) | "
         f"params {sum(p.numel() for p in run.model.parameters()):,} | "
-        f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{t.steps}"
+        f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{steps}"
     )
     log.info(update_rms_note(recipe.optimizer))
-    if run.start_step == 0 and checkpointer.should_save(0, t.steps):  # checkpoint.save_initial
+    if run.start_step == 0 and checkpointer.should_save(0, steps):  # checkpoint.save_initial
         checkpointer.save(0, run.model, run.optimizer, {"step": 0, "consumed_samples": 0})
     clock.mark("setup")  # model, data, optimizer, resume
     stopping = None
     try:
-        for step in range(run.start_step, t.steps):
+        for step in range(run.start_step, steps):
             t0 = time.perf_counter()
             result = train_step(run, step)
             step_time, done = time.perf_counter() - t0, step + 1
@@ -91,14 +92,14 @@ def train(recipe: Recipe) -> dict[str, Any]:
                 run.startup_s = clock.phases()
                 log.info(clock.report())
             record_step(log, run, done, result, step_time)
-            if evaluator.should_evaluate(done, t.steps):
+            if evaluator.should_evaluate(done, steps):
                 record_validation(log, run, done, evaluator.evaluate(run))
             loop = {"step": done, "consumed_samples": run.schedule.samples_before(done)}
             saved = None
-            if checkpointer.should_save(done, t.steps):
+            if checkpointer.should_save(done, steps):
                 saved = checkpointer.save(done, run.model, run.optimizer, loop)
             # asked after the save, so that a signal during it stops the run right there
-            stopping = stop.check(done, device=run.env.device) if done < t.steps else None
+            stopping = stop.check(done, device=run.env.device) if done < steps else None
             if stopping:
                 saved = saved or checkpointer.save(done, run.model, run.optimizer, loop)
                 break
@@ -107,5 +108,5 @@ def train(recipe: Recipe) -> dict[str, Any]:
         stop.uninstall()
     summary = summarize(run, log)
     if stopping:
-        raise RunStopped(done, t.steps, stopping, saved)
+        raise RunStopped(done, steps, stopping, saved)
     return summary

@@ -187,13 +187,15 @@ def samples_at(recipe: Recipe, step: int) -> int:
 
 
 def training_schedule(recipe: Recipe) -> TrainingSchedule:
-    """The recipe's schedule (``training.steps`` already resolved by :func:`run_steps`);
-    ConfigError when its positions do not fit, named in the recipe's fields."""
+    """The recipe's schedule, its length from :func:`run_steps` (``training.steps``, or the
+    steps that reach ``training.train_tokens``); ConfigError when its positions do not fit,
+    named in the recipe's fields."""
     t, o = recipe.training, recipe.optimizer
     rule = batch_rule(recipe)
-    decay_steps = t.steps if t.lr_decay_steps is None else t.lr_decay_steps
-    stages = resolve_stages(rule, max(t.steps, decay_steps))
-    probe = TrainingSchedule(stages, t.steps, t.seq_length, rule.target, _placeholder())
+    steps = run_steps(recipe)
+    decay_steps = steps if t.lr_decay_steps is None else t.lr_decay_steps
+    stages = resolve_stages(rule, max(steps, decay_steps))
+    probe = TrainingSchedule(stages, steps, t.seq_length, rule.target, _placeholder())
 
     warmup_step = _warmup_step(recipe, rule)
     tokens = probe.tokens_before
@@ -224,7 +226,7 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
         wsd_decay_style=t.lr_wsd_decay_style,
     )
     sqrt_lr = t.batch_lr_scaling == "sqrt"
-    return TrainingSchedule(stages, t.steps, t.seq_length, rule.target, lr, sqrt_lr)
+    return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr)
 
 
 def _warmup_step(recipe: Recipe, rule: BatchRule) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_ext.schedules.plan import TrainingSchedule, run_steps, training_schedule
+from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
@@ -111,7 +111,6 @@ def describe_schedule(recipe: Recipe, world_size: int) -> str | None:
     if recipe.trainer != "gpt":
         return None
     t, p = recipe.training, recipe.parallel
-    t.steps = run_steps(recipe)
     schedule = training_schedule(recipe)
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
