@@ -8,7 +8,8 @@ transport, destroyed while a peer still closes its own, has aborted a finished r
 then (``terminate called without an active exception``, exit -6). Nothing of ours needs it: our
 files are written atomically and closed where they are written.
 
-:func:`end_process` does what the interpreter's exit does for Python code — wait for the
+:func:`end_process` does what the interpreter's exit does for Python code — run the
+threading-exit hooks (idle ``concurrent.futures`` workers told to stop) and wait for the
 non-daemon threads, run the ``atexit`` handlers (multiprocessing's finalizers among them, which
 stop helper processes such as a checkpoint writer's Manager), flush stdout and stderr — then
 ``os._exit(code)``. The test ranks (``tests/warm.py``) end through it too.
@@ -29,10 +30,10 @@ __all__ = ["end_process"]
 def end_process(code: int) -> NoReturn:
     """End this process with exit status ``code`` as described above; never returns."""
     try:
-        current = threading.current_thread()
-        for thread in threading.enumerate():  # what the interpreter's exit waits for
-            if thread is not current and not thread.daemon and thread.is_alive():
-                thread.join()
+        # Exactly what the interpreter's exit does first: the threading-atexit hooks (which stop
+        # e.g. concurrent.futures' idle workers), then a join of the non-daemon threads. A
+        # plain join of every thread would wait forever on an idle ThreadPoolExecutor worker.
+        threading._shutdown()  # type: ignore[attr-defined]
         atexit._run_exitfuncs()  # the handlers Python's exit would run, in its order
     finally:
         for stream in (sys.stdout, sys.stderr):
