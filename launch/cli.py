@@ -1,7 +1,7 @@
 """``megatron-ext``: one command whose sub-commands are registered where they live.
 
 ``launch`` is defined here; every other sub-command (``train``, ``data``, ``bench``, ``soma``,
-...) registers itself in its package's ``cli.py`` (:mod:`megatron_ext.run.commands`).
+...) registers itself in its package's ``cli.py`` (:mod:`megatron_ext.commands`).
 Errors that are the user's (a bad recipe, override or flag) print one line and exit 2.
 """
 
@@ -12,8 +12,8 @@ import io
 import sys
 from collections.abc import Sequence
 
+from megatron_ext.commands import Command, add_recipe_arguments, commands, register_command
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.commands import Command, add_recipe_arguments, commands, register_command
 
 HEADER = """\
 megatron-ext: matrix optimizers, a layer-wise distributed optimizer, recipes and alternate

@@ -38,6 +38,7 @@ from megatron_ext.config.load import read_recipe
 from megatron_ext.config.moe_presets import describe_moe_preset
 from megatron_ext.config.reads import describe_reads
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
 from megatron_ext.launch.preflight import check_before_launch
@@ -45,7 +46,6 @@ from megatron_ext.launch.supervise import run_ranks
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.startup import LAUNCHED_AT_VAR, process_start_time
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
-from megatron_ext.run.trainers import get_trainer
 from megatron_ext.schedules.table import describe_schedule
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
@@ -133,7 +133,8 @@ def launch_main(args: argparse.Namespace) -> int:
         schedule = describe_schedule(recipe, world)
         if schedule:
             print(schedule, file=sys.stderr)
-        preset = describe_moe_preset(recipe.model)  # MoE: what the preset set, what the recipe
+        model = recipe.sections.get("model")  # MoE: what the preset set, what the recipe
+        preset = describe_moe_preset(model) if model is not None else None
         if preset:
             print(preset, file=sys.stderr)
         return 0
@@ -262,7 +263,9 @@ def torchrun_args(layout: NodeLayout) -> list[str]:
 
 def _check_gpus_per_rank(layout: NodeLayout, host: HostInfo, recipe: Recipe) -> None:
     """NCCL needs a GPU per rank; more ranks than GPUs fails late and obscurely, so fail now."""
-    if host.gpus and layout.nproc_per_node > host.gpus and recipe.parallel.backend != "gloo":
+    parallel = recipe.sections.get("parallel")  # a trainer without one uses its own backend
+    backend = parallel.backend if parallel is not None else "auto"
+    if host.gpus and layout.nproc_per_node > host.gpus and backend != "gloo":
         raise ConfigError(
             f"--nproc-per-node {layout.nproc_per_node} exceeds the {host.gpus} "
             f"GPU(s) on this node (NCCL needs one GPU per rank): use at most "
@@ -285,8 +288,8 @@ def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict
     """
     threads = recipe.launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    p = recipe.parallel
-    if host.gpus and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
+    p = recipe.sections.get("parallel")
+    if host.gpus and p and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     return env
 

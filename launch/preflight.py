@@ -37,7 +37,10 @@ def check_before_launch(recipe: Recipe, rdzv_endpoint: str | None, node_rank: in
 def check_data(recipe: Recipe) -> None:
     """``data.path`` names an indexed dataset (``.bin`` and ``.idx``) or ``data.source`` says
     what to build it from."""
-    path, source = recipe.data.path, recipe.data.source
+    data = recipe.sections.get("data")
+    if data is None:
+        return
+    path, source = data.path, data.source
     if not path or source:
         return
     missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
@@ -103,7 +106,10 @@ def checkpoint_bytes(recipe: Recipe) -> int:
 
 
 def warn_if_disk_short(recipe: Recipe) -> None:
-    """A warning (stderr) when ``run_dir``'s file system has less room than a checkpoint."""
+    """A warning (stderr) when ``run_dir``'s file system has less room than a checkpoint
+    (of a GPT model: a recipe with ``model`` and ``optimizer`` sections)."""
+    if not {"model", "optimizer"} <= set(recipe.sections):
+        return
     need = checkpoint_bytes(recipe)
     free = shutil.disk_usage(recipe.run_dir).free
     if free < need:

@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_ext.config.schema import BatchRampConfig, OptimizerConfig, Recipe, TrainingConfig
+from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.sections import BatchRampConfig, TrainingConfig
 from megatron_ext.schedules.batch import (
     DoublingRamp,
     StepSchedule,
@@ -30,7 +32,7 @@ from megatron_ext.schedules.batch import (
     parse_step_schedule,
     resolve_stages,
 )
-from megatron_ext.schedules.plan import run_steps, training_schedule
+from megatron_ext.schedules.plan import lr_schedule, run_steps, training_schedule
 from megatron_ext.schedules.table import format_stage_table, stage_rows
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
@@ -47,7 +49,7 @@ def _recipe(**training) -> Recipe:
     t = TrainingConfig(**training)
     if ramp is not None:
         t.batch_ramp = BatchRampConfig(**ramp)
-    return Recipe(optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3), training=t)
+    return Recipe(sections={"optimizer": OptimizerConfig(lr=1e-2, min_lr=1e-3), "training": t})
 
 
 # --------------------------------------------------------------------------- the string
@@ -257,7 +259,7 @@ def test_a_constant_batch_keeps_the_step_schedule_bit_for_bit(style: str, wsd) -
         lr_decay_style=style,
         lr_wsd_decay_steps=wsd,
     )
-    steps, tokens = recipe.lr_schedule(), training_schedule(recipe)
+    steps, tokens = lr_schedule(recipe), training_schedule(recipe)
     assert all(tokens.lr_at(s) == steps.lr_at(s) for s in range(130))
 
 

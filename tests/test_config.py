@@ -285,7 +285,7 @@ def test_closed_sets_are_typed_once_by_the_module_that_implements_them() -> None
     import typing
 
     from megatron_ext.config.fields import literal_options
-    from megatron_ext.config.schema import TrainingConfig
+    from megatron_ext.gpt.sections import TrainingConfig
     from megatron_ext.run.precision import PRECISIONS
     from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
 

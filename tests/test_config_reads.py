@@ -1,15 +1,16 @@
-"""A recipe sets only what its trainer reads (megatron_ext.config.reads): a field of a shared
-section the trainer does not read, or another trainer's section, is refused before launch."""
+"""A recipe sets only what its trainer reads (megatron_ext.config.reads): a field of another
+trainer's section the trainer does not read, or a section it does not read at all, is refused
+before launch; the recipe holds its trainer's sections and no other."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_ext.config import load_recipe
-from megatron_ext.config.reads import SHARED_SECTIONS, check_reads, describe_reads
+from megatron_ext.config.reads import check_reads, describe_reads
+from megatron_ext.config.trainers import get_trainer, recipe_sections, trainer_sections, trainers
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.cli import main
-from megatron_ext.run.trainers import get_trainer, trainers
 
 SOMA_READS = (
     "soma, data.source, training.{seed, exit_interval, exit_duration_in_mins, exit_signals}, "
@@ -21,8 +22,8 @@ def test_soma_refuses_the_optimizer_it_does_not_read() -> None:
     with pytest.raises(ConfigError) as caught:
         load_recipe("soma_tiny", ["optimizer.name=muon"])
     assert str(caught.value) == (
-        f"trainer=soma does not read optimizer.name; it reads {SOMA_READS}: remove the key, "
-        "or choose trainer=dipaco or trainer=gpt"
+        f"trainer=soma does not read optimizer; it reads {SOMA_READS}: remove the key, "
+        "or choose trainer=gpt or trainer=dipaco"
     )
 
 
@@ -30,8 +31,7 @@ def test_every_unread_field_is_counted_and_the_first_named() -> None:
     overrides = ["training.precision=bf16", "optimizer.name=muon", "model.num_layers=48"]
     with pytest.raises(
         ConfigError,
-        match=r"^trainer=soma does not read training\.precision "
-        r"\(and 2 more: optimizer\.name, model\.num_layers\)",
+        match=r"^trainer=soma does not read training\.precision \(and 2 more: optimizer, model\)",
     ):
         load_recipe("soma_tiny", overrides)
 
@@ -39,6 +39,25 @@ def test_every_unread_field_is_counted_and_the_first_named() -> None:
 def test_the_fields_soma_reads_are_accepted_and_reach_the_recipe() -> None:
     recipe = load_recipe("soma_tiny", ["training.seed=7", "training.exit_interval=3"])
     assert (recipe.training.seed, recipe.training.exit_interval) == (7, 3)
+    assert list(recipe.sections) == ["soma", "data", "training"]  # what runs, nothing else
+    with pytest.raises(AttributeError, match="a trainer=soma recipe has no 'optimizer' section"):
+        recipe.optimizer  # noqa: B018
+
+
+def test_gpt_owns_its_sections_and_the_others_borrow_them() -> None:
+    owned = trainer_sections()
+    for name in ("model", "optimizer", "data", "training", "parallel"):
+        assert (
+            name in get_trainer("gpt").sections and owned[name] is get_trainer("gpt").sections[name]
+        )
+    assert recipe_sections(get_trainer("dipaco"))["model"] is owned["model"]
+    assert list(load_recipe("tiny_cpu_gpt").sections) == [
+        "model",
+        "optimizer",
+        "data",
+        "training",
+        "parallel",
+    ]
 
 
 def test_gpt_refuses_another_trainers_section() -> None:
@@ -56,8 +75,8 @@ def test_a_misspelt_key_is_named_as_misspelt_first() -> None:
 @pytest.mark.parametrize("name", sorted(trainers()))
 def test_each_trainer_declares_only_shared_sections_and_reads_its_own(name: str) -> None:
     spec = get_trainer(name)
-    assert set(spec.reads) <= set(SHARED_SECTIONS)
-    check_reads({spec.section: {}} if spec.section else {}, spec)  # its own section: read
+    assert not set(spec.reads) & set(spec.sections)
+    check_reads({key: {} for key in spec.sections}, spec)  # its own sections: read
     for section, fields in spec.reads.items():
         check_reads({section: dict.fromkeys(fields or ())}, spec)  # what it declares: read
 

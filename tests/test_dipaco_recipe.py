@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from megatron_ext.config import load_recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.dipaco.layout import ModuleId, PathLayout, parse_parts, part_of
 from megatron_ext.dipaco.queue_url import parse_queue_url
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import get_trainer
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
@@ -27,7 +27,7 @@ def tiny(tmp_path: Path, *overrides: str):
 
 def test_dipaco_is_a_registered_trainer_with_its_own_section() -> None:
     spec = get_trainer("dipaco")
-    assert spec.section == "dipaco" and spec.config is DipacoConfig
+    assert spec.sections == {"dipaco": DipacoConfig}
     assert spec.train == "megatron_ext.dipaco.trainer:train"
 
 
@@ -184,3 +184,15 @@ def test_ranks_per_worker_must_divide_the_job(tmp_path: Path) -> None:
     recipe.check(world_size=4)
     with pytest.raises(ConfigError, match="does not divide the job's 3 ranks"):
         recipe.check(world_size=3)
+
+
+def test_the_run_fingerprint_covers_the_model_and_not_the_queue_timing(tmp_path: Path) -> None:
+    """Workers of another model or optimizer are refused; workers that only differ in lease
+    timing, logging or launching agree (megatron_ext.dipaco.checks.run_fingerprint)."""
+    from megatron_ext.dipaco.checks import run_fingerprint
+
+    base = run_fingerprint(tiny(tmp_path))
+    for same in ("dipaco.lease_seconds=90", "logging.log_interval=7", "launch.master_port=29999"):
+        assert run_fingerprint(tiny(tmp_path, same)) == base, same
+    for other in ("model.hidden_size=96", "optimizer.lr=1e-3", "training.seed=5", "dipaco.tau=8"):
+        assert run_fingerprint(tiny(tmp_path, other)) != base, other

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.config.schema import OptimizerConfig
+from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import adamw_factory, megatron_optimizer_config
 

@@ -246,7 +246,7 @@ def test_fp8_counts_and_impl_accepted():
 
 def test_the_model_builder_refuses_fp8_on_the_local_spec():
     """Even past the gate, FP8 never trains in BF16: the builder needs TE's layers."""
-    from megatron_ext.config.schema import ModelConfig, ParallelConfig
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
     from megatron_ext.megatron.model import build_gpt_model
 
     model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4)

@@ -33,7 +33,7 @@ def test_cuda_both_descriptions_of_this_gpu_agree():
     importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"
 )
 def test_cuda_quantized_precisions_use_transformer_engines_layers():
-    from megatron_ext.config.schema import ModelConfig
+    from megatron_ext.gpt.sections import ModelConfig
     from megatron_ext.megatron.model import _require_quantized_layers, use_transformer_engine
 
     model = ModelConfig(transformer_impl="auto")

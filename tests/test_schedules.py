@@ -12,9 +12,12 @@ import math
 import numpy as np
 import pytest
 
-from megatron_ext.config.schema import OptimizerConfig, Recipe, TrainingConfig
+from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.sections import TrainingConfig
 from megatron_ext.schedules import LRSchedule
+from megatron_ext.schedules.plan import lr_schedule
 
 MAX_LR, MIN_LR = 3e-3, 3e-4
 WARMUP, DECAY, WINDOW = 10, 100, 30
@@ -201,8 +204,10 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         lr_wsd_decay_steps=50,
         lr_wsd_decay_style="cosine",
     )
-    recipe = Recipe(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5), training=training)
-    schedule = recipe.lr_schedule()
+    recipe = Recipe(
+        sections={"optimizer": OptimizerConfig(lr=1e-3, min_lr=1e-5), "training": training}
+    )
+    schedule = lr_schedule(recipe)
     assert schedule == LRSchedule(
         max_lr=1e-3,
         min_lr=1e-5,
@@ -213,7 +218,7 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         wsd_decay_style="cosine",
     )
     training.lr_decay_steps = 120
-    assert Recipe(training=training).lr_schedule().decay_steps == 120
+    assert lr_schedule(Recipe(sections={"training": training})).decay_steps == 120
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,11 @@ import pytest
 import yaml
 
 from megatron_ext.config import load_recipe
+from megatron_ext.config import trainers as registry
 from megatron_ext.config.fields import spec
+from megatron_ext.config.trainers import TrainerSpec, get_trainer, register_trainer
 from megatron_ext.errors import ConfigError, TrainingDivergedError
-from megatron_ext.run import trainers as registry
-from megatron_ext.run.trainers import TrainerSpec, get_trainer, register_trainer
+from megatron_ext.soma.recipe import SomaConfig
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
@@ -56,8 +57,7 @@ def toy(monkeypatch):
             name="toy",
             train="tests.test_trainers:toy_train",
             check=toy_check,
-            section="toy",
-            config=ToyConfig,
+            sections={"toy": ToyConfig},
         )
     )
 
@@ -78,8 +78,14 @@ def gpt_recipe(**top: object) -> dict:
 def test_the_shipped_trainers_register_themselves() -> None:
     assert {"gpt", "soma"} <= set(registry.trainers())
     soma = get_trainer("soma")
-    assert soma.section == "soma" and soma.train == "megatron_ext.soma.trainer:train"
-    assert get_trainer("gpt").section is None
+    assert soma.sections == {"soma": SomaConfig} and soma.train == "megatron_ext.soma.trainer:train"
+    assert set(get_trainer("gpt").sections) == {
+        "model",
+        "optimizer",
+        "data",
+        "training",
+        "parallel",
+    }
 
 
 def test_unregistered_trainer_is_one_config_error_naming_the_registered_ones(tmp_path) -> None:
@@ -124,8 +130,8 @@ def test_a_trainer_registered_from_a_test_is_accepted(tmp_path, toy) -> None:
         load_recipe(write(tmp_path, {"trainer": "toy"}), ["toy.width=0"])
     with pytest.raises(ConfigError, match=r"unknown key 'toyy'; did you mean 'toy'"):
         load_recipe(write(tmp_path, {"trainer": "toy", "toyy": {}}))
-    # and every recipe carries its section (defaults), as it carries the shared ones
-    assert load_recipe(write(tmp_path, gpt_recipe())).section(ToyConfig) == ToyConfig()
+    # a recipe of another trainer holds its own trainer's sections only
+    assert "toy" not in load_recipe(write(tmp_path, gpt_recipe())).sections
 
 
 def test_a_second_trainer_of_the_same_name_is_refused(toy) -> None:
@@ -159,7 +165,7 @@ def test_a_diverged_run_is_one_line_and_exit_1(tmp_path, toy, capsys) -> None:
 
 def test_every_sub_command_registers_in_its_own_package() -> None:
     import megatron_ext.launch.cli  # noqa: F401  (registers `launch`)
-    from megatron_ext.run.commands import commands
+    from megatron_ext.commands import commands
 
     owners = {name: c.run.__module__ for name, c in commands().items()}
     assert owners["launch"] == "megatron_ext.launch.cli"
@@ -170,7 +176,7 @@ def test_every_sub_command_registers_in_its_own_package() -> None:
 
 
 def test_a_second_command_of_the_same_name_is_refused() -> None:
-    from megatron_ext.run.commands import Command, commands, register_command
+    from megatron_ext.commands import Command, commands, register_command
 
     data = commands()["data"]
     register_command(data)  # the same registration again (a module run with -m) is fine

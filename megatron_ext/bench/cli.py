@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from megatron_ext.bench import benchmarks
-from megatron_ext.run.commands import Command, register_command
+from megatron_ext.commands import Command, register_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

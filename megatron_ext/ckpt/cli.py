@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from megatron_ext.ckpt.select import checkpoint_dirs, inspect, resume_order, step_of
+from megatron_ext.commands import Command, register_command
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.commands import Command, register_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.commands import Command, register_command
 from megatron_ext.config.from_megatron import Conversion, convert
 from megatron_ext.config.load import recipe_from_dict
 from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.commands import Command, register_command
 
 __all__ = ["add_arguments", "recipe_main", "render"]
 
@@ -100,22 +100,26 @@ def render(conversion: Conversion, source: str) -> str:
 
 
 def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
-    """Sections and their keys in the schema's field order (as a recipe file reads)."""
+    """Sections and their keys in the schema's order (as a recipe file reads): the run fields,
+    then the trainer's sections in its registration's order."""
     import dataclasses
     import typing
 
     from megatron_ext.config.schema import Recipe
+    from megatron_ext.config.trainers import get_trainer, recipe_sections
 
     hints = typing.get_type_hints(Recipe)
+    kinds = {f.name: hints[f.name] for f in dataclasses.fields(Recipe) if f.name != "sections"}
+    kinds |= recipe_sections(get_trainer(recipe.get("trainer", "gpt")))
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(Recipe):
-        if f.name not in recipe:
+    for name, kind in kinds.items():
+        if name not in recipe:
             continue
-        value = recipe[f.name]
-        if isinstance(value, dict) and dataclasses.is_dataclass(hints[f.name]):
-            order = [g.name for g in dataclasses.fields(hints[f.name])]
+        value = recipe[name]
+        if isinstance(value, dict) and dataclasses.is_dataclass(kind):
+            order = [g.name for g in dataclasses.fields(kind)]
             value = {k: value[k] for k in sorted(value, key=order.index)}
-        out[f.name] = value
+        out[name] = value
     return out
 
 

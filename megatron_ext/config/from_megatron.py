@@ -158,9 +158,14 @@ def _field_metadata(path: str) -> Any:
 
     from megatron_ext.config.fields import literal_options
     from megatron_ext.config.schema import Recipe
+    from megatron_ext.config.trainers import trainer_sections
 
-    cls: Any = Recipe
     *parents, leaf = path.split(".")
+    run = typing.get_type_hints(Recipe)  # the run sections, else a trainer's
+    cls: Any = Recipe
+    if parents:
+        section = parents.pop(0)
+        cls = run[section] if section in run else trainer_sections()[section]
     for part in parents:
         cls = typing.get_type_hints(cls)[part]
     meta = {f.name: f for f in dataclasses.fields(cls)}[leaf].metadata

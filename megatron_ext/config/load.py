@@ -1,8 +1,8 @@
 """Load a recipe: YAML -> nested dict -> ``key=value`` overrides -> typed, validated ``Recipe``.
 
 Every mistake becomes one :class:`ConfigError` naming the key, what is wrong and the fix
-(with a "did you mean" for misspelt keys). The shared sections are ``Recipe``'s fields; the
-registered trainers' own sections (``soma:``) come from the trainer registry.
+(with a "did you mean" for misspelt keys). The run sections are ``Recipe``'s fields; the
+trainers' sections (``model:``, ``soma:``) come from the trainer registry.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from megatron_ext.config.fields import literal_options
 from megatron_ext.config.moe_presets import expand_moe_preset
 from megatron_ext.config.reads import check_reads
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer, recipe_sections, trainer_sections
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import get_trainer, trainer_sections
 
 
 def load_recipe(
@@ -101,20 +101,27 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
-    """Build a typed ``Recipe``; unknown keys, wrong types and out-of-range values raise.
+    """Build a typed ``Recipe``; unknown keys, wrong types, out-of-range values and keys the
+    recipe's trainer does not read (:func:`megatron_ext.config.reads.check_reads`) raise.
 
-    Every registered trainer's section is built (from its defaults when absent), whichever
-    trainer the recipe names, as the shared sections are; a key the recipe's trainer does not
-    read is refused (:func:`megatron_ext.config.reads.check_reads`)."""
-    sections = trainer_sections()
+    Every registered section given is built, so that a misspelt key is named as such; the
+    recipe keeps its trainer's sections (:func:`~megatron_ext.config.trainers.recipe_sections`),
+    the ones not given from their defaults."""
+    every = trainer_sections()
     expanded = expand_moe_preset(raw)
-    shared = {k: v for k, v in expanded.items() if k not in sections}
-    recipe = _build(Recipe, shared, prefix="", more_keys=tuple(sections))
-    recipe.sections = {
-        name: _build(config, raw.get(name, {}), prefix=f"{name}.")
-        for name, config in sections.items()
+    core = {k: v for k, v in expanded.items() if k not in every}
+    recipe = _build(Recipe, core, prefix="", more_keys=tuple(every))
+    given = {
+        name: _build(every[name], value, prefix=f"{name}.")
+        for name, value in expanded.items()
+        if name in every
     }
-    check_reads(expanded, get_trainer(recipe.trainer))  # fields first: a misspelt key says so
+    spec = get_trainer(recipe.trainer)
+    check_reads(expanded, spec)  # after the fields: a misspelt key is named as misspelt
+    recipe.sections = {
+        name: given[name] if name in given else config()
+        for name, config in recipe_sections(spec).items()
+    }
     return recipe
 
 

@@ -3,7 +3,7 @@
 Every trainer reads the run sections (``trainer``, ``run_dir``, ``logging``, ``checkpoint``,
 ``launch``) and its own section (``soma:``, ``dipaco:``). The shared sections (``model``,
 ``optimizer``, ``data``, ``training``, ``parallel``) are read only as far as the trainer
-declares (:attr:`~megatron_ext.run.trainers.TrainerSpec.reads`): SOMA reads ``data.source`` and
+declares (:attr:`~megatron_ext.config.trainers.TrainerSpec.reads`): SOMA reads ``data.source`` and
 the seed and stop fields of ``training``, nothing of ``optimizer`` or ``model``. A recipe that
 sets a field its trainer does not read is refused before any process starts — otherwise
 ``megatron-ext launch soma_tiny optimizer.name=muon`` would run the SPSA trainer it always ran,
@@ -18,25 +18,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_ext.config.trainers import TrainerSpec, trainers
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import TrainerSpec, trainers
 
-__all__ = ["RUN_SECTIONS", "SHARED_SECTIONS", "check_reads", "describe_reads"]
+__all__ = ["RUN_SECTIONS", "check_reads", "describe_reads"]
 
-#: read by every trainer
+#: read by every trainer (the fields of :class:`megatron_ext.config.schema.Recipe`)
 RUN_SECTIONS = ("trainer", "run_dir", "logging", "checkpoint", "launch")
-#: read by a trainer as far as its ``reads`` says
-SHARED_SECTIONS = ("model", "optimizer", "data", "training", "parallel")
 
 
 def describe_reads(spec: TrainerSpec) -> str:
     """What ``spec`` reads, as a recipe writes it: ``soma, data.source, training.{seed, ...},
     and run_dir, logging, checkpoint, launch``."""
-    parts = [spec.section] if spec.section else []
-    for name in SHARED_SECTIONS:
-        if name not in spec.reads:
-            continue
-        fields = spec.reads[name]
+    parts = list(spec.sections)
+    for name, fields in spec.reads.items():
         if fields is None:
             parts.append(name)
         elif len(fields) == 1:
@@ -48,7 +43,8 @@ def describe_reads(spec: TrainerSpec) -> str:
 
 def check_reads(raw: Mapping[str, Any], spec: TrainerSpec) -> None:
     """Refuse (``ConfigError``, one line) the first key of ``raw`` that trainer ``spec`` does
-    not read: a shared-section field outside its ``reads``, or another trainer's section."""
+    not read: a field of another trainer's section outside its ``reads``, or a section of
+    another trainer it does not read at all."""
     unread = _unread(raw, spec)
     if not unread:
         return
@@ -64,25 +60,21 @@ def check_reads(raw: Mapping[str, Any], spec: TrainerSpec) -> None:
 def _unread(raw: Mapping[str, Any], spec: TrainerSpec) -> list[str]:
     found = []
     for name, value in raw.items():
-        if name in RUN_SECTIONS or name == spec.section:
+        if name in RUN_SECTIONS or name in spec.sections:
             continue
-        if name not in SHARED_SECTIONS:  # another trainer's own section (unknown keys: load)
+        if name not in spec.reads:
             found.append(str(name))
             continue
-        fields = spec.reads.get(name, ())
-        if fields is None:
-            continue
-        keys = value if isinstance(value, Mapping) else {}
-        found.extend(f"{name}.{key}" for key in keys if key not in fields)
-        if not isinstance(value, Mapping) and name not in spec.reads:
-            found.append(name)
+        fields = spec.reads[name]
+        if fields is not None and isinstance(value, Mapping):
+            found.extend(f"{name}.{key}" for key in value if key not in fields)
     return found
 
 
 def _reads_key(spec: TrainerSpec, key: str) -> bool:
     """Whether trainer ``spec`` reads ``key`` (``section`` or ``section.field``)."""
     section, _, name = key.partition(".")
-    if section == spec.section:
+    if section in spec.sections:
         return True
     if section not in spec.reads:
         return False

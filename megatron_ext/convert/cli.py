@@ -15,8 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+from megatron_ext.commands import Command, register_command
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.commands import Command, register_command
 
 WEIGHTS = "step_000000"
 FIELDS = "model.json"
@@ -173,8 +173,8 @@ def _trainer_checkpoint(args: argparse.Namespace) -> tuple[object, dict, dict]:
 
 
 def _empty_mcore(fields: dict):
-    from megatron_ext.config.schema import ModelConfig, ParallelConfig
     from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.config.moe_presets import hf_aux_loss_coeff
-from megatron_ext.config.schema import ModelConfig, Recipe
+from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.sections import ModelConfig
 
 __all__ = ["hf_config_fields", "hf_family", "load_trainer_model"]
 
@@ -138,10 +139,10 @@ def hf_config_fields(recipe: Recipe, config: Any, vocab_size: int) -> tuple[str,
 def load_trainer_model(ckpt: Path, recipe: Recipe) -> tuple[Any, dict[str, Any]]:
     """The fp32 GPTModel of GPT-trainer checkpoint ``ckpt`` (one process), and the fields
     :func:`~megatron_ext.convert.to_hf.mcore_to_hf_state` reads."""
-    from megatron_ext.config.schema import ParallelConfig
     from megatron_ext.convert.parity import init_single_process
     from megatron_ext.data import build_tokenizer
     from megatron_ext.gpt.checkpoint import load_model_weights
+    from megatron_ext.gpt.sections import ParallelConfig
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()

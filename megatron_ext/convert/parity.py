@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 
 
 def init_single_process() -> None:

@@ -2,7 +2,7 @@
 
 Inputs are checked before torch and megatron-core are imported, so a typo fails in a blink;
 ``launch/cli.py`` turns the ``ConfigError`` into one line and exit code 2. Registered as the
-``data`` command (:mod:`megatron_ext.run.commands`).
+``data`` command (:mod:`megatron_ext.commands`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from megatron_ext.commands import Command, register_command
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.commands import Command, register_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,7 +33,6 @@ def run_fingerprint(recipe: Recipe) -> str:
     raw = dataclasses.asdict(recipe)
     for key in ("logging", "launch", "checkpoint"):
         raw.pop(key, None)
-    raw["sections"] = {"dipaco": raw["sections"].get("dipaco", {})}
     for key in _OPERATIONAL:
         raw["sections"]["dipaco"].pop(key, None)
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]

@@ -7,7 +7,7 @@ import argparse
 import shlex
 import sys
 
-from megatron_ext.run.commands import Command, add_recipe_arguments, register_command
+from megatron_ext.commands import Command, add_recipe_arguments, register_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.trainers import TrainerSpec, register_trainer
 from megatron_ext.dipaco.layout import PathLayout
 from megatron_ext.dipaco.queue_url import QueueURL, parse_queue_url
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import TrainerSpec, register_trainer
+from megatron_ext.gpt.recipe import check_gpt_sections
+from megatron_ext.schedules.plan import lr_schedule
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
@@ -118,7 +120,8 @@ def queue_url(recipe: Recipe) -> QueueURL:
 
 def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
     """The ``dipaco:`` section against itself, the model and the corpus (any job size: a rank
-    is one worker, and workers cycle through the paths)."""
+    is one worker, and workers cycle through the paths), after the GPT sections' own rules."""
+    check_gpt_sections(recipe)
     d, m, t, p = recipe.section(DipacoConfig), recipe.model, recipe.training, recipe.parallel
     layout = path_layout(recipe)
     queue_url(recipe)
@@ -196,7 +199,7 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
             f"global/micro micro-batches)"
         )
     if not d.base_checkpoint:
-        recipe.lr_schedule()  # the base run's schedule must be consistent
+        lr_schedule(recipe)  # the base run's schedule must be consistent
 
 
 register_trainer(
@@ -204,8 +207,7 @@ register_trainer(
         name="dipaco",
         train="megatron_ext.dipaco.trainer:train",
         check=check_dipaco,
-        section="dipaco",
-        config=DipacoConfig,
+        sections={"dipaco": DipacoConfig},
         # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
         # parallel sizes are read to refuse any other than 1 (a rank is one worker)
         reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),

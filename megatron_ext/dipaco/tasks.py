@@ -32,7 +32,7 @@ from megatron_ext.dipaco.routing import fit_discriminative, fit_generative, shar
 from megatron_ext.dipaco.store import assign_params, load_tensors, save_tensors, split_by_level
 from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
 from megatron_ext.errors import ConfigError
-from megatron_ext.schedules.plan import run_steps
+from megatron_ext.schedules.plan import lr_schedule, run_steps
 
 __all__ = ["run_task"]
 
@@ -117,7 +117,7 @@ def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     stream = ShardStream(dataset, ctx.split()["train"])
     assign_params(pm.model, pm.init_state)
     optimizer = InnerOptimizer(list(pm.model.named_parameters()), ctx.recipe.optimizer)
-    schedule = ctx.recipe.lr_schedule()
+    schedule = lr_schedule(ctx.recipe)
     steps = run_steps(ctx.recipe)  # training.steps, or what training.train_tokens takes
     batches = (stream.step_batch(ctx.recipe, STREAM_BASE, k) for k in range(steps))
     lrs = [schedule.lr_at(k) for k in range(steps)]

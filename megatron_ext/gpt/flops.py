@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_ext.config.schema import ModelConfig
+from megatron_ext.gpt.sections import ModelConfig
 
 __all__ = ["gpt_train_flops_per_token"]
 

@@ -1,27 +1,95 @@
 """The GPT trainer's part of a recipe: its cross-field rules and its registration.
 
-The GPT trainer owns no section of its own: it reads the shared ones (``model``, ``optimizer``,
-``data``, ``training``, ``parallel``, ...). No torch import: the launcher validates recipes
-before any process starts.
+The GPT trainer owns the ``model``, ``optimizer``, ``data``, ``training`` and ``parallel``
+sections (:mod:`megatron_ext.gpt.sections`); SOMA and DiPaCo read parts of them. No torch
+import: the launcher validates recipes before any process starts.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megatron_ext.config.moe_presets import check_moe_fields
+from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.config.trainers import TrainerSpec, register_trainer
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import TrainerSpec, register_trainer
+from megatron_ext.gpt.sections import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ext.run.precision import check_precision_fields
+from megatron_ext.run.stopping import check_stop_fields
 from megatron_ext.schedules.batch import ConstantBatch
-from megatron_ext.schedules.plan import TrainingSchedule, batch_rule, training_schedule
+from megatron_ext.schedules.plan import (
+    TrainingSchedule,
+    batch_rule,
+    lr_schedule,
+    run_steps,
+    training_schedule,
+)
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
 
-__all__ = ["check_gpt"]
+__all__ = ["check_gpt", "check_gpt_sections"]
+
+
+def check_gpt_sections(recipe: Recipe) -> None:
+    """The rules of the GPT sections (``model``, ``optimizer``, ``data``, ``training``,
+    ``parallel``) that need no job size; every trainer that reads them runs these (DiPaCo)."""
+    m, t, p = recipe.model, recipe.training, recipe.parallel
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % groups:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not "
+            f"divisible by model.num_query_groups={groups}"
+        )
+    check_moe_fields(m, p.expert_model_parallel_size)
+    if groups % p.tensor_model_parallel_size:
+        raise ConfigError(
+            f"attention groups ({groups}) are not divisible by "
+            f"parallel.tensor_model_parallel_size="
+            f"{p.tensor_model_parallel_size}"
+        )
+    if m.num_layers % p.pipeline_model_parallel_size:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by "
+            f"parallel.pipeline_model_parallel_size="
+            f"{p.pipeline_model_parallel_size}"
+        )
+    steps = run_steps(recipe)  # training.steps, or the steps training.train_tokens takes
+    if t.lr_warmup_steps > steps:
+        window = t.lr_wsd_decay_steps if t.lr_decay_style == "WSD" else None
+        fits = t.lr_warmup_steps + (window or 1)  # warmup, then the decay (WSD: its window)
+        raise ConfigError(
+            f"training.lr_warmup_steps={t.lr_warmup_steps} exceeds training.steps={steps}: "
+            f"lower training.lr_warmup_steps, or set training.steps to at least {fits}"
+        )
+    if recipe.optimizer.min_lr > recipe.optimizer.lr:
+        raise ConfigError(
+            f"optimizer.min_lr={recipe.optimizer.min_lr} exceeds optimizer.lr={recipe.optimizer.lr}"
+        )
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is None:
+        raise ConfigError(
+            "training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
+            "(the length of the final decay window)"
+        )
+    if recipe.data.tokenizer == "sentencepiece" and not recipe.data.tokenizer_model:
+        raise ConfigError(
+            "data.tokenizer=sentencepiece needs data.tokenizer_model "
+            "(train one with `megatron-ext data tokenizer`)"
+        )
+    check_precision_fields(recipe)
+    recipe.optimizer.check()
+    check_stop_fields(t)
 
 
 def check_gpt(recipe: Recipe, world_size: int | None) -> None:
-    """A dataset to read, a consistent LR schedule and (given) a layout that fits the job."""
+    """The sections' rules, a dataset to read, a consistent LR schedule and (given) a layout
+    that fits the job."""
+    check_gpt_sections(recipe)
     if not recipe.data.path:
         raise ConfigError(
             "data.path is empty: set it to an indexed-dataset prefix "
@@ -30,7 +98,7 @@ def check_gpt(recipe: Recipe, world_size: int | None) -> None:
     # The schedule checks its own consistency (e.g. the WSD window must fit after the warmup):
     # build it once here so a bad schedule fails before any process starts; then the batch
     # stages and the LR positions on consumed tokens.
-    recipe.lr_schedule()
+    lr_schedule(recipe)
     schedule = training_schedule(recipe)
     if world_size is not None:
         _check_layout(recipe, world_size)
@@ -88,6 +156,12 @@ register_trainer(
         name="gpt",
         train="megatron_ext.gpt.trainer:train",
         check=check_gpt,
-        reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
+        sections={
+            "model": ModelConfig,
+            "optimizer": OptimizerConfig,
+            "data": DataConfig,
+            "training": TrainingConfig,
+            "parallel": ParallelConfig,
+        },
     )
 )

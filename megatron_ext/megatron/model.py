@@ -13,7 +13,7 @@ parameter to bf16, norms included. FP8/FP4 build only on Transformer Engine's la
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config.moe_presets import moe_transformer_fields
-from megatron_ext.config.schema import ModelConfig, ParallelConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.attention import SdpaAttention
 from megatron_ext.megatron.qk_norm import ProjectionKNorm, ProjectionQNorm
 from megatron_ext.run.precision import precision_spec, transformer_config_fields
+
+if TYPE_CHECKING:  # the GPT trainer's sections, read here, never built: no runtime edge
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 
 
 def have_transformer_engine() -> bool:

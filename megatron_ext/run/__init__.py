@@ -4,9 +4,8 @@
   variables (torch-free: the launcher reads SLURM's host lists with it);
 - :mod:`megatron_ext.run.distributed`: torch.distributed's default group, joined once, and
   teardown;
-- :mod:`megatron_ext.run.trainers`: the trainer registry (torch-free);
-- :mod:`megatron_ext.run.commands`: the registry of ``megatron-ext`` sub-commands (torch-free);
-- :mod:`megatron_ext.run.entry`: ``megatron-ext train``, the per-rank entry point;
+- :mod:`megatron_ext.run.entry`: ``megatron-ext train``, the per-rank entry point (the trainer
+  registry is :mod:`megatron_ext.config.trainers`, the sub-commands' :mod:`megatron_ext.commands`);
 - :mod:`megatron_ext.run.metrics`: the one metrics logger (log line, ``metrics.jsonl``,
   TensorBoard, plots).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_ext.run.commands import Command, add_recipe_arguments, register_command
+from megatron_ext.commands import Command, add_recipe_arguments, register_command
 
 
 def _run(args: argparse.Namespace) -> int:

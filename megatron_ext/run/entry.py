@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_ext.config import load_recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.hardware import check_precision_on_rank
 from megatron_ext.run.lazy_compile import defer_compile_on_cpu
 from megatron_ext.run.rank_env import detect_rank_env
 from megatron_ext.run.rank_errors import record_error, record_stop
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR, RunStopped
-from megatron_ext.run.trainers import get_trainer
 
 __all__ = ["train_main"]
 

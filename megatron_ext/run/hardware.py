@@ -209,15 +209,23 @@ def check_precision_before_launch(
 ) -> None:
     """The launcher's gate: torch-free; the device is probed (:func:`probe_device`) only when
     the recipe's precision has a rule."""
-    if recipe.training.precision in REQUIREMENTS:
-        require_precision(recipe.training.precision, (probe or probe_device)())
+    precision = _precision(recipe)
+    if precision in REQUIREMENTS:
+        require_precision(precision, (probe or probe_device)())
 
 
 def check_precision_on_rank(recipe: Recipe, local_rank: int) -> None:
     """The per-rank gate (``megatron-ext train``): the same table, against the rank's own GPU
     as torch sees it and Transformer Engine as actually imported."""
-    if recipe.training.precision in REQUIREMENTS:
-        require_precision(recipe.training.precision, probe_device_with_torch(local_rank))
+    precision = _precision(recipe)
+    if precision in REQUIREMENTS:
+        require_precision(precision, probe_device_with_torch(local_rank))
+
+
+def _precision(recipe: Recipe) -> str | None:
+    """``training.precision``; None for a trainer without a ``training`` section."""
+    training = recipe.sections.get("training")
+    return getattr(training, "precision", None) if training is not None else None
 
 
 # --------------------------------------------------------------------------- probes

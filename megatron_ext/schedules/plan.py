@@ -186,6 +186,23 @@ def samples_at(recipe: Recipe, step: int) -> int:
     return stage.first_sample + (step - stage.first_step) * stage.global_batch
 
 
+def lr_schedule(recipe: Recipe) -> LRSchedule:
+    """The learning-rate schedule in optimizer steps that ``training`` and ``optimizer``
+    describe (``training.lr_decay_steps`` None: the run's length, :func:`run_steps`); a
+    ``ConfigError`` when it is inconsistent. The GPT trainer positions its LR on tokens
+    (:func:`training_schedule`); DiPaCo's inner loop uses this one."""
+    t, o = recipe.training, recipe.optimizer
+    return LRSchedule(
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        warmup_steps=t.lr_warmup_steps,
+        decay_steps=run_steps(recipe) if t.lr_decay_steps is None else t.lr_decay_steps,
+        decay_style=t.lr_decay_style,
+        wsd_decay_steps=t.lr_wsd_decay_steps,
+        wsd_decay_style=t.lr_wsd_decay_style,
+    )
+
+
 def training_schedule(recipe: Recipe) -> TrainingSchedule:
     """The recipe's schedule, its length from :func:`run_steps` (``training.steps``, or the
     steps that reach ``training.train_tokens``); ConfigError when its positions do not fit,

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_ext.run.commands import Command, register_command
+from megatron_ext.commands import Command, register_command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

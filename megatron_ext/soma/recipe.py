@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.trainers import TrainerSpec, register_trainer
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.trainers import TrainerSpec, register_trainer
+from megatron_ext.run.stopping import check_stop_fields
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
@@ -72,6 +73,7 @@ class SomaConfig:
 
 def check_soma(recipe: Recipe, world_size: int | None) -> None:
     """The ``soma:`` section against itself, the corpus and (given) the job size."""
+    check_stop_fields(recipe.training)
     s = recipe.section(SomaConfig)
     if s.eval_topk is not None and s.eval_topk > s.num_experts:
         raise ConfigError(
@@ -111,8 +113,7 @@ register_trainer(
         name="soma",
         train="megatron_ext.soma.trainer:train",
         check=check_soma,
-        section="soma",
-        config=SomaConfig,
+        sections={"soma": SomaConfig},
         # the byte windows come from data.source; the seed and the stop rules from training
         reads={
             "data": ("source",),

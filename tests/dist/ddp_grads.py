@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-from megatron_ext.config.schema import ModelConfig, ParallelConfig
+from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.parallel import init_distributed
 from tests.dist.ending import leave

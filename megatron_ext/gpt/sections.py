@@ -1,0 +1,184 @@
+"""The GPT trainer's recipe sections: ``model``, ``data``, ``training`` and ``parallel`` (its
+``optimizer`` section is :mod:`megatron_ext.config.optimizer`'s, built from the optimizer
+registry).
+
+The GPT trainer owns them (:mod:`megatron_ext.gpt.recipe` registers them); SOMA and DiPaCo
+read some of their fields and say which (``TrainerSpec.reads``). Field names follow
+megatron-core where a counterpart exists (``TransformerConfig``, ``OptimizerConfig``,
+``DistributedDataParallelConfig``, ``OptimizerParamScheduler``); each field may carry
+validation metadata (:func:`megatron_ext.config.fields.spec`), and a closed set of values is
+its ``Literal`` type, owned by the module that implements it.
+
+No torch import: the launcher validates recipes before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from megatron_ext.config.fields import spec
+from megatron_ext.config.moe_presets import MOE_PRESETS
+from megatron_ext.run.precision import Precision
+from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
+
+__all__ = ["BatchRampConfig", "DataConfig", "ModelConfig", "ParallelConfig", "TrainingConfig"]
+
+
+@dataclass
+class ModelConfig:
+    """GPT architecture (megatron-core ``TransformerConfig`` names)."""
+
+    num_layers: int = spec(2, ge=1)
+    hidden_size: int = spec(128, ge=1)
+    num_attention_heads: int = spec(4, ge=1)
+    num_query_groups: int | None = spec(None, ge=1, help="GQA groups; None = MHA")
+    ffn_hidden_size: int | None = spec(None, ge=1, help="None = 4*hidden (2/3 of it for SwiGLU)")
+    kv_channels: int | None = spec(None, ge=1)
+    vocab_size: int | None = spec(None, ge=1, help="None = tokenizer's vocabulary")
+    make_vocab_size_divisible_by: int = spec(128, ge=1)
+    normalization: Literal["RMSNorm", "LayerNorm"] = spec("RMSNorm")
+    layernorm_epsilon: float = spec(1e-5, gt=0.0)
+    position_embedding_type: Literal["rope", "learned_absolute"] = spec("rope")
+    rotary_base: int = spec(10000, ge=1)
+    activation: Literal["swiglu", "gelu"] = spec("swiglu")
+    add_bias_linear: bool = False
+    qk_layernorm: bool = False
+    qk_layernorm_scope: Literal["head", "projection"] = spec(
+        "head",
+        help="q/k RMSNorm per head (Qwen3) or over the whole projection (OLMoE)",
+    )
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = spec(0.02, gt=0.0)
+    hidden_dropout: float = spec(0.0, ge=0.0, le=1.0)
+    attention_dropout: float = spec(0.0, ge=0.0, le=1.0)
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = spec(
+        "auto",
+        help="auto = Transformer Engine when installed and on GPU",
+    )
+    # Mixture of experts (0 experts = dense); megatron_ext.config.moe_presets
+    moe_preset: str = spec(
+        "", choices=MOE_PRESETS, help="olmoe, qwen3_moe, deepseek_v3; explicit fields win"
+    )
+    num_moe_experts: int = spec(0, ge=0)
+    moe_router_topk: int = spec(2, ge=1)
+    moe_ffn_hidden_size: int | None = spec(None, ge=1)
+    moe_router_score_function: Literal["softmax", "sigmoid"] = spec("softmax")
+    moe_router_enable_expert_bias: bool = False
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = spec("aux_loss")
+    moe_aux_loss_coeff: float = spec(0.0, ge=0.0, help="megatron-core's, per MoE layer")
+    moe_z_loss_coeff: float | None = spec(None, ge=0.0)
+    moe_router_pre_softmax: bool = spec(False, help="softmax over all experts before top-k")
+    moe_router_topk_scaling_factor: float | None = spec(None, gt=0.0)
+    moe_router_bias_update_rate: float = spec(1e-3, ge=0.0)
+    moe_router_num_groups: int | None = spec(None, ge=1)
+    moe_router_group_topk: int | None = spec(None, ge=1)
+    moe_router_dtype: Literal["fp32", "fp64"] = spec("fp32")
+    moe_shared_expert_intermediate_size: int | None = spec(None, ge=1)
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_layer_freq: list[int] = spec(
+        [], help="[] = every layer MoE; [N] = one in N; or a 0/1 pattern, one per layer"
+    )
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = spec("alltoall")
+    moe_grouped_gemm: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str = spec("", help="indexed-dataset prefix (<path>.bin/.idx)")
+    source: list[str] = spec(
+        [],
+        help="text inputs built into `path` when it is missing; "
+        "'python-stdlib' = the installed stdlib's docstrings",
+    )
+    tokenizer: Literal["byte", "sentencepiece"] = spec("byte")
+    tokenizer_model: str = spec("", help="SentencePiece .model file")
+    split: str = spec("98,2,0", help="train,valid,test weights")
+
+
+@dataclass
+class BatchRampConfig:
+    """A doubling global-batch ramp (:class:`megatron_ext.schedules.batch.DoublingRamp`)."""
+
+    start: int = spec(0, ge=0, help="first global batch B0 (sequences); 0 = no ramp")
+    double_every: int = spec(0, ge=0, help="optimizer steps between doublings, up to the target")
+    warmup: Literal["ramp", "first_stage", "recipe"] = spec(
+        "ramp",
+        help="LR warmup ends where the ramp ends, at its first doubling, or at "
+        "training.lr_warmup_steps",
+    )
+
+
+@dataclass
+class TrainingConfig:
+    """Loop length, batch and the LR schedule (``OptimizerParamScheduler`` names)."""
+
+    # Megatron's linear ramp (megatron-core 0.19 ignores it): refused with the new fields' names.
+    RENAMED: ClassVar[dict[str, list[str]]] = {
+        "rampup_batch_size": ["batch_ramp", "step_batch_size_schedule"]
+    }
+
+    steps: int = spec(100, ge=1, help="run length in optimizer steps (set by train_tokens)")
+    train_tokens: int | None = spec(
+        None, ge=1, help="run length in tokens: the first step count that reaches it"
+    )
+    micro_batch_size: int = spec(4, ge=1)
+    global_batch_size: int = spec(8, ge=1, help="the target batch (sequences) of a ramp")
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    step_batch_size_schedule: str = spec(
+        "", help="megatron-core's 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); '' = none"
+    )
+    step_batch_size_schedule_unit: Literal["tokens", "samples"] = spec("tokens")
+    batch_lr_scaling: Literal["sqrt", "none"] = spec(
+        "sqrt", help="lr x sqrt(B / target B) at every batch stage"
+    )
+    seq_length: int = spec(128, ge=1)
+    seed: int = spec(1234, ge=0)
+    precision: Precision = spec(
+        "fp32", help="megatron_ext.run.precision maps each to megatron-core"
+    )
+    num_layers_at_start_in_bf16: int = spec(
+        0, ge=0, help="FP8/FP4: first transformer layers kept in BF16"
+    )
+    num_layers_at_end_in_bf16: int = spec(0, ge=0, help="FP8/FP4: last layers kept in BF16")
+    lr_warmup_steps: int = spec(0, ge=0)
+    lr_decay_style: DecayStyle = spec("cosine")
+    lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
+    lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
+    lr_wsd_decay_style: WsdDecayStyle = spec("minus_sqrt")
+    eval_interval: int = spec(
+        0, ge=0, help="validation loss every N steps (and after the last); 0 = after the last only"
+    )
+    eval_iters: int = spec(
+        0, ge=0, help="global batches of the validation split; 0 = no validation"
+    )
+    # Stopping early, cleanly: save a checkpoint, exit 0 (megatron_ext.run.stopping)
+    exit_interval: int | None = spec(
+        None, ge=1, help="save and exit after a step divisible by N (Megatron-LM's name)"
+    )
+    exit_duration_in_mins: float | None = spec(
+        None, gt=0, help="save and exit after N minutes of this run (Megatron-LM's name)"
+    )
+    exit_signals: list[str] = spec(
+        ["SIGTERM", "SIGUSR1"],
+        help="signals on which every rank finishes its step, saves and exits 0; [] = none",
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """Model-parallel sizes; data parallel is derived: dp = world / (tp * pp * cp)."""
+
+    tensor_model_parallel_size: int = spec(1, ge=1)
+    pipeline_model_parallel_size: int = spec(1, ge=1)
+    context_parallel_size: int = spec(1, ge=1)
+    expert_model_parallel_size: int = spec(1, ge=1)
+    sequence_parallel: bool = False
+    backend: Literal["auto", "nccl", "gloo"] = spec(
+        "auto", help="auto = nccl with CUDA, gloo without"
+    )
