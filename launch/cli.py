@@ -1,7 +1,8 @@
-"""``megatron-ext``: one command whose sub-commands are registered where they live.
+"""``megatron-ext``: one command whose sub-commands are declared where they live.
 
 ``launch`` is defined here; every other sub-command (``train``, ``data``, ``bench``, ``soma``,
-...) registers itself in its package's ``cli.py`` (:mod:`megatron_ext.commands`).
+...) is declared in its package's ``cli.py`` and registered as an entry point
+(:mod:`megatron_ext.commands`).
 Errors that are the user's (a bad recipe, override or flag) print one line and exit 2.
 """
 
@@ -12,7 +13,7 @@ import io
 import sys
 from collections.abc import Sequence
 
-from megatron_ext.commands import Command, add_recipe_arguments, commands, register_command
+from megatron_ext.commands import Command, add_recipe_arguments, commands
 from megatron_ext.errors import ConfigError
 
 HEADER = """\
@@ -47,17 +48,16 @@ def _launch(args: argparse.Namespace) -> int:
     return launch_main(args)
 
 
-register_command(
-    Command(
-        name="launch",
-        usage="RECIPE [key=value ...]",
-        help="run a recipe on this node / cluster (torchrun)",
-        description="Validate RECIPE, then run `megatron-ext train` on every rank with "
-        "torchrun: --standalone on one node; multi-node from --nnodes/--node-rank/"
-        "--rdzv-endpoint or from the SLURM environment.",
-        add_arguments=_launch_arguments,
-        run=_launch,
-    )
+#: The ``megatron_ext.commands`` entry point ``launch`` (setup.py).
+COMMAND = Command(
+    name="launch",
+    usage="RECIPE [key=value ...]",
+    help="run a recipe on this node / cluster (torchrun)",
+    description="Validate RECIPE, then run `megatron-ext train` on every rank with "
+    "torchrun: --standalone on one node; multi-node from --nnodes/--node-rank/"
+    "--rdzv-endpoint or from the SLURM environment.",
+    add_arguments=_launch_arguments,
+    run=_launch,
 )
 
 

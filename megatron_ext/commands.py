@@ -1,17 +1,19 @@
-"""The ``megatron-ext`` sub-commands: each registers itself in its own module.
+"""The ``megatron-ext`` sub-commands: each is declared in its own module.
 
-A package adds a command in its ``cli.py`` (``megatron_ext/data/cli.py``)::
+A package declares a command in its ``cli.py`` (``megatron_ext/data/cli.py``)::
 
-    register_command(Command(
+    COMMAND = Command(
         name="data",
         usage="build|tokenizer ...",
         help="build indexed datasets, train tokenizers",
         add_arguments=add_arguments,   # (argparse.ArgumentParser) -> None
         run=data_main,                 # (argparse.Namespace) -> exit code
-    ))
+    )
 
-The command line (``launch/cli.py``, which registers ``launch`` itself) builds its parser and
-dispatches from this registry; the packages' ``cli.py`` modules are found on first use.
+and registers it as an entry point of the group ``megatron_ext.commands`` (``data =
+megatron_ext.data.cli:COMMAND`` in ``setup.py``, or in another distribution's metadata:
+:mod:`megatron_ext.registry`). The command line (``launch/cli.py``, which declares ``launch``)
+builds its parser and dispatches from this registry, in declaration order.
 A command module's top level must not import torch (``megatron-ext --help`` stays fast, and the
 launcher stays torch-free); import it in ``run``.
 """
@@ -19,18 +21,12 @@ launcher stays torch-free); import it in ``run``.
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from types import MappingProxyType
 
-__all__ = ["Command", "add_recipe_arguments", "commands", "register_command"]
+from megatron_ext.registry import Registry
 
-COMMAND_MODULE = "cli"  # megatron_ext/<package>/cli.py registers commands
-
-_COMMANDS: dict[str, Command] = {}
-_discovered = False
+__all__ = ["COMMANDS", "Command", "add_recipe_arguments", "commands", "register_command"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,32 +42,18 @@ class Command:
     description: str = ""
 
 
+#: ``megatron-ext NAME`` -> its command; the group ``megatron_ext.commands``.
+COMMANDS: Registry[Command] = Registry("command", "megatron_ext.commands", of=Command)
+
+
 def register_command(command: Command) -> Command:
-    """Add ``command``; a second command of the same name is a programming error.
-
-    The same registration run twice is not: a module run as ``python -m`` and imported again
-    under its own name registers from the same source line (compared by ``run``'s code)."""
-    existing = _COMMANDS.get(command.name)
-    if existing is not None and _where(existing.run) != _where(command.run):
-        raise ValueError(f"command {command.name!r} is registered twice")
-    _COMMANDS.setdefault(command.name, command)
-    return command
-
-
-def _where(fn: Callable[..., object]) -> tuple[str, int]:
-    code = fn.__code__
-    return code.co_filename, code.co_firstlineno
+    """Add ``command`` in-process (a test, a script); a package declares an entry point."""
+    return COMMANDS.register(command)
 
 
 def commands() -> Mapping[str, Command]:
-    """Every registered command by name, in registration order (read-only view)."""
-    global _discovered
-    if not _discovered:
-        _discovered = True
-        root = Path(__file__).resolve().parent  # the megatron_ext package
-        for path in sorted(root.glob(f"*/{COMMAND_MODULE}.py")):
-            importlib.import_module(f"megatron_ext.{path.parent.name}.{COMMAND_MODULE}")
-    return MappingProxyType(_COMMANDS)
+    """Every registered command by name, in declaration order (read-only view)."""
+    return COMMANDS.items()
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:

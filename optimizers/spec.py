@@ -7,7 +7,9 @@ layer-wise optimizer (does the update couple a matrix's entries?), the ownership
 state bytes per matrix) and the update-RMS matching read the same specs.
 
 Adding an optimizer: its code (a ``torch.optim.Optimizer``), a ``<name>_spec.py`` module with a
-``SPEC``, and its module name in :data:`BUILTIN_SPEC_MODULES` — or, from outside the package,
+``SPEC``, and that spec as an entry point of the group ``megatron_ext.optimizers`` (``muon =
+megatron_ext.optimizers.muon_spec:SPEC`` in ``setup.py``; another distribution declares its own
+the same way, :mod:`megatron_ext.registry`). In-process (a test, a script),
 :func:`register_optimizer` before the optimizer is built.
 """
 
@@ -18,8 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from megatron_ext.registry import Registry
+
 __all__ = [
-    "BUILTIN_SPEC_MODULES",
+    "OPTIMIZERS",
     "SHARED_FIELDS",
     "Hyperparameter",
     "OptimizerSpec",
@@ -27,9 +31,6 @@ __all__ = [
     "register_optimizer",
     "registered_optimizers",
 ]
-
-#: Spec modules of the optimizers shipped with the package (``megatron_ext.optimizers.<module>``).
-BUILTIN_SPEC_MODULES = ("adamw_spec", "lion_spec", "muon_spec", "mop_spec", "kl_soap_spec")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,38 +166,23 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), attr)
 
 
-_REGISTRY: dict[str, OptimizerSpec] = {}
-_BUILTINS_LOADED = False
+#: ``optimizer.name`` -> its spec; the group ``megatron_ext.optimizers``.
+OPTIMIZERS: Registry[OptimizerSpec] = Registry(
+    "optimizer", "megatron_ext.optimizers", of=OptimizerSpec, key="optimizer.name"
+)
 
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
-    """Add ``spec`` to the registry (a name may be registered once); returns it."""
-    _load_builtins()
-    if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
-        raise ValueError(f"an optimizer named {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
-
-
-def _load_builtins() -> None:
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    _BUILTINS_LOADED = True
-    for module in BUILTIN_SPEC_MODULES:
-        spec = importlib.import_module(f"{__package__}.{module}").SPEC
-        _REGISTRY[spec.name] = spec
+    """Add ``spec`` in-process (a name may be registered once); returns it."""
+    return OPTIMIZERS.register(spec)
 
 
 def registered_optimizers() -> dict[str, OptimizerSpec]:
     """Every registered spec by name, the shipped ones first."""
-    _load_builtins()
-    return dict(_REGISTRY)
+    return dict(OPTIMIZERS.items())
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
-    """The spec registered as ``name``; ``ValueError`` listing the registered names if none."""
-    specs = registered_optimizers()
-    if name not in specs:
-        raise ValueError(f"unknown optimizer {name!r}; registered: {', '.join(specs)}")
-    return specs[name]
+    """The spec registered as ``name``; ``ConfigError`` (a ``ValueError``) listing the
+    registered names if none."""
+    return OPTIMIZERS.get(name)

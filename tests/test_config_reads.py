@@ -23,7 +23,7 @@ def test_soma_refuses_the_optimizer_it_does_not_read() -> None:
         load_recipe("soma_tiny", ["optimizer.name=muon"])
     assert str(caught.value) == (
         f"trainer=soma does not read optimizer; it reads {SOMA_READS}: remove the key, "
-        "or choose trainer=gpt or trainer=dipaco"
+        "or choose trainer=dipaco or trainer=gpt"
     )
 
 

@@ -74,7 +74,7 @@ def test_the_recipe_section_has_one_field_per_option_and_no_other() -> None:
 
 @pytest.mark.parametrize(
     ("old", "new"),
-    [("ns_steps", "muon_num_ns_steps"), ("momentum", "muon_momentum or optimizer.mop_momentum")],
+    [("ns_steps", "muon_num_ns_steps"), ("momentum", "mop_momentum or optimizer.muon_momentum")],
 )
 def test_renamed_options_are_refused_with_the_new_name(old: str, new: str) -> None:
     with pytest.raises(ConfigError, match=f"optimizer.{old} was renamed: use optimizer.{new}"):

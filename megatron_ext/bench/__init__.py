@@ -1,29 +1,40 @@
 """Benchmarks behind ``megatron-ext bench NAME``: they print figures and JSON, never pass/fail.
 
-A benchmark is a module of this package that defines ``DESCRIPTION``, ``add_arguments(parser)``
-and ``run(args) -> int``; its name is the module's (``megatron_ext/bench/soma.py`` is
-``megatron-ext bench soma``). Adding that module is the whole registration: :func:`benchmarks`
-finds it. Modules whose name starts with ``_`` and modules without ``run`` (``common``) are
-helpers. Module top levels must not import torch (``megatron-ext --help`` stays fast); import it
-in ``run``.
+A benchmark is a module that defines ``DESCRIPTION`` (one line), ``EXAMPLE`` (its smoke-run
+command line), ``QUICK`` (the ``--quick`` settings), ``JSON_KEYS`` (the keys of the JSON report
+it writes), ``add_arguments(parser)`` and ``run(args) -> int``. It is registered as an entry
+point of the group ``megatron_ext.benchmarks`` naming the module (``soma =
+megatron_ext.bench.soma`` in ``setup.py``, or in another distribution's metadata:
+:mod:`megatron_ext.registry`); the entry's name is the benchmark's. Modules here whose name
+starts with ``_``, and ``common``, are helpers. Module top levels must not import torch
+(``megatron-ext --help`` stays fast); import it in ``run``.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from collections.abc import Mapping
 from types import ModuleType
 
-__all__ = ["benchmarks"]
+from megatron_ext.registry import Registry
+
+__all__ = ["BENCHMARKS", "INTERFACE", "benchmarks"]
+
+#: What a benchmark module defines.
+INTERFACE = ("DESCRIPTION", "EXAMPLE", "QUICK", "JSON_KEYS", "add_arguments", "run")
 
 
-def benchmarks() -> dict[str, ModuleType]:
-    """Every benchmark module by name, sorted."""
-    found = {}
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.ispkg:
-            continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        if hasattr(module, "run"):
-            found[info.name] = module
-    return found
+def _check_benchmark(module: ModuleType) -> None:
+    missing = [name for name in INTERFACE if not hasattr(module, name)]
+    if missing:
+        raise TypeError(f"benchmark module {module.__name__} lacks {', '.join(missing)}")
+
+
+#: ``megatron-ext bench NAME`` -> its module; the group ``megatron_ext.benchmarks``.
+BENCHMARKS: Registry[ModuleType] = Registry(
+    "benchmark", "megatron_ext.benchmarks", of=ModuleType, named=False, check=_check_benchmark
+)
+
+
+def benchmarks() -> Mapping[str, ModuleType]:
+    """Every registered benchmark module by name, in declaration order (read-only view)."""
+    return BENCHMARKS.items()

@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from megatron_ext.bench import benchmarks
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,13 +62,12 @@ def _run(args: argparse.Namespace) -> int:
     return module.run(args)
 
 
-register_command(
-    Command(
-        name="bench",
-        usage="NAME ...",
-        help="benchmarks: figures and JSON, never pass/fail",
-        description="Benchmarks (print figures and JSON). Each takes --quick for a smoke run.",
-        add_arguments=add_arguments,
-        run=_run,
-    )
+#: The ``megatron_ext.commands`` entry point ``bench`` (setup.py).
+COMMAND = Command(
+    name="bench",
+    usage="NAME ...",
+    help="benchmarks: figures and JSON, never pass/fail",
+    description="Benchmarks (print figures and JSON). Each takes --quick for a smoke run.",
+    add_arguments=add_arguments,
+    run=_run,
 )

@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from megatron_ext.ckpt.select import checkpoint_dirs, inspect, resume_order, step_of
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 from megatron_ext.errors import ConfigError
 
 
@@ -59,13 +59,12 @@ def ckpt_main(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown ckpt action {args.ckpt_command!r}; use verify")
 
 
-register_command(
-    Command(
-        name="ckpt",
-        usage="verify PATH",
-        help="check checkpoints against their manifests",
-        description="Verify checkpoints offline, as a run does before loading one.",
-        add_arguments=add_arguments,
-        run=ckpt_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``ckpt`` (setup.py).
+COMMAND = Command(
+    name="ckpt",
+    usage="verify PATH",
+    help="check checkpoints against their manifests",
+    description="Verify checkpoints offline, as a run does before loading one.",
+    add_arguments=add_arguments,
+    run=ckpt_main,
 )

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 from megatron_ext.config.from_megatron import Conversion, convert
 from megatron_ext.config.load import recipe_from_dict
 from megatron_ext.config.megatron_args import read_megatron_args
@@ -123,12 +123,11 @@ def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-register_command(
-    Command(
-        name="recipe",
-        usage="from-megatron-args ...",
-        help="recipes from Megatron-LM argument lists",
-        add_arguments=add_arguments,
-        run=recipe_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``recipe`` (setup.py).
+COMMAND = Command(
+    name="recipe",
+    usage="from-megatron-args ...",
+    help="recipes from Megatron-LM argument lists",
+    add_arguments=add_arguments,
+    run=recipe_main,
 )

@@ -1,41 +1,41 @@
 """The trainer registry: what ``trainer: NAME`` in a recipe means.
 
-A trainer registers itself in its own package, in a torch-free module named ``recipe.py``
-(``megatron_ext/soma/recipe.py``)::
+A trainer declares itself in its own package, in a torch-free module (``megatron_ext/soma/
+recipe.py``), and registers that object as an entry point of the group
+``megatron_ext.trainers`` (``soma = megatron_ext.soma.recipe:TRAINER`` in ``setup.py``, or in
+another distribution's metadata: :mod:`megatron_ext.registry`)::
 
-    register_trainer(TrainerSpec(
+    TRAINER = TrainerSpec(
         name="soma",
         train="megatron_ext.soma.trainer:train",   # imported only on the ranks that train
         check=check_soma,                          # cross-field rules; raise ConfigError
         sections={"soma": SomaConfig},             # the recipe sections it owns
         reads={"data": ("source",)},               # what it reads of other trainers' sections
-    ))
+    )
 
 The recipe schema reads the registry (a recipe holds its trainer's sections, its ``check`` is
 ``Recipe.check``), and so does the launcher through it: a trainer that is not registered fails
 at validation, before any process starts. The per-rank entry point
 imports ``train`` and calls it with the validated recipe.
 
-The registry finds the packages' ``recipe.py`` modules on first use. Nothing here
-imports torch: the launcher validates recipes before any rank exists.
+The registry loads the entry points on first use. Nothing here imports torch: the launcher
+validates recipes before any rank exists.
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from megatron_ext.errors import ConfigError
+from megatron_ext.registry import Registry
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
 
 __all__ = [
+    "TRAINERS",
     "TrainerSpec",
     "get_trainer",
     "recipe_sections",
@@ -43,11 +43,6 @@ __all__ = [
     "trainer_sections",
     "trainers",
 ]
-
-REGISTRATION_MODULE = "recipe"  # megatron_ext/<package>/recipe.py registers a trainer
-
-_TRAINERS: dict[str, TrainerSpec] = {}
-_discovered = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,31 +77,25 @@ class TrainerSpec:
         return getattr(importlib.import_module(module), function)
 
 
+#: ``trainer: NAME`` -> its spec; the group ``megatron_ext.trainers``.
+TRAINERS: Registry[TrainerSpec] = Registry(
+    "trainer", "megatron_ext.trainers", of=TrainerSpec, key="trainer"
+)
+
+
 def register_trainer(spec: TrainerSpec) -> TrainerSpec:
-    """Add ``spec`` to the registry; a second trainer of the same name is a programming error."""
-    if _TRAINERS.get(spec.name, spec) != spec:
-        raise ValueError(f"trainer {spec.name!r} is registered twice")
-    _TRAINERS[spec.name] = spec
-    return spec
+    """Add ``spec`` in-process (a test, a script); an installed package declares an entry point."""
+    return TRAINERS.register(spec)
 
 
 def trainers() -> Mapping[str, TrainerSpec]:
     """Every registered trainer by name (read-only view)."""
-    _discover()
-    return MappingProxyType(_TRAINERS)
+    return TRAINERS.items()
 
 
 def get_trainer(name: str) -> TrainerSpec:
     """The trainer registered as ``name``; a ConfigError naming the registered ones if none."""
-    registered = trainers()
-    if name in registered:
-        return registered[name]
-    close = difflib.get_close_matches(name, list(registered), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(
-        f"trainer={name!r} is not a registered trainer{hint}; registered trainers: "
-        f"{', '.join(sorted(registered))}"
-    )
+    return TRAINERS.get(name)
 
 
 def trainer_sections() -> dict[str, type]:
@@ -126,14 +115,3 @@ def recipe_sections(spec: TrainerSpec) -> dict[str, type]:
     if missing:
         raise ValueError(f"trainer {spec.name!r} reads {missing}, which no trainer owns")
     return {**spec.sections, **{name: owned[name] for name in spec.reads}}
-
-
-def _discover() -> None:
-    """Import every ``megatron_ext/<package>/recipe.py`` (each registers its trainer), once."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    root = Path(__file__).resolve().parents[1]
-    for path in sorted(root.glob(f"*/{REGISTRATION_MODULE}.py")):
-        importlib.import_module(f"megatron_ext.{path.parent.name}.{REGISTRATION_MODULE}")

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 from megatron_ext.errors import ConfigError
 
 WEIGHTS = "step_000000"
@@ -244,22 +244,20 @@ def tools_main(args: argparse.Namespace) -> int:
     return 0
 
 
-register_command(
-    Command(
-        name="tools",
-        usage="eps-sweep ...",
-        help="model diagnostics: the RMSNorm epsilon sensitivity sweep",
-        add_arguments=add_tools_arguments,
-        run=tools_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``tools`` (setup.py).
+TOOLS = Command(
+    name="tools",
+    usage="eps-sweep ...",
+    help="model diagnostics: the RMSNorm epsilon sensitivity sweep",
+    add_arguments=add_tools_arguments,
+    run=tools_main,
 )
 
-register_command(
-    Command(
-        name="convert",
-        usage="hf-to-mcore|mcore-to-hf|check ...",
-        help="Hugging Face <-> megatron-core checkpoints, and their logit parity",
-        add_arguments=add_arguments,
-        run=convert_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``convert`` (setup.py).
+CONVERT = Command(
+    name="convert",
+    usage="hf-to-mcore|mcore-to-hf|check ...",
+    help="Hugging Face <-> megatron-core checkpoints, and their logit parity",
+    add_arguments=add_arguments,
+    run=convert_main,
 )

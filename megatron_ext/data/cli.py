@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
 from megatron_ext.errors import ConfigError
 
@@ -82,12 +82,11 @@ def _mb(n_bytes: int) -> str:
     return f"{n_bytes / 1e6:.2f} MB"
 
 
-register_command(
-    Command(
-        name="data",
-        usage="build|tokenizer ...",
-        help="build indexed datasets, train tokenizers",
-        add_arguments=add_arguments,
-        run=data_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``data`` (setup.py).
+COMMAND = Command(
+    name="data",
+    usage="build|tokenizer ...",
+    help="build indexed datasets, train tokenizers",
+    add_arguments=add_arguments,
+    run=data_main,
 )

@@ -7,7 +7,7 @@ import argparse
 import shlex
 import sys
 
-from megatron_ext.commands import Command, add_recipe_arguments, register_command
+from megatron_ext.commands import Command, add_recipe_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,13 +96,12 @@ def dipaco_main(args: argparse.Namespace) -> int:
     return 0
 
 
-register_command(
-    Command(
-        name="dipaco",
-        usage="worker|status ...",
-        help="join a DiPaCo run as a worker; a run's state",
-        description="DiPaCo: work on a run's task queue, or show a run's state.",
-        add_arguments=add_arguments,
-        run=dipaco_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``dipaco`` (setup.py).
+COMMAND = Command(
+    name="dipaco",
+    usage="worker|status ...",
+    help="join a DiPaCo run as a worker; a run's state",
+    description="DiPaCo: work on a run's task queue, or show a run's state.",
+    add_arguments=add_arguments,
+    run=dipaco_main,
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
-from megatron_ext.config.trainers import TrainerSpec, register_trainer
+from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.dipaco.layout import PathLayout
 from megatron_ext.dipaco.queue_url import QueueURL, parse_queue_url
 from megatron_ext.errors import ConfigError
@@ -202,14 +202,13 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
         lr_schedule(recipe)  # the base run's schedule must be consistent
 
 
-register_trainer(
-    TrainerSpec(
-        name="dipaco",
-        train="megatron_ext.dipaco.trainer:train",
-        check=check_dipaco,
-        sections={"dipaco": DipacoConfig},
-        # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
-        # parallel sizes are read to refuse any other than 1 (a rank is one worker)
-        reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
-    )
+#: The ``megatron_ext.trainers`` entry point ``dipaco`` (setup.py).
+TRAINER = TrainerSpec(
+    name="dipaco",
+    train="megatron_ext.dipaco.trainer:train",
+    check=check_dipaco,
+    sections={"dipaco": DipacoConfig},
+    # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
+    # parallel sizes are read to refuse any other than 1 (a rank is one worker)
+    reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
 )

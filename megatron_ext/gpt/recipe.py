@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from megatron_ext.config.moe_presets import check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.config.trainers import TrainerSpec, register_trainer
+from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.sections import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_ext.run.precision import check_precision_fields
@@ -151,17 +151,16 @@ def _check_stages(recipe: Recipe, schedule: TrainingSchedule, world_size: int) -
             )
 
 
-register_trainer(
-    TrainerSpec(
-        name="gpt",
-        train="megatron_ext.gpt.trainer:train",
-        check=check_gpt,
-        sections={
-            "model": ModelConfig,
-            "optimizer": OptimizerConfig,
-            "data": DataConfig,
-            "training": TrainingConfig,
-            "parallel": ParallelConfig,
-        },
-    )
+#: The ``megatron_ext.trainers`` entry point ``gpt`` (setup.py).
+TRAINER = TrainerSpec(
+    name="gpt",
+    train="megatron_ext.gpt.trainer:train",
+    check=check_gpt,
+    sections={
+        "model": ModelConfig,
+        "optimizer": OptimizerConfig,
+        "data": DataConfig,
+        "training": TrainingConfig,
+        "parallel": ParallelConfig,
+    },
 )

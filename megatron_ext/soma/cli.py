@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_ext.commands import Command, register_command
+from megatron_ext.commands import Command
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,14 +113,12 @@ def soma_main(args: argparse.Namespace) -> int:
     return 0
 
 
-register_command(
-    Command(
-        name="soma",
-        usage="eval|generate|variance",
-        help="use a trained SOMA run; the estimator's variance",
-        description="Evaluate or sample a trained SOMA run, or measure the SPSA estimator's "
-        "variance.",
-        add_arguments=add_arguments,
-        run=soma_main,
-    )
+#: The ``megatron_ext.commands`` entry point ``soma`` (setup.py).
+COMMAND = Command(
+    name="soma",
+    usage="eval|generate|variance",
+    help="use a trained SOMA run; the estimator's variance",
+    description="Evaluate or sample a trained SOMA run, or measure the SPSA estimator's variance.",
+    add_arguments=add_arguments,
+    run=soma_main,
 )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
-from megatron_ext.config.trainers import TrainerSpec, register_trainer
+from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
 from megatron_ext.run.stopping import check_stop_fields
 
@@ -108,16 +108,15 @@ def check_soma(recipe: Recipe, world_size: int | None) -> None:
         )
 
 
-register_trainer(
-    TrainerSpec(
-        name="soma",
-        train="megatron_ext.soma.trainer:train",
-        check=check_soma,
-        sections={"soma": SomaConfig},
-        # the byte windows come from data.source; the seed and the stop rules from training
-        reads={
-            "data": ("source",),
-            "training": ("seed", "exit_interval", "exit_duration_in_mins", "exit_signals"),
-        },
-    )
+#: The ``megatron_ext.trainers`` entry point ``soma`` (setup.py).
+TRAINER = TrainerSpec(
+    name="soma",
+    train="megatron_ext.soma.trainer:train",
+    check=check_soma,
+    sections={"soma": SomaConfig},
+    # the byte windows come from data.source; the seed and the stop rules from training
+    reads={
+        "data": ("source",),
+        "training": ("seed", "exit_interval", "exit_duration_in_mins", "exit_signals"),
+    },
 )

@@ -1,0 +1,253 @@
+"""One registry for trainers, optimizers, commands and benchmarks, fed by entry points
+(megatron_ext/registry.py).
+
+* the registry itself, on distributions made up here (a dist-info folder on ``sys.path`` is what
+  an installed distribution is to ``importlib.metadata``): order, names, every failure named;
+* what ships is what is declared: every trainer, optimizer spec, command and benchmark module in
+  the source is an entry point of the installed megatron-ext, and every entry point is one;
+* a throwaway package (tests/plugin), installed with pip into a temporary folder, adds an
+  optimizer and a trainer, and both run from a recipe through ``megatron-ext launch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_ext.errors import ConfigError
+from megatron_ext.registry import DISTRIBUTION, Registry, UnknownName
+
+ROOT = Path(__file__).resolve().parents[1]
+MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
+GROUP = "megatron_ext.test_things"
+
+
+@dataclass(frozen=True)
+class Thing:
+    name: str
+
+
+THING_A = Thing("a")
+THING_B = Thing("b")
+ANOTHER_A = Thing("a")
+NOT_A_THING = object()
+
+
+def things() -> Registry[Thing]:
+    return Registry("thing", GROUP, of=Thing, key="thing")
+
+
+def install_fake(folder: Path, name: str, entries: list[str], group: str = GROUP) -> None:
+    """A distribution ``name`` in ``folder`` declaring ``entries`` (``name = value``)."""
+    info = folder / f"{name.replace('-', '_')}-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "\n".join(entries) + "\n")
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """A folder first on sys.path: a fake megatron-ext there shadows the installed one."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_entries_load_by_their_names_the_shipped_ones_first(site) -> None:
+    install_fake(site / "a", "aaa-plugin", ["b = tests.test_registry:THING_B"])
+    install_fake(site / "b", DISTRIBUTION, ["a = tests.test_registry:THING_A"])
+    for sub in ("a", "b"):
+        sys.path.insert(0, str(site / sub))
+    try:
+        registry = things()
+        assert list(registry.items()) == ["a", "b"]  # megatron-ext's before the plugin's
+        assert registry.get("b") is THING_B and "a" in registry
+        with pytest.raises(UnknownName, match=r"^thing='c' is not a registered thing; .*a, b$"):
+            registry.get("c")
+        with pytest.raises(ConfigError, match=r"\(did you mean 'a'\?\)"):
+            registry.get("aa")
+        # in-process: the same object again is no second registration, another one is refused
+        registry.register(THING_A)
+        with pytest.raises(ValueError, match=r"two things are named 'a': entry point a = "):
+            registry.register(Thing("a"))
+    finally:
+        for sub in ("a", "b"):
+            sys.path.remove(str(site / sub))
+
+
+@pytest.mark.parametrize(
+    ("entries", "error", "message"),
+    [
+        (["c = tests.test_registry:THING_A"], ValueError, "registered as 'c' but named 'a'"),
+        (["a = tests.no_such_module:X"], RuntimeError, "a = tests.no_such_module:X .* failed"),
+        (
+            ["x = tests.test_registry:NOT_A_THING"],
+            TypeError,
+            "NOT_A_THING .*: a thing must be a Thing, not <class 'object'>",
+        ),
+        (
+            ["a = tests.test_registry:THING_A", "a = tests.test_registry:ANOTHER_A"],
+            ValueError,
+            "two things are named 'a'",
+        ),
+    ],
+    ids=["name-mismatch", "import-fails", "wrong-type", "two-of-one-name"],
+)
+def test_a_bad_entry_is_an_error_naming_it(site, entries, error, message) -> None:
+    install_fake(site, DISTRIBUTION, entries)
+    with pytest.raises(error, match=message):
+        things().items()
+
+
+def test_without_the_shipped_entries_the_error_says_to_install(site) -> None:
+    """What a stale or missing install looks like: the group is not in megatron-ext's metadata."""
+    install_fake(site, DISTRIBUTION, [], group="console_scripts")
+    with pytest.raises(RuntimeError, match=r"group 'megatron_ext.test_things' .* pip install -e"):
+        things().items()
+
+
+# --------------------------------------------------------------------------- shipped = declared
+
+
+def _in_source() -> set[tuple[str, str, str]]:
+    """(group, name, value) of every trainer, command, benchmark and optimizer in the source."""
+    from megatron_ext.bench import INTERFACE
+    from megatron_ext.commands import Command
+    from megatron_ext.config.trainers import TrainerSpec
+    from megatron_ext.optimizers.spec import OptimizerSpec
+
+    found = set()
+    for path in sorted((ROOT / "megatron_ext").glob("*/recipe.py")):
+        module = f"megatron_ext.{path.parent.name}.recipe"
+        spec = getattr(importlib.import_module(module), "TRAINER", None)
+        if isinstance(spec, TrainerSpec):
+            found.add(("megatron_ext.trainers", spec.name, f"{module}:TRAINER"))
+    cli_modules = [
+        f"megatron_ext.{p.parent.name}.cli" for p in (ROOT / "megatron_ext").glob("*/cli.py")
+    ]
+    for module in [*cli_modules, "megatron_ext.launch.cli"]:
+        for attr, value in vars(importlib.import_module(module)).items():
+            if isinstance(value, Command):
+                found.add(("megatron_ext.commands", value.name, f"{module}:{attr}"))
+    for path in sorted((ROOT / "megatron_ext" / "bench").glob("*.py")):
+        module = importlib.import_module(f"megatron_ext.bench.{path.stem}")
+        if not path.stem.startswith("_") and all(hasattr(module, a) for a in INTERFACE):
+            found.add(("megatron_ext.benchmarks", path.stem, module.__name__))
+    for path in sorted((ROOT / "optimizers").glob("*_spec.py")):
+        module = f"megatron_ext.optimizers.{path.stem}"
+        spec = getattr(importlib.import_module(module), "SPEC", None)
+        if isinstance(spec, OptimizerSpec):
+            found.add(("megatron_ext.optimizers", spec.name, f"{module}:SPEC"))
+    return found
+
+
+def test_every_shipped_extension_is_an_entry_point_and_every_entry_point_ships() -> None:
+    """A new trainer, optimizer, command or benchmark not declared in setup.py (or an install
+    older than setup.py: ``make`` reinstalls when it changes) fails here."""
+    from importlib.metadata import distribution
+
+    groups = {"megatron_ext.trainers", "megatron_ext.commands", "megatron_ext.benchmarks"}
+    groups.add("megatron_ext.optimizers")
+    declared = {
+        (ep.group, ep.name, ep.value)
+        for ep in distribution(DISTRIBUTION).entry_points
+        if ep.group in groups
+    }
+    found = _in_source()
+    assert declared - found == set(), "declared in setup.py but no such object in the source"
+    assert found - declared == set(), "in the source but not declared in setup.py"
+    assert {g for g, _, _ in found} == groups
+
+
+# --------------------------------------------------------------------------- a real plugin
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory) -> Path:
+    """tests/plugin installed by pip into a temporary folder (its source copied first, so the
+    build leaves nothing in the repository)."""
+    tmp = tmp_path_factory.mktemp("plugin")
+    shutil.copytree(ROOT / "tests" / "plugin", tmp / "src")
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"),
+            *("--no-build-isolation", "--target", str(tmp / "site"), str(tmp / "src")),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    assert (tmp / "site" / "mx_plugin-0.0.1.dist-info" / "entry_points.txt").is_file()
+    return tmp / "site"
+
+
+def _launch(plugin: Path, *args: str, log: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(plugin), CUDA_VISIBLE_DEVICES="")
+    if log is not None:
+        env["MX_PLUGIN_LOG"] = str(log)
+    return subprocess.run(
+        [str(MEGATRON_EXT), "launch", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(plugin, tmp_path) -> None:
+    recipe = tmp_path / "countdown.yaml"
+    run_dir = tmp_path / "run"
+    recipe.write_text(
+        yaml.safe_dump({"trainer": "countdown", "run_dir": str(run_dir), "countdown": {"start": 5}})
+    )
+    proc = _launch(plugin, str(recipe), "training.seed=7", "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [
+        {"trainer": "countdown", "seed": 7, "numbers": [5, 3, 1]},
+        {"trainer": "countdown", "seed": 7, "numbers": [4, 2]},
+    ]
+    # its section is the schema's like any shipped one: typos, ranges, its rule, what it reads
+    refused = {
+        "countdown.strat=3": "unknown key countdown.'strat'; did you mean countdown.'start'",
+        "countdown.start=0": "countdown.start=0 is out of range",
+        "countdown.start=1": "countdown.start=1 < 2 ranks",
+        "optimizer.lr=1": "trainer=countdown does not read optimizer; it reads countdown, "
+        "training.seed",
+    }
+    for override, message in refused.items():
+        proc = _launch(plugin, str(recipe), override, "--nproc-per-node", "2", "--dry-run")
+        assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr)
+
+
+def test_a_plugin_optimizer_trains_the_gpt_with_its_own_recipe_field(plugin, tmp_path) -> None:
+    """``optimizer.name=sign_descent`` and its field ``optimizer.sign_descent_shrink`` reach the
+    plugin's class: it steps every step on every rank with the LR the run logs."""
+    log, run_dir = tmp_path / "steps.jsonl", tmp_path / "run"
+    proc = _launch(
+        plugin,
+        "tiny_cpu_gpt",
+        f"run_dir={run_dir}",
+        "training.steps=3",
+        "training.lr_warmup_steps=1",
+        "training.lr_decay_style=cosine",
+        "checkpoint.save_interval=0",
+        f"data.path={tmp_path / 'data' / 'docs'}",
+        "data.source=[python-docs]",
+        "optimizer.name=sign_descent",
+        "optimizer.sign_descent_shrink=0.5",
+        log=log,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "optimizer sign_descent" in proc.stdout
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    rows = map(json.loads, (run_dir / "metrics.jsonl").open())
+    logged = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert sorted(s["step"] for s in steps) == [1, 1, 2, 2, 3, 3]  # two ranks, three steps
+    for s in steps:
+        assert s["shrink"] == 0.5 and s["lr"] == pytest.approx(logged[s["step"]], rel=1e-12)
+    assert len({s["n"] for s in steps}) == 1 and steps[0]["n"] > 0  # the same matrices each step
