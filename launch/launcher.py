@@ -150,7 +150,10 @@ def launch_main(args: argparse.Namespace) -> int:
         LAUNCH_COMMAND_VAR: shlex.join(["megatron-ext", "launch", *request.argv()]),
         LAUNCHED_AT_VAR: repr(process_start_time()),  # the ranks time their start-up from it
     }
-    stop = [getattr(signal, name) for name in recipe.training.exit_signals]
+    # the trainer's stop signals (training.exit_signals); a trainer without a stop policy (no
+    # training section) has none: a signal then ends its ranks as torchrun would
+    training = recipe.sections.get("training")
+    stop = [getattr(signal, name) for name in (training.exit_signals if training else ())]
     return run_ranks(
         argv, {**os.environ, **env, **resume}, Path(recipe.run_dir), layout.node_rank, stop
     )

@@ -40,7 +40,7 @@ MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
 
 GPT_READS = (
     "trainer=gpt reads model, optimizer, data, training, parallel, "
-    "and run_dir, logging, checkpoint, launch"
+    "and run_dir, seed, logging, checkpoint, launch"
 )
 
 

@@ -13,8 +13,8 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.launch.cli import main
 
 SOMA_READS = (
-    "soma, data.source, training.{seed, exit_interval, exit_duration_in_mins, exit_signals}, "
-    "and run_dir, logging, checkpoint, launch"
+    "soma, data.source, training.{exit_interval, exit_duration_in_mins, exit_signals}, "
+    "and run_dir, seed, logging, checkpoint, launch"
 )
 
 
@@ -37,8 +37,8 @@ def test_every_unread_field_is_counted_and_the_first_named() -> None:
 
 
 def test_the_fields_soma_reads_are_accepted_and_reach_the_recipe() -> None:
-    recipe = load_recipe("soma_tiny", ["training.seed=7", "training.exit_interval=3"])
-    assert (recipe.training.seed, recipe.training.exit_interval) == (7, 3)
+    recipe = load_recipe("soma_tiny", ["seed=7", "training.exit_interval=3"])
+    assert (recipe.seed, recipe.training.exit_interval) == (7, 3)
     assert list(recipe.sections) == ["soma", "data", "training"]  # what runs, nothing else
     with pytest.raises(AttributeError, match="a trainer=soma recipe has no 'optimizer' section"):
         recipe.optimizer  # noqa: B018
@@ -91,3 +91,15 @@ def test_the_refusal_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) 
     assert main(["launch", "soma_tiny", "optimizer.name=muon", "--dry-run"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("megatron-ext: error: trainer=")
+
+
+@pytest.mark.parametrize("recipe", ["tiny_cpu_gpt", "soma_tiny", "dipaco_tiny"])
+def test_the_seed_is_the_recipes_own_and_the_old_place_names_the_new(recipe: str) -> None:
+    """One seed for every trainer, in the core: ``training.seed`` (before) says where it went."""
+    assert load_recipe(recipe, ["seed=7"]).seed == 7
+    with pytest.raises(ConfigError) as caught:
+        load_recipe(recipe, ["training.seed=7"])
+    assert str(caught.value) == (
+        "training.seed moved to the recipe's 'seed': write it there (seed: 7 in the YAML, "
+        "seed=7 on the command line)"
+    )

@@ -194,5 +194,5 @@ def test_the_run_fingerprint_covers_the_model_and_not_the_queue_timing(tmp_path:
     base = run_fingerprint(tiny(tmp_path))
     for same in ("dipaco.lease_seconds=90", "logging.log_interval=7", "launch.master_port=29999"):
         assert run_fingerprint(tiny(tmp_path, same)) == base, same
-    for other in ("model.hidden_size=96", "optimizer.lr=1e-3", "training.seed=5", "dipaco.tau=8"):
+    for other in ("model.hidden_size=96", "optimizer.lr=1e-3", "seed=5", "dipaco.tau=8"):
         assert run_fingerprint(tiny(tmp_path, other)) != base, other

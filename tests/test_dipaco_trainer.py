@@ -188,8 +188,8 @@ def _gpt_run(data: Path, recipe, root: Path) -> Path:
             "seq_length": recipe.training.seq_length,
             "lr_warmup_steps": 1,
             "eval_iters": 0,
-            "seed": 7,
         },
+        "seed": 7,
         "logging": {"tensorboard": False, "progress_bar": "off"},
     }
     root.mkdir(parents=True)

@@ -86,7 +86,7 @@ SCRIPT_ARGS = ("runs/moe", "data/moe_text_document")
 
 GPT_READS = (
     "trainer=gpt reads model, optimizer, data, training, parallel, "
-    "and run_dir, logging, checkpoint, launch"
+    "and run_dir, seed, logging, checkpoint, launch"
 )
 
 

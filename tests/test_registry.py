@@ -204,7 +204,7 @@ def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(plugin, tmp_pa
     recipe.write_text(
         yaml.safe_dump({"trainer": "countdown", "run_dir": str(run_dir), "countdown": {"start": 5}})
     )
-    proc = _launch(plugin, str(recipe), "training.seed=7", "--nproc-per-node", "2")
+    proc = _launch(plugin, str(recipe), "seed=7", "--nproc-per-node", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [
@@ -217,7 +217,7 @@ def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(plugin, tmp_pa
         "countdown.start=0": "countdown.start=0 is out of range",
         "countdown.start=1": "countdown.start=1 < 2 ranks",
         "optimizer.lr=1": "trainer=countdown does not read optimizer; it reads countdown, "
-        "training.seed",
+        "and run_dir, seed",
     }
     for override, message in refused.items():
         proc = _launch(plugin, str(recipe), override, "--nproc-per-node", "2", "--dry-run")

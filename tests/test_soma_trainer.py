@@ -49,7 +49,7 @@ TINY = {
         "val_fraction": 0.02,
         "router_svd_dim": 16,
     },
-    "training": {"seed": 7},
+    "seed": 7,
     "checkpoint": {"save_interval": 0},
 }
 

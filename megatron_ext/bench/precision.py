@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> int:
     start = out / reference / "checkpoints" / "step_000000"
     plan = [(reference, reference, ["checkpoint.load=none", "checkpoint.save_initial=true"])]
     plan += [(p, p, [f"checkpoint.load={start}"]) for p in precisions[1:]]
-    noise_name = f"{reference}_seed{recipe.training.seed + 1}"
+    noise_name = f"{reference}_seed{recipe.seed + 1}"
     if args.noise:
-        seed = f"training.seed={recipe.training.seed + 1}"
+        seed = f"seed={recipe.seed + 1}"
         plan.append((noise_name, reference, ["checkpoint.load=none", seed]))
     for name, precision, extra in plan:
         print(f"[precision] {name}: running", flush=True)

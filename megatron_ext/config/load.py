@@ -143,7 +143,14 @@ def _build(cls: type, raw: Any, prefix: str, more_keys: tuple[str, ...] = ()) ->
     hints = typing.get_type_hints(cls)
     valid = [*fields, *more_keys]
     renamed = getattr(cls, "RENAMED", {})
+    moved = getattr(cls, "MOVED", {})
     for key in raw:
+        if key not in fields and key in moved:
+            raise ConfigError(
+                f"{prefix}{key} moved to the recipe's {moved[key]!r}: write it there "
+                f"({moved[key]}: {raw[key]!r} in the YAML, {moved[key]}={raw[key]!r} on the "
+                "command line)"
+            )
         if key not in fields and key in renamed:
             new = " or ".join(f"{prefix}{n}" for n in renamed[key])
             raise ConfigError(f"{prefix}{key} was renamed: use {new}")

@@ -93,7 +93,7 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "global-batch-size": ("training.global_batch_size", _I),
     "step-batch-size-schedule": ("training.step_batch_size_schedule", _S),
     "train-iters": ("training.steps", _I),
-    "seed": ("training.seed", _I),
+    "seed": ("seed", _I),
     "lr-decay-style": ("training.lr_decay_style", _S),
     "lr-decay-iters": ("training.lr_decay_steps", _I),
     "lr-warmup-iters": ("training.lr_warmup_steps", _I),

@@ -4,7 +4,7 @@ Every trainer reads the run sections (``trainer``, ``run_dir``, ``logging``, ``c
 ``launch``) and its own section (``soma:``, ``dipaco:``). The shared sections (``model``,
 ``optimizer``, ``data``, ``training``, ``parallel``) are read only as far as the trainer
 declares (:attr:`~megatron_ext.config.trainers.TrainerSpec.reads`): SOMA reads ``data.source`` and
-the seed and stop fields of ``training``, nothing of ``optimizer`` or ``model``. A recipe that
+the stop fields of ``training``, nothing of ``optimizer`` or ``model``. A recipe that
 sets a field its trainer does not read is refused before any process starts — otherwise
 ``megatron-ext launch soma_tiny optimizer.name=muon`` would run the SPSA trainer it always ran,
 while the user believes it switched to Muon.
@@ -24,12 +24,12 @@ from megatron_ext.errors import ConfigError
 __all__ = ["RUN_SECTIONS", "check_reads", "describe_reads"]
 
 #: read by every trainer (the fields of :class:`megatron_ext.config.schema.Recipe`)
-RUN_SECTIONS = ("trainer", "run_dir", "logging", "checkpoint", "launch")
+RUN_SECTIONS = ("trainer", "run_dir", "seed", "logging", "checkpoint", "launch")
 
 
 def describe_reads(spec: TrainerSpec) -> str:
-    """What ``spec`` reads, as a recipe writes it: ``soma, data.source, training.{seed, ...},
-    and run_dir, logging, checkpoint, launch``."""
+    """What ``spec`` reads, as a recipe writes it: ``soma, data.source,
+    training.{exit_interval, ...}, and run_dir, seed, logging, checkpoint, launch``."""
     parts = list(spec.sections)
     for name, fields in spec.reads.items():
         if fields is None:

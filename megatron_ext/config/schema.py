@@ -1,11 +1,11 @@
 """The recipe's core: the trainer-neutral sections, and the trainer's sections by name.
 
-A recipe is ``trainer``, ``run_dir`` and the run sections every trainer reads (``logging``,
-``checkpoint``, ``launch``), plus the sections the selected trainer declares in its
+A recipe is ``trainer``, ``run_dir``, ``seed`` and the run sections every trainer reads
+(``logging``, ``checkpoint``, ``launch``), plus the sections the selected trainer declares in its
 registration (:mod:`megatron_ext.config.trainers`): the ones it owns (GPT: ``model``,
 ``optimizer``, ``data``, ``training``, ``parallel``, :mod:`megatron_ext.gpt.sections`; SOMA:
-``soma``) and the ones of another trainer it reads (SOMA: ``data.source``, the seed and stop
-fields of ``training``). Each is a dataclass, read as an attribute (``recipe.training``);
+``soma``) and the ones of another trainer it reads (SOMA: ``data.source``, the stop fields of
+``training``). Each is a dataclass, read as an attribute (``recipe.training``);
 fields carry validation metadata (:func:`.fields.spec`) or a ``Literal`` type, read by
 :mod:`megatron_ext.config.load`. Cross-field rules are the trainer's (its ``check``).
 
@@ -64,6 +64,9 @@ class Recipe:
 
     trainer: str = spec("gpt", help="a registered trainer (megatron_ext.config.trainers)")
     run_dir: str = spec("runs/default", help="logs, plots, checkpoints, summary.json")
+    seed: int = spec(
+        1234, ge=0, help="the run's one seed: initialisation, data order, probes, routing"
+    )
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)

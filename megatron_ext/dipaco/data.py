@@ -84,7 +84,7 @@ def split_documents(lengths: np.ndarray, recipe: Recipe) -> dict[str, np.ndarray
     ``lengths``: (n,) tokens per document. Evaluation documents must have something to score
     after the ``route_tokens`` prefix (at least 2 targets); a ``ConfigError`` when the corpus
     is too small for the split or has fewer training documents than paths."""
-    d, seed = recipe.section(DipacoConfig), recipe.training.seed
+    d, seed = recipe.section(DipacoConfig), recipe.seed
     n = len(lengths)
     order = _rng(seed, STREAM_SPLIT).permutation(n)
     scorable = order[lengths[order] >= d.route_tokens + 3]
@@ -147,7 +147,7 @@ class ShardStream:
         """One optimizer step's micro-batches, each (micro_batch_size, seq_length + 1), drawn
         with the generator keyed by (seed, ``stream``, ``*key``)."""
         t = recipe.training
-        whole = self.batch(t.global_batch_size, t.seq_length, _rng(t.seed, stream, *key))
+        whole = self.batch(t.global_batch_size, t.seq_length, _rng(recipe.seed, stream, *key))
         return list(whole.split(t.micro_batch_size))
 
     def val_windows(self, seq_length: int, limit: int = VAL_WINDOWS) -> list[torch.Tensor]:

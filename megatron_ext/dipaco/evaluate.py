@@ -68,7 +68,7 @@ def _chunk_rows(feats: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
-    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.training.seed
+    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.seed
     paths = layout.num_paths
     split, feats = ctx.split(), ctx.features()
     _, dataset = ctx.corpus

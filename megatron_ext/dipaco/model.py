@@ -33,7 +33,7 @@ class PathModel:
 
     def __init__(self, recipe: Recipe, vocab_size: int) -> None:
         t = recipe.training
-        set_seeds(t.seed)  # the same initialisation whatever this process did before
+        set_seeds(recipe.seed)  # the same initialisation whatever this process did before
         self.model = build_gpt_model(
             recipe.model,
             recipe.parallel,

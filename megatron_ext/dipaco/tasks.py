@@ -128,7 +128,7 @@ def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
 
 def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
     """Phase 0: base features, balanced k-means shards. Later: the discriminative re-shard."""
-    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.training.seed
+    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.seed
     split, out = ctx.split(), ctx.out(lease)
     if phase == 0:
         from megatron_ext.dipaco.features import base_features
@@ -231,7 +231,7 @@ def _inner_optimizer(ctx: TaskContext, path: int) -> Any:
             eps=ctx.d.spsa_eps,
             weight_decay=opt.weight_decay,
             betas=(opt.adam_beta1, opt.adam_beta2),
-            seed=ctx.recipe.training.seed,
+            seed=ctx.recipe.seed,
             path=path,
         )
     return InnerOptimizer(list(model.named_parameters()), opt)

@@ -40,7 +40,7 @@ def start_worker_process(recipe: Recipe) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    joined = init_distributed(recipe.parallel, recipe.training.seed, port)
+    joined = init_distributed(recipe.parallel, recipe.seed, port)
     torch.set_num_threads(recipe.launch.threads_per_rank or 1)
     return joined.rank
 

@@ -122,6 +122,8 @@ class TrainingConfig:
     RENAMED: ClassVar[dict[str, list[str]]] = {
         "rampup_batch_size": ["batch_ramp", "step_batch_size_schedule"]
     }
+    #: fields that moved out of the section (the recipe's core holds the one seed)
+    MOVED: ClassVar[dict[str, str]] = {"seed": "seed"}
 
     steps: int = spec(100, ge=1, help="run length in optimizer steps (set by train_tokens)")
     train_tokens: int | None = spec(
@@ -138,7 +140,6 @@ class TrainingConfig:
         "sqrt", help="lr x sqrt(B / target B) at every batch stage"
     )
     seq_length: int = spec(128, ge=1)
-    seed: int = spec(1234, ge=0)
     precision: Precision = spec(
         "fp32", help="megatron_ext.run.precision maps each to megatron-core"
     )

@@ -56,7 +56,7 @@ class GPTRun:
 def setup(recipe: Recipe) -> GPTRun:
     """Join the process groups and build data, model, optimizer and schedule (the recipe was
     checked at this world size by the entry point)."""
-    env = init_distributed(recipe.parallel, recipe.training.seed, recipe.launch.master_port)
+    env = init_distributed(recipe.parallel, recipe.seed, recipe.launch.master_port)
     t = recipe.training
     dp_size = parallel_state.get_data_parallel_world_size()
     schedule = training_schedule(recipe)
@@ -124,7 +124,7 @@ def build_data(recipe: Recipe, tokenizer: Any, schedule: TrainingSchedule) -> tu
         tokenizer,
         seq_length=t.seq_length,
         split=recipe.data.split,
-        seed=t.seed,
+        seed=recipe.seed,
         num_samples=(schedule.samples_before(schedule.steps), valid_samples, None),
     )
     if t.eval_iters and valid_data is None:

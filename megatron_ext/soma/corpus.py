@@ -53,7 +53,7 @@ def prepare_corpus(
     recipe: Recipe, rank: int, barrier: Callable[[], None], log: Callable[[str], None]
 ) -> SomaCorpus:
     """Windows, hold-out, router (fit by rank 0 when missing, then loaded everywhere), shards."""
-    s, seed = recipe.section(SomaConfig), recipe.training.seed
+    s, seed = recipe.section(SomaConfig), recipe.seed
     ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
     pool, test = split_holdout(len(ws.windows), s.test_fraction, seed)
     check_expert_count(s.num_experts, len(pool))  # before spending time on a fit
@@ -102,5 +102,5 @@ def test_windows(recipe: Recipe) -> tuple[np.ndarray, Router]:
     missing router artifact is an error here (evaluation never fits one)."""
     s = recipe.section(SomaConfig)
     ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
-    _, test = split_holdout(len(ws.windows), s.test_fraction, recipe.training.seed)
+    _, test = split_holdout(len(ws.windows), s.test_fraction, recipe.seed)
     return ws.windows[test], Router.load(router_path(recipe))

@@ -114,9 +114,9 @@ TRAINER = TrainerSpec(
     train="megatron_ext.soma.trainer:train",
     check=check_soma,
     sections={"soma": SomaConfig},
-    # the byte windows come from data.source; the seed and the stop rules from training
+    # the byte windows come from data.source; the stop rules from training
     reads={
         "data": ("source",),
-        "training": ("seed", "exit_interval", "exit_duration_in_mins", "exit_signals"),
+        "training": ("exit_interval", "exit_duration_in_mins", "exit_signals"),
     },
 )

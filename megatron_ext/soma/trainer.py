@@ -195,7 +195,7 @@ def _seed_run(
     stop: StopPolicy,
 ) -> None:
     """Phase 2. Leaves the trained E in ``ctx.emb`` and the seed body in ``seed.pt``."""
-    gen = torch.Generator().manual_seed(recipe.training.seed)
+    gen = torch.Generator().manual_seed(recipe.seed)
     shape = expert_shape(recipe)
     theta = init_body(shape, gen)
     ctx.emb.copy_(init_embedding(shape, gen))
@@ -311,7 +311,7 @@ def _train(
     log: MetricsLogger,
     stop: StopPolicy,
 ) -> None:
-    torch.manual_seed(recipe.training.seed)
+    torch.manual_seed(recipe.seed)
     corpus = prepare_corpus(recipe, rank, barrier, log.info)
     s = recipe.section(SomaConfig)
     shape = expert_shape(recipe)
@@ -321,7 +321,7 @@ def _train(
         layout=layout,
         emb=torch.zeros(shape.vocab, shape.d_embed),
         windows=corpus.windows,
-        seed=recipe.training.seed,
+        seed=recipe.seed,
         split=DirectionSplit(s.n_pert, rank, world),
     )
     if rank == 0:

@@ -52,7 +52,7 @@ def main() -> None:
     recipe_path, out_path, *overrides = sys.argv[1:]
     recipe = load_recipe(recipe_path, overrides, world_size=int(os.environ["WORLD_SIZE"]))
     t, o = recipe.training, recipe.optimizer
-    env = init_distributed(recipe.parallel, t.seed, recipe.launch.master_port)
+    env = init_distributed(recipe.parallel, recipe.seed, recipe.launch.master_port)
     dp, dp_rank = (
         parallel_state.get_data_parallel_world_size(),
         parallel_state.get_data_parallel_rank(),
@@ -64,7 +64,7 @@ def main() -> None:
         tokenizer,
         seq_length=t.seq_length,
         split=recipe.data.split,
-        seed=t.seed,
+        seed=recipe.seed,
         num_samples=(t.steps * t.global_batch_size, None, None),
     )
     module = build_gpt_model(

@@ -1,4 +1,4 @@
-"""A trainer with its own recipe section (``countdown:``) that reads ``training.seed``.
+"""A trainer with its own recipe section (``countdown:``) that reads the recipe's ``seed``.
 
 Each rank writes ``<run_dir>/rank<r>.json``: what it was given."""
 
@@ -25,7 +25,7 @@ def check(recipe, world_size):
 def train(recipe):
     rank = int(os.environ["RANK"])
     numbers = list(range(recipe.countdown.start, 0, -1))[rank :: int(os.environ["WORLD_SIZE"])]
-    out = {"trainer": recipe.trainer, "seed": recipe.training.seed, "numbers": numbers}
+    out = {"trainer": recipe.trainer, "seed": recipe.seed, "numbers": numbers}
     Path(recipe.run_dir, f"rank{rank}.json").write_text(json.dumps(out))
 
 
@@ -34,5 +34,4 @@ TRAINER = TrainerSpec(
     train="mx_plugin.countdown:train",
     check=check,
     sections={"countdown": CountdownConfig},
-    reads={"training": ("seed",)},
 )
