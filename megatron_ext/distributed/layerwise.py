@@ -30,6 +30,7 @@ import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
+from megatron_ext.distributed.reduce_scatter_v import reduce_scatter_v
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
 from megatron_ext.optimizers.spec import optimizer_spec
@@ -284,41 +285,17 @@ class LayerwiseOptimizer:
         """Sum each gradient over the data-parallel ranks into its owner's copy, in place.
 
         ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). Per bucket one
-        variable-size reduce-scatter: an ``all_to_all_single`` of the rank-major bucket (rank r
-        receives every rank's segment r, nothing padded), then the owner adds the ``world``
-        contributions in rank order (deterministic). Replicated parameters are all-reduced.
-        Afterwards only the owner's (and replicated) gradients hold sums; the others keep local
-        partial values, which nothing reads (norms and updates use owned gradients only).
-
-        Per rank and bucket it sends the bytes of the gradients it does not own and receives
-        ``world − 1`` copies of the ones it owns; a ring all-reduce sends and receives
-        ``2·(world − 1)/world`` of the whole bucket. Counted in :attr:`grad_wire`."""
+        variable-size reduce-scatter (:mod:`.reduce_scatter_v`); replicated parameters are
+        all-reduced. Afterwards only the owner's (and replicated) gradients hold sums; the
+        others keep local partial values, which nothing reads (norms and updates use owned
+        gradients only). Payload bytes are counted in :attr:`grad_wire`."""
         group = self.gather.group
         for name in self.replicated:
             torch.distributed.all_reduce(grads[name], group=group)
         for bucket in self.buckets:
-            mine = bucket.counts[self.rank]
-            send = torch.cat([grads[n].reshape(-1) for n, _ in bucket.order])
-            recv = send.new_empty(self.world * mine)
-            if self.world > 1:
-                torch.distributed.all_to_all_single(
-                    recv, send, [mine] * self.world, bucket.counts, group=group
-                )
-            else:
-                recv.copy_(send)
-            parts = recv.view(self.world, mine)
-            total = parts[0].clone()
-            for r in range(1, self.world):
-                total += parts[r]
-            offset = 0
-            for name, _ in bucket.order:
-                if self.plan.owner[name] == self.rank:
-                    g = grads[name]
-                    g.copy_(total[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
-            size = send.element_size()
-            self.grad_wire.sent += (send.numel() - mine) * size
-            self.grad_wire.received += (self.world - 1) * mine * size
+            names = [n for n, _ in bucket.order]
+            owned = [self.plan.owner[n] == self.rank for n in names]
+            reduce_scatter_v(grads, names, owned, bucket.counts, self.rank, group, self.grad_wire)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
