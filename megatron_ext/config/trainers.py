@@ -27,12 +27,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_ext.registry import Registry
-
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
 
 __all__ = [
     "TRAINERS",
@@ -61,7 +58,7 @@ class TrainerSpec:
 
     name: str
     train: str
-    check: Callable[[Recipe, int | None], None]
+    check: Callable[[Any, int | None], None]  # (the Recipe, world size)
     sections: Mapping[str, type] = field(default_factory=dict)
     reads: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
 
@@ -71,7 +68,7 @@ class TrainerSpec:
         if self.train.count(":") != 1:
             raise ValueError(f"trainer {self.name!r}: train={self.train!r} is not module:function")
 
-    def load_train(self) -> Callable[[Recipe], Any]:
+    def load_train(self) -> Callable[[Any], Any]:
         """Import the trainer's entry function (this is where torch gets imported)."""
         module, function = self.train.split(":")
         return getattr(importlib.import_module(module), function)
