@@ -8,7 +8,7 @@ A schedule is one ``(a, b, c)`` triple per step of ``X ← aX + (bA + cA²)X`` (
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 from .options import CoefficientSet, NSPrecision
@@ -16,6 +16,7 @@ from .validation import check_choice, check_range
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "CYCLED_SETS",
     "Coefficients",
     "default_gram_restart",
     "gram_is_cheaper",
@@ -63,6 +64,18 @@ COEFFICIENT_SETS: dict[str, tuple[Coefficients, ...]] = {
 # step costs one product less (c = 0: no A²). At num_steps = 4 it is closer to the polar factor
 # than 5 quintic steps (tests/test_optim_newton_schulz.py) for about 3/4 of their flops.
 COEFFICIENT_SETS["quintic_cubic"] = (*COEFFICIENT_SETS["quintic"] * 3, *COEFFICIENT_SETS["cubic"])
+# Five quintic triples tuned step by step (You Jiacheng's, as in Keller Jordan's modded-nanogpt):
+# Emerging-Optimizers' and so Megatron-LM's default ``quintic`` (``--muon-coefficient-type``).
+# Used in turn and, past the fifth step, from the first again (their "cycle" mode).
+COEFFICIENT_SETS["quintic_schedule"] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+#: named sets that start again from their first triple after the last (the others repeat it)
+CYCLED_SETS = frozenset({"quintic_schedule"})
 
 
 def resolve_coefficients(
@@ -71,7 +84,8 @@ def resolve_coefficients(
     """The ``num_steps`` coefficient triples to use, one per step.
 
     A named set or a user list is used step by step; past its end the last triple repeats (a
-    single-triple set such as ``quintic`` therefore repeats its triple every step).
+    single-triple set such as ``quintic`` therefore repeats its triple every step), except for
+    the sets of :data:`CYCLED_SETS`, which start again from their first.
     """
     check_range("num_steps", num_steps, low=1)
     if isinstance(coefficients, str):
@@ -85,7 +99,10 @@ def resolve_coefficients(
                 f"{list(COEFFICIENT_SETS)} or a non-empty list of (a, b, c) triples, "
                 f"got {coefficients!r}"
             )
-    steps = itertools.chain(table, itertools.repeat(table[-1]))
+    if isinstance(coefficients, str) and coefficients in CYCLED_SETS:
+        steps: Iterator[Coefficients] = itertools.cycle(table)
+    else:
+        steps = itertools.chain(table, itertools.repeat(table[-1]))
     return list(itertools.islice(steps, num_steps))
 
 

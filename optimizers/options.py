@@ -22,7 +22,7 @@ __all__ = [
 #: How a matrix optimizer treats tensor-parallel shards (:mod:`.tensor_parallel`).
 TPMode = Literal["blockwise", "duplicated", "distributed"]
 #: Newton–Schulz coefficient schedules (:mod:`.ns_schedule`).
-CoefficientSet = Literal["quintic", "polar_express", "cubic", "quintic_cubic"]
+CoefficientSet = Literal["quintic", "quintic_schedule", "polar_express", "cubic", "quintic_cubic"]
 #: Plain NS, Gram NS, or whichever needs fewer flops for the shape.
 NSMethod = Literal["auto", "plain", "gram"]
 #: Precision of the Newton–Schulz products.

@@ -113,6 +113,7 @@ def converted(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
         "moe.yaml",
         "--script-args",
         *SCRIPT_ARGS,
+        "--allow-unmapped",  # --apply-layernorm-1p
         cwd=root,
     )
     assert proc.returncode == 0, proc.stderr
@@ -126,7 +127,7 @@ def test_every_flag_is_mapped_for_the_launcher_or_listed() -> None:
     last = {f.name.replace("_", "-"): f.text for f in args.flags}  # one entry per flag
     assert sorted(listed) == sorted(last.values())
     assert dict(conversion.unmapped) == {
-        "--apply-layernorm-1p": "no megatron-ext counterpart",
+        "--apply-layernorm-1p": "zero-centred (1 + γ) norms are not built by megatron-ext",
         "--manual-gc": "no megatron-ext counterpart",
         "--mock-data": "megatron-ext trains on an indexed dataset (data.path)",
         "--wandb-project moe": "no W&B logging",
@@ -192,7 +193,11 @@ def test_the_recipe_has_the_scripts_values(converted) -> None:
     )
     assert recipe.launch.master_port == 29611
     text = (root / "moe.yaml").read_text()
-    assert "#   --apply-layernorm-1p: no megatron-ext counterpart" in text
+    assert (
+        "#   --apply-layernorm-1p: zero-centred (1 + γ) norms are not built by megatron-ext -- "
+        "DROPPED: the recipe trains another model"
+    ) in text
+    assert t.batch_lr_scaling == "none"  # Megatron-LM never scales the LR with the batch
     assert "--nproc-per-node 8 --nnodes 4 --rdzv-endpoint node001:29611" in text
     assert "4 not mapped" in proc.stderr
 
@@ -306,3 +311,183 @@ def test_megatron_defaults_are_megatron_cores() -> None:
     assert MEGATRON_DEFAULTS["optimizer.adam_beta2"] == oc.adam_beta2
     assert MEGATRON_DEFAULTS["optimizer.weight_decay"] == oc.weight_decay
     assert yaml.safe_load(yaml.safe_dump(MEGATRON_DEFAULTS)) == MEGATRON_DEFAULTS
+
+
+# ------------------------------------------------------------------ Megatron-LM's meaning
+# Expectations written from Megatron-LM 0.19's megatron/training/arguments.py and training.py
+# (update_train_iters, validate_args) and megatron-core 0.19's OptimizerConfig.
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+    "--micro-batch-size 1 --lr 1e-3 --data-path d "
+)
+
+
+def _convert(flags: str):
+    return convert(read_megatron_args(BASE + flags))
+
+
+def test_a_muon_script_gets_megatron_lms_muon_defaults() -> None:
+    """No --muon-* flag: Megatron-LM's defaults, each in megatron-ext's spelling: momentum 0.9
+    (its argparse default; megatron-core's OptimizerConfig says 0.95, which the script never
+    sees), its 'quintic' schedule and TP mode blockwise (megatron-core's too)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS
+
+    theirs = OptimizerConfig()
+    o = load_recipe_dict(_convert("--global-batch-size 8 --train-iters 10 --optimizer muon").recipe)
+    o = o.optimizer
+    assert o.muon_momentum == 0.9
+    assert o.muon_coefficient_type == MUON_COEFFICIENTS[theirs.muon_coefficient_type]
+    assert o.muon_coefficient_type == "quintic_schedule"
+    assert o.tp_mode == theirs.muon_tp_mode == "blockwise"
+    given = "--optimizer muon --muon-coefficient-type simple --muon-tp-mode duplicated"
+    o = load_recipe_dict(_convert(f"--global-batch-size 8 --train-iters 10 {given}").recipe)
+    assert (o.optimizer.muon_coefficient_type, o.optimizer.tp_mode) == ("quintic", "duplicated")
+
+
+def test_train_samples_round_down_at_a_constant_batch_as_megatron_lm() -> None:
+    """update_train_iters: train_samples // global_batch_size (a step schedule counts steps
+    until the samples are reached: test_sample_counts_follow_the_stage_table)."""
+    conversion = _convert("--global-batch-size 8 --train-samples 1001")
+    recipe = load_recipe_dict(conversion.recipe)
+    assert run_steps(recipe) == 1001 // 8 == 125
+    assert any("rounded down as Megatron-LM does" in n for n in conversion.notes)
+
+
+def test_a_step_schedule_with_a_global_batch_is_refused_as_megatron_lm_does() -> None:
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="both given; Megatron-LM refuses that"):
+        _convert("--global-batch-size 8 --step-batch-size-schedule '0:8 1M:16' --train-iters 9")
+
+
+def test_moe_fields_that_exist_are_mapped() -> None:
+    """The DeepSeek-V3-style routing flags reach their fields (they were listed unmapped)."""
+    flags = (
+        "--global-batch-size 8 --train-iters 10 --num-experts 8 --moe-router-topk 4 "
+        "--moe-layer-freq ([0]*1+[1]*1) --moe-shared-expert-intermediate-size 32 "
+        "--moe-router-pre-softmax --moe-router-num-groups 4 --moe-router-group-topk 2 "
+        "--moe-router-topk-scaling-factor 2.5 --moe-router-bias-update-rate 1e-4 "
+        "--moe-router-dtype fp64 --moe-z-loss-coeff 1e-3 "
+        "--exit-interval 7 --exit-duration-in-mins 30"
+    )
+    conversion = _convert(flags)
+    assert conversion.unmapped == []
+    recipe = load_recipe_dict(conversion.recipe)
+    m, t = recipe.model, recipe.training
+    assert m.moe_layer_freq == [0, 1]
+    assert (m.moe_shared_expert_intermediate_size, m.moe_router_pre_softmax) == (32, True)
+    assert (m.moe_router_num_groups, m.moe_router_group_topk) == (4, 2)
+    assert (m.moe_router_topk_scaling_factor, m.moe_router_bias_update_rate) == (2.5, 1e-4)
+    assert (m.moe_router_dtype, m.moe_z_loss_coeff) == ("fp64", 1e-3)
+    assert (t.exit_interval, t.exit_duration_in_mins) == (7, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "layers"),
+    [("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("([1]*2+[0]*1)*2", [1, 1, 0, 1, 1, 0])],
+)
+def test_layer_patterns_are_megatron_lms(text: str, layers: list[int]) -> None:
+    from megatron_ext.config.from_megatron import layer_pattern
+
+    assert layer_pattern(text) == layers
+
+
+@pytest.mark.parametrize("bad", ["__import__('os')", "[2]*3", "[0]*x", "([0]*3"])
+def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
+    from megatron_ext.config.from_megatron import layer_pattern
+
+    with pytest.raises(ValueError):
+        layer_pattern(bad)
+
+
+def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
+    (tmp_path / "args.txt").write_text(
+        BASE + "--global-batch-size 8 --train-iters 10 --multi-latent-attention --fp16\n"
+    )
+    proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
+    assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
+    assert proc.stderr.strip() == (
+        "megatron-ext: error: the script builds a model megatron-ext cannot: "
+        "--fp16 (fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, "
+        "mxfp8)); --multi-latent-attention (multi-latent attention (MLA) is not built by "
+        "megatron-ext); nothing written (pass --allow-unmapped to write the recipe without "
+        "them, as comments in it)"
+    )
+    proc = _cli(
+        "recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", "--allow-unmapped", cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "r.yaml").read_text()
+    assert text.count("-- DROPPED: the recipe trains another model") == 2
+
+
+def test_another_entry_script_than_gpt_is_refused() -> None:
+    from megatron_ext.errors import ConfigError
+
+    script = f"torchrun --nproc_per_node 8 pretrain_bert.py {BASE} --global-batch-size 8 "
+    with pytest.raises(ConfigError, match=r"runs pretrain_bert.py, not Megatron-LM's GPT"):
+        convert(read_megatron_args(script + "--train-iters 10"))
+    gpt = convert(read_megatron_args(script.replace("bert", "gpt") + "--train-iters 10"))
+    assert gpt.launcher == ["--nproc_per_node 8"]  # the entry script is no flag value
+
+
+def test_an_lr_schedule_longer_than_the_run_runs_as_in_megatron_lm(tmp_path: Path) -> None:
+    """Megatron-LM's own Muon test configs: 100 steps of a 3,200-step warmup and a 320,000-step
+    decay. Accepted; the dry run says where the run stops; the LR of every step is megatron-core's
+    OptimizerParamScheduler's."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.schedules.plan import training_schedule
+
+    flags = (
+        "--global-batch-size 8 --train-iters 100 --lr-warmup-iters 3200 "
+        "--lr-decay-iters 320000 --lr-decay-style cosine --min-lr 1e-5"
+    )
+    (tmp_path / "args.txt").write_text(BASE + flags + "\n")
+    proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    dry = _cli("launch", "r.yaml", "--dry-run", "--nproc-per-node", "1", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    note = [line for line in dry.stderr.splitlines() if line.startswith("note: the LR")]
+    assert note == [
+        "note: the LR schedule is longer than the run, which stops at token 102,400 inside the "
+        "warmup (it ends at token 3,276,800): its last step's lr is 3.094e-05 (0.0309 x "
+        "optimizer.lr), as Megatron-LM runs such a schedule"
+    ]
+    schedule = training_schedule(load_recipe(tmp_path / "r.yaml"))
+
+    class Groups:
+        def __init__(self) -> None:
+            self.param_groups: list[dict] = [{}]
+
+    theirs = Groups()
+    scheduler = OptimizerParamScheduler(
+        theirs,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-5,
+        lr_warmup_steps=3200,
+        lr_decay_steps=320000,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=320000,
+        wd_incr_style="constant",
+    )
+    for step in range(100):
+        assert schedule.lr_at(step) == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-12)
+        scheduler.step(1)
+
+
+def test_no_position_embedding_is_megatron_lms_rope_only_flag() -> None:
+    """Megatron-LM 0.19 refuses it without RoPE (deprecated) and it changes nothing with RoPE."""
+    from megatron_ext.errors import ConfigError
+
+    flags = "--global-batch-size 8 --train-iters 10 --no-position-embedding"
+    rope = _convert(flags + " --position-embedding-type rope")
+    assert "--no-position-embedding" in rope.mapped and rope.unmapped == []
+    with pytest.raises(ConfigError, match="without --position-embedding-type rope"):
+        _convert(flags)

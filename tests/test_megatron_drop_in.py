@@ -108,7 +108,7 @@ def test_megatron_cores_fields_map_onto_the_optimizer_section() -> None:
 @pytest.mark.parametrize(
     ("fields", "extra", "match"),
     [
-        ({"muon_coefficient_type": "quintic"}, {}, r"muon_coefficient_type='quintic' has no"),
+        ({"muon_coefficient_type": "aol"}, {}, r"muon_coefficient_type='aol' has no"),
         ({"muon_coefficient_type": "simple", "muon_scale_mode": "spectral"}, {"typo": 1}, "typo"),
         ({"muon_coefficient_type": "simple", "muon_scalar_optimizer": "lion"}, {}, "AdamW"),
         ({"muon_coefficient_type": "simple"}, {"muon_ns_method": "newton"}, "muon_ns_method"),
@@ -120,6 +120,28 @@ def test_bad_muon_configs_are_one_config_error(fields: dict, extra: dict, match:
         setattr(config, key, value)
     with pytest.raises(ConfigError, match=match):
         drop_in.extension_config(config)
+
+
+def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> None:
+    """One table for the drop-in and the converter: megatron-core's default Muon config (its
+    'quintic' coefficients, TP mode blockwise) is megatron-ext's quintic_schedule and blockwise,
+    as a converted script's recipe is; Megatron-LM's 'soap' (KL-Shampoo by default) is KL-SOAP."""
+    from megatron_ext.config.from_megatron import convert
+    from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.config.megatron_args import read_megatron_args
+
+    ext = drop_in.extension_config(OptimizerConfig(optimizer="muon", lr=1e-3))
+    script = (
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-3 --data-path d "
+    )
+    converted = recipe_from_dict(convert(read_megatron_args(script + "--optimizer muon")).recipe)
+    same = ("muon_coefficient_type", "tp_mode", "muon_num_ns_steps", "muon_scale_mode")
+    assert {k: getattr(ext, k) for k in same} == {k: getattr(converted.optimizer, k) for k in same}
+    assert (ext.muon_coefficient_type, ext.tp_mode) == ("quintic_schedule", "blockwise")
+    soap = drop_in.extension_config(OptimizerConfig(optimizer="soap", lr=1e-3))
+    assert soap.name == "kl_soap" == drop_in.extension_name("soap")
+    assert drop_in.extension_name("adam") is None  # megatron-core's own Adam
 
 
 def test_what_the_layerwise_optimizer_cannot_take_is_refused() -> None:

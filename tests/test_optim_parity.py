@@ -218,15 +218,23 @@ def test_old_factor_ema_convention_would_fail_the_parity_test() -> None:
 
 # ----------------------------------------------------------------------------- Muon
 # Emerging-Optimizers' "simple" is Keller Jordan's single quintic triple, our "quintic"; their
-# "quintic" is modded-nanogpt's five-triple schedule, which we do not ship.
+# "quintic" (Megatron-LM's default) is modded-nanogpt's five-triple schedule, our
+# "quintic_schedule", cycled past its fifth step on both sides (7 steps checks the cycle).
 EO_SCALE_MODES = {"spectral": "spectral", "shape": "shape_scaling", "unit_rms": "unit_rms_norm"}
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("scale_mode", list(EO_SCALE_MODES))
-@pytest.mark.parametrize(("ours_coeffs", "their_coeffs"), [("quintic", "simple")])
+@pytest.mark.parametrize(
+    ("ours_coeffs", "their_coeffs", "ns_steps"),
+    [
+        ("quintic", "simple", 5),
+        ("quintic_schedule", "quintic", 5),
+        ("quintic_schedule", "quintic", 7),
+    ],
+)
 def test_muon_trajectory_matches_emerging_optimizers(
-    nesterov: bool, scale_mode: str, ours_coeffs: str, their_coeffs: str
+    nesterov: bool, scale_mode: str, ours_coeffs: str, their_coeffs: str, ns_steps: int
 ) -> None:
     """Plain Newton–Schulz on both sides (our Gram–NS for rectangular matrices is a different
     rounding of the same polynomial, ~1e-3 apart: not what this test is about)."""
@@ -237,7 +245,7 @@ def test_muon_trajectory_matches_emerging_optimizers(
             ps,
             **kw,
             coefficients=ours_coeffs,
-            num_steps=5,
+            num_steps=ns_steps,
             ns_method="plain",
             scale_mode=scale_mode,
             extra_scale_factor=0.2,
@@ -250,7 +258,7 @@ def test_muon_trajectory_matches_emerging_optimizers(
             weight_decay_method="decoupled",
             fp32_matmul_prec="highest",
             coefficient_type=their_coeffs,
-            num_ns_steps=5,
+            num_ns_steps=ns_steps,
             scale_mode=EO_SCALE_MODES[scale_mode],
             extra_scale_factor=0.2,
         )

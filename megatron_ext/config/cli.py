@@ -3,8 +3,10 @@ Megatron-LM argument list or launch script (:mod:`megatron_ext.config.from_megat
 
 The recipe it writes starts with comments naming every flag it could not map (with the
 reason), the torchrun flags (as ``megatron-ext launch`` options) and its notes; the same lists
-go to stderr. A missing required flag, or a recipe that does not validate, is one line and exit
-code 2 (nothing written). No torch import.
+go to stderr. A missing required flag, a recipe that does not validate, or a flag that builds
+another model than the recipe can describe (multi-latent attention, partial rotary, fp16, ...:
+:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped`` is one
+line and exit code 2 (nothing written). No torch import.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="the script's positional arguments ($1, $2, ...), e.g. checkpoint and data paths",
     )
+    p.add_argument(
+        "--allow-unmapped",
+        action="store_true",
+        help="write the recipe even when a flag that changes the model cannot be expressed "
+        "(each such flag is a comment in the recipe): the run then trains another model",
+    )
 
 
 def recipe_main(args: argparse.Namespace) -> int:
@@ -54,6 +62,16 @@ def recipe_main(args: argparse.Namespace) -> int:
     if not source.is_file():
         raise ConfigError(f"{source}: no such file")
     conversion = convert(read_megatron_args(source.read_text(), args.script_args))
+    if conversion.model_changing and not args.allow_unmapped:
+        dropped = "; ".join(
+            f"{flag} ({reason})"
+            for flag, reason in conversion.unmapped
+            if flag in conversion.model_changing
+        )
+        raise ConfigError(
+            f"the script builds a model megatron-ext cannot: {dropped}; nothing written (pass "
+            f"--allow-unmapped to write the recipe without them, as comments in it)"
+        )
     recipe = recipe_from_dict(conversion.recipe)  # a bad value stops here, nothing written
     recipe.check()
     text = render(conversion, str(source))
@@ -87,7 +105,15 @@ def _comments(conversion: Conversion) -> list[str]:
             f"# launcher flags: megatron-ext launch RECIPE {' '.join(launch_options(conversion))}"
         )
     lines.append(f"# not mapped ({len(conversion.unmapped)}):")
-    lines += [f"#   {flag}: {reason}" for flag, reason in conversion.unmapped]
+    lines += [
+        f"#   {flag}: {reason}"
+        + (
+            " -- DROPPED: the recipe trains another model"
+            if flag in conversion.model_changing
+            else ""
+        )
+        for flag, reason in conversion.unmapped
+    ]
     lines += [f"# note: {note}" for note in conversion.notes]
     return lines
 

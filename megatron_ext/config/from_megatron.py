@@ -28,8 +28,11 @@ from typing import Any
 from megatron_ext.config.megatron_args import Flag, MegatronArgs
 from megatron_ext.config.megatron_flags import (
     CONSUMED,
+    ENTRY_SCRIPTS,
     MEGATRON_DEFAULTS,
+    MODEL_CHANGING,
     MUON_COEFFICIENTS,
+    MUON_DEFAULTS,
     MUON_SCALE_MODES,
     OPTIMIZERS,
     PLAIN,
@@ -51,6 +54,14 @@ class Conversion:
     launcher: list[str] = field(default_factory=list)  # torchrun flags
     unmapped: list[tuple[str, str]] = field(default_factory=list)  # (flag, reason)
     notes: list[str] = field(default_factory=list)
+    # unmapped flags that build another model (MODEL_CHANGING): refused unless allowed
+    model_changing: list[str] = field(default_factory=list)
+
+    def drop(self, flag: Flag, reason: str) -> None:
+        """``flag`` is not mapped, for ``reason``; a model-changing one is also recorded."""
+        self.unmapped.append((flag.text, reason))
+        if flag.name.replace("_", "-") in MODEL_CHANGING:
+            self.model_changing.append(flag.text)
 
     def set(self, path: str, value: Any) -> None:
         node = self.recipe
@@ -79,6 +90,7 @@ def translate(table: dict[str, str], value: str, what: str) -> str:
 
 def convert(args: MegatronArgs) -> Conversion:
     """The recipe for Megatron-LM flags ``args`` (see the module docstring)."""
+    _check_entry_script(args)
     out = Conversion(recipe={"trainer": "gpt"})
     for path, value in MEGATRON_DEFAULTS.items():
         out.set(path, value)
@@ -104,8 +116,20 @@ def convert(args: MegatronArgs) -> Conversion:
         elif key in CONSUMED:
             out.mapped.append(flag.text)
         else:
-            out.unmapped.append((flag.text, REASONS.get(key, "no megatron-ext counterpart")))
+            reason = MODEL_CHANGING.get(key) or REASONS.get(key, "no megatron-ext counterpart")
+            out.drop(flag, reason)
     return out
+
+
+def _check_entry_script(args: MegatronArgs) -> None:
+    """A script that runs another of Megatron-LM's entry points than GPT pretraining is refused
+    (a BERT, T5 or multimodal model is not what a GPT recipe describes)."""
+    others = [s for s in args.entry_scripts if s.rsplit("/", 1)[-1] not in ENTRY_SCRIPTS]
+    if others:
+        raise ConfigError(
+            f"the script runs {others[0]}, not Megatron-LM's GPT pretraining "
+            f"({' or '.join(ENTRY_SCRIPTS)}): megatron-ext converts GPT-style models only"
+        )
 
 
 def _check_required(flags: dict[str, Flag | None]) -> None:
@@ -114,6 +138,11 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
         missing.append("--train-iters or --train-samples")
     if flags.get("global-batch-size") is None and flags.get("step-batch-size-schedule") is None:
         missing.append("--global-batch-size or --step-batch-size-schedule")
+    if flags.get("global-batch-size") is not None and flags.get("step-batch-size-schedule"):
+        raise ConfigError(  # Megatron-LM's validate_args refuses the pair
+            "--step-batch-size-schedule and --global-batch-size are both given; Megatron-LM "
+            "refuses that ('Cannot specify both'): keep one"
+        )
     if missing:
         raise ConfigError(f"required Megatron-LM flag(s) missing: {', '.join(missing)}")
     unresolved = [
@@ -131,21 +160,21 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
 def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | None) -> None:
     if kind is None:
         if flag.values:
-            out.unmapped.append((flag.text, "a switch given a value"))
+            out.drop(flag, "a switch given a value")
             return
         out.set(path, True)
     elif len(flag.values) != 1 or "$" in flag.values[0]:
-        out.unmapped.append((flag.text, "needs exactly one resolved value"))
+        out.drop(flag, "needs exactly one resolved value")
         return
     else:
         try:
             value = kind(flag.values[0])
         except ValueError:
-            out.unmapped.append((flag.text, f"not a valid {kind.__name__}"))
+            out.drop(flag, f"not a valid {kind.__name__}")
             return
         choices = _field_metadata(path).get("choices")
         if choices and value not in choices:
-            out.unmapped.append((flag.text, f"megatron-ext has {', '.join(map(str, choices))}"))
+            out.drop(flag, f"megatron-ext has {', '.join(map(str, choices))}")
             return
         out.set(path, value)
     out.mapped.append(flag.text)
@@ -185,11 +214,7 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         flag = flags.get(key)
         if flag is not None:
             handled.add(key)
-            (
-                out.mapped.append(flag.text)
-                if reason is None
-                else out.unmapped.append((flag.text, reason))
-            )
+            out.mapped.append(flag.text) if reason is None else out.drop(flag, reason)
         return flag
 
     if take("swiglu"):
@@ -209,7 +234,8 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         if take(key):
             out.set("training.precision", value)
     precision = out.get("training.precision", "fp32")
-    for key in ("fp16", "fp8-format", "fp8-recipe", "fp4-format"):
+    take("fp16", MODEL_CHANGING["fp16"])
+    for key in ("fp8-format", "fp8-recipe", "fp4-format"):
         take(
             key,
             f"not translated into training.precision (fp8_tensorwise, fp8_delayed, ...: set it "
@@ -217,7 +243,15 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         )
     percent = _value(flags.get("rotary-percent"))
     if percent is not None:
-        take("rotary-percent", None if float(percent) == 1.0 else "partial rotary is not supported")
+        take("rotary-percent", None if float(percent) == 1.0 else MODEL_CHANGING["rotary-percent"])
+    _moe_layer_freq(out, flags, take)
+    if flags.get("no-position-embedding") is not None:  # as Megatron-LM 0.19's validate_args
+        if out.get("model.position_embedding_type") != "rope":
+            raise ConfigError(
+                "--no-position-embedding without --position-embedding-type rope: Megatron-LM "
+                "refuses it ('deprecated, use --position-embedding-type'); drop it"
+            )
+        take("no-position-embedding")  # with RoPE it changes nothing
     seq = _value(flags.get("seq-length"))
     positions = _value(flags.get("max-position-embeddings"))
     if positions is not None:
@@ -239,8 +273,6 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
             "optimizer.match_update_rms: false keeps Megatron-LM's update scale (megatron-ext's "
             "default scales every update to AdamW's RMS, one LR for all: set it true for that)"
         )
-        if out.get("optimizer.name") == "muon" and flags.get("muon-momentum") is None:
-            out.set("optimizer.muon_momentum", 0.9)  # Megatron-LM's --muon-momentum default
     for key, table, path in (
         ("muon-scale-mode", MUON_SCALE_MODES, "optimizer.muon_scale_mode"),
         ("muon-coefficient-type", MUON_COEFFICIENTS, "optimizer.muon_coefficient_type"),
@@ -252,9 +284,63 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
                 out.set(path, table[value])
             else:
                 take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
+    if out.get("optimizer.name") == "muon":  # Megatron-LM's --muon-* defaults where absent
+        for path, value in MUON_DEFAULTS.items():
+            if out.get(path) is None:
+                out.set(path, value)
     _data(out, flags, take)
     _samples(out, flags, take)
     return handled
+
+
+def _moe_layer_freq(
+    out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]
+) -> None:
+    """``--moe-layer-freq N`` (one MoE layer in N) or a pattern ``([0]*3+[1]*58)``, one 0/1
+    per layer, as ``model.moe_layer_freq``."""
+    flag = flags.get("moe-layer-freq")
+    if flag is None:
+        return
+    text = " ".join(flag.values).strip("'\"")
+    try:
+        value = [int(text)] if text.isdigit() else layer_pattern(text)
+    except ValueError as err:
+        take("moe-layer-freq", f"not an integer or a list pattern ({err})")
+        return
+    take("moe-layer-freq")
+    out.set("model.moe_layer_freq", value)
+
+
+def layer_pattern(text: str) -> list[int]:
+    """Megatron-LM's layer pattern (``([1]*3+[0]*2)*2``: lists of 0/1, ``+`` and ``*`` by an
+    integer), evaluated without ``eval``; ValueError for anything else."""
+    import ast
+
+    def value(node: ast.AST) -> list[int] | int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if all(type(i) is int and i in (0, 1) for i in items):
+                return items  # type: ignore[return-value]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and type(right) is int:
+                return left * right
+            if isinstance(node.op, ast.Mult) and type(left) is int and isinstance(right, list):
+                return right * left
+        raise ValueError(f"unsupported: {ast.unparse(node)}")
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as err:
+        raise ValueError(str(err)) from None
+    result = value(tree.body)
+    if not isinstance(result, list):
+        raise ValueError("not a list")
+    return result
 
 
 def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
@@ -290,7 +376,17 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
 
     seq = int(out.get("training.seq_length"))
     samples = _value(flags.get("train-samples"))
-    if samples is not None:
+    batch = out.get("training.global_batch_size")
+    if samples is not None and out.get("training.step_batch_size_schedule") is None and batch:
+        # Megatron-LM's update_train_iters: train_samples // global_batch_size (rounded down)
+        take("train-samples")
+        out.set("training.steps", int(samples) // int(batch))
+        if int(samples) % int(batch):
+            out.notes.append(
+                f"--train-samples {int(samples):,} is not a multiple of --global-batch-size "
+                f"{batch}: {int(samples) // int(batch):,} steps, rounded down as Megatron-LM does"
+            )
+    elif samples is not None:  # a step schedule: steps until the samples are reached
         take("train-samples")
         out.set("training.train_tokens", int(samples) * seq)
     recipe = recipe_from_dict(out.recipe)

@@ -1,5 +1,6 @@
 """Read a Megatron-LM argument list: a file of flags, or a launch script in the style of its
-``examples/*/train_*.sh`` (shell variables, arrays of flags, ``torchrun ... pretrain_gpt.py``).
+``examples/*/train_*.sh`` (shell variables, arrays of flags, ``torchrun ... pretrain_gpt.py``;
+the ``pretrain_*.py`` entry scripts it names are kept).
 
 What is understood of the shell: line continuations, comments, ``NAME=value`` and
 ``export NAME=value`` (the last assignment wins), ``$NAME``, ``${NAME}``, ``${NAME:-default}``,
@@ -24,6 +25,7 @@ __all__ = ["Flag", "MegatronArgs", "read_megatron_args"]
 
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)(\+?)=(.*)$")
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+_ENTRY = re.compile(r"^[\w./-]*pretrain_\w+\.py$")  # Megatron-LM's entry scripts
 _SHELL_WORDS = {"(", ")", "\\", "then", "fi", "do", "done", "else", "]]", "]", ";", "&&", "||"}
 
 
@@ -46,6 +48,7 @@ class MegatronArgs:
 
     flags: list[Flag] = field(default_factory=list)
     variables: dict[str, str] = field(default_factory=dict)
+    entry_scripts: list[str] = field(default_factory=list)  # pretrain_*.py words, in order
 
     def last(self, name: str) -> Flag | None:
         """The last occurrence of ``--name`` (dashes or underscores alike), or None."""
@@ -77,7 +80,9 @@ def read_megatron_args(text: str, script_args: Sequence[str] = ()) -> MegatronAr
             continue
         if match:  # an array: its elements follow the "("
             stripped = match.group(3)[1:]
-        out.flags.extend(_flags(_split(_expand(stripped, out.variables)), number))
+        words = _split(_expand(stripped, out.variables))
+        out.entry_scripts += [w for w in words if _ENTRY.match(w)]
+        out.flags.extend(_flags(words, number))
     return out
 
 
@@ -126,7 +131,10 @@ def _flags(words: list[str], line: int) -> list[Flag]:
     name: str | None = None
     values: list[str] = []
     for w in [*words, ")"]:
-        boundary = w.startswith("--") or w in _SHELL_WORDS or w.endswith((";", ")"))
+        # a pattern value such as ([0]*3+[1]*5) is a value, not the end of an array; the entry
+        # script (pretrain_gpt.py) ends the flags before it (torchrun's) and is no value
+        closes = w.endswith(";") or (w.endswith(")") and "[" not in w)
+        boundary = w.startswith("--") or w in _SHELL_WORDS or closes or bool(_ENTRY.match(w))
         if boundary and name is not None:
             flags.append(Flag(name, tuple(values), line))
             name, values = None, []

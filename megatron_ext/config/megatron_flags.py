@@ -12,8 +12,11 @@ from typing import Any
 
 __all__ = [
     "CONSUMED",
+    "ENTRY_SCRIPTS",
     "MEGATRON_DEFAULTS",
+    "MODEL_CHANGING",
     "MUON_COEFFICIENTS",
+    "MUON_DEFAULTS",
     "MUON_SCALE_MODES",
     "OPTIMIZERS",
     "PLAIN",
@@ -24,7 +27,11 @@ __all__ = [
 
 #: Megatron-LM / Emerging-Optimizers name -> megatron-ext name (names absent: no counterpart)
 MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "shape", "unit_rms_norm": "unit_rms"}
-MUON_COEFFICIENTS = {"simple": "quintic", "polar_express": "polar_express"}
+MUON_COEFFICIENTS = {
+    "simple": "quintic",  # Keller Jordan's one triple
+    "quintic": "quintic_schedule",  # modded-nanogpt's five triples, cycled (Megatron's default)
+    "polar_express": "polar_express",
+}
 OPTIMIZERS = {"adam": "adamw", "muon": "muon", "lion": "lion", "soap": "kl_soap"}
 OPTIMIZERS |= {"kl_soap": "kl_soap", "mop": "mop"}
 
@@ -43,9 +50,16 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "optimizer.adam_beta2": 0.999,
     "optimizer.weight_decay": 0.01,
     "training.lr_decay_style": "linear",
+    "training.batch_lr_scaling": "none",  # Megatron-LM never scales the LR with the batch
     "training.lr_wsd_decay_style": "exponential",
     "data.split": "969,30,1",
     "logging.log_interval": 100,
+}
+#: Megatron-LM's defaults of a Muon run's fields (--muon-*), where the recipe's differ
+MUON_DEFAULTS: dict[str, Any] = {
+    "optimizer.muon_momentum": 0.9,
+    "optimizer.muon_coefficient_type": "quintic_schedule",  # its "quintic"
+    "optimizer.tp_mode": "blockwise",
 }
 REQUIRED = (
     "num-layers",
@@ -88,6 +102,16 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "moe-aux-loss-coeff": ("model.moe_aux_loss_coeff", _F),
     "moe-token-dispatcher-type": ("model.moe_token_dispatcher_type", _S),
     "moe-grouped-gemm": ("model.moe_grouped_gemm", None),
+    "moe-z-loss-coeff": ("model.moe_z_loss_coeff", _F),
+    "moe-router-pre-softmax": ("model.moe_router_pre_softmax", None),
+    "moe-router-topk-scaling-factor": ("model.moe_router_topk_scaling_factor", _F),
+    "moe-router-bias-update-rate": ("model.moe_router_bias_update_rate", _F),
+    "moe-router-num-groups": ("model.moe_router_num_groups", _I),
+    "moe-router-group-topk": ("model.moe_router_group_topk", _I),
+    "moe-router-dtype": ("model.moe_router_dtype", _S),
+    "moe-shared-expert-intermediate-size": ("model.moe_shared_expert_intermediate_size", _I),
+    "moe-shared-expert-gate": ("model.moe_shared_expert_gate", None),
+    "moe-shared-expert-overlap": ("model.moe_shared_expert_overlap", None),
     "seq-length": ("training.seq_length", _I),
     "micro-batch-size": ("training.micro_batch_size", _I),
     "global-batch-size": ("training.global_batch_size", _I),
@@ -101,6 +125,8 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "lr-wsd-decay-iters": ("training.lr_wsd_decay_steps", _I),
     "eval-interval": ("training.eval_interval", _I),
     "eval-iters": ("training.eval_iters", _I),
+    "exit-interval": ("training.exit_interval", _I),
+    "exit-duration-in-mins": ("training.exit_duration_in_mins", _F),
     "lr": ("optimizer.lr", _F),
     "min-lr": ("optimizer.min_lr", _F),
     "weight-decay": ("optimizer.weight_decay", _F),
@@ -126,7 +152,11 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "save": ("run_dir", _S),
 }
 # flags whose only effect is already the recipe's (consumed, nothing to set)
-CONSUMED = {"use-mcore-models": "megatron-ext always builds megatron-core models"}
+CONSUMED = {
+    "use-mcore-models": "megatron-ext always builds megatron-core models",
+    "exit-signal-handler": "megatron-ext saves and stops on training.exit_signals (SIGTERM, "
+    "SIGUSR1 by default)",
+}
 # why a common flag is not mapped (the rest: "no megatron-ext counterpart")
 REASONS = {
     "overlap-grad-reduce": "the layer-wise optimizer schedules its own gradient sync",
@@ -146,3 +176,24 @@ REASONS = {
     "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
     "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
 }
+#: flags that make another model than the recipe would describe without them, and why megatron-ext
+#: cannot express them: the converter refuses them unless --allow-unmapped (then each is a comment)
+MODEL_CHANGING = {
+    "multi-latent-attention": "multi-latent attention (MLA) is not built by megatron-ext",
+    "q-lora-rank": "multi-latent attention (MLA) is not built by megatron-ext",
+    "kv-lora-rank": "multi-latent attention (MLA) is not built by megatron-ext",
+    "qk-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
+    "qk-pos-emb-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
+    "v-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
+    "apply-layernorm-1p": "zero-centred (1 + γ) norms are not built by megatron-ext",
+    "rotary-percent": "partial rotary embeddings are not built by megatron-ext",
+    "mtp-num-layers": "multi-token prediction layers are not built by megatron-ext",
+    "fp16": "fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, mxfp8)",
+    "pipeline-model-parallel-layout": "megatron-ext splits the layers evenly over the pipeline "
+    "stages (parallel.pipeline_model_parallel_size)",
+    "num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
+    "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
+    "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
+}
+#: Megatron-LM's entry scripts whose model a GPT recipe describes
+ENTRY_SCRIPTS = ("pretrain_gpt.py",)

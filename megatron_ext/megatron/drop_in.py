@@ -6,7 +6,8 @@
 
 Same signature as megatron-core 0.19's (a test compares them). For ``config.optimizer`` in
 ``adam``/``sgd`` it returns what megatron-core returns (it calls it). For ``muon``,
-``kl_soap``, ``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
+``kl_soap`` (and Megatron-LM's ``soap``: KL-Shampoo factors, the converter's reading too),
+``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
 (each hidden matrix updated by the data-parallel rank that owns it, AdamW on embeddings, output
 layer, norms and biases) behind megatron-ext's ``MegatronOptimizer`` adapter
 (:class:`~.optimizer.MegatronExtOptimizer`), so the script's loop — megatron-core's
@@ -51,7 +52,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_ext.config.from_megatron import translate
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES
+from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
@@ -104,8 +105,9 @@ def get_megatron_optimizer(
     dump_param_to_param_group_map: str | None = None,
 ) -> MegatronOptimizer:
     """megatron-core's optimizer for ``adam``/``sgd``; megatron-ext's layer-wise one for
-    ``muon``/``kl_soap``/``mop``/``lion`` (see the module docstring)."""
-    if config.optimizer not in EXTENSION_OPTIMIZERS:
+    ``muon``/``kl_soap`` (Megatron-LM's ``soap`` too)/``mop``/``lion`` (see the module
+    docstring)."""
+    if extension_name(config.optimizer) is None:
         return mc_get_megatron_optimizer(
             config,
             model_chunks,
@@ -124,10 +126,23 @@ def get_megatron_optimizer(
     return optimizer
 
 
+def extension_name(optimizer: str) -> str | None:
+    """megatron-ext's optimizer for megatron-core's ``config.optimizer`` (the converter's table,
+    :data:`~megatron_ext.config.megatron_flags.OPTIMIZERS`: ``soap`` -> ``kl_soap``), or None
+    when megatron-core's own serves it (``adam``, ``sgd``)."""
+    name = OPTIMIZERS.get(optimizer)
+    return name if name in EXTENSION_OPTIMIZERS else None
+
+
 def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
     """megatron-ext's ``optimizer:`` section for megatron-core's ``config`` (validated as a
     recipe section: a bad value is one ConfigError naming the field)."""
-    name = config.optimizer
+    name = extension_name(config.optimizer)
+    if name is None:
+        raise ConfigError(
+            f"optimizer={config.optimizer!r} is megatron-core's own; megatron-ext's are "
+            f"{', '.join(EXTENSION_OPTIMIZERS)} (and soap, as kl_soap)"
+        )
     raw: dict[str, Any] = {"name": name}
     for f in _SHARED:  # megatron-core leaves min_lr None by default: the section's 0 then
         if getattr(config, f) is not None or f == "lr":

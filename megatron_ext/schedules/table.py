@@ -60,14 +60,33 @@ def format_stage_table(schedule: TrainingSchedule, micro_batch_size: int, dp_siz
         *(line(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows),
         f"lr {lr.decay_style}: warmup ends at token {lr.warmup_steps:,}; " + _decay_text(schedule),
     ]
-    return "\n".join(out)
+    longer = _longer_than_the_run(schedule)
+    return "\n".join([*out, longer] if longer else out)
+
+
+def _longer_than_the_run(schedule: TrainingSchedule) -> str | None:
+    """A note when the run stops inside its LR schedule's warmup or before its decay ends."""
+    lr, last = schedule.lr, schedule.total_tokens
+    final = schedule.lr_at(schedule.steps - 1)
+    where = None
+    if lr.warmup_steps > last:
+        where = f"inside the warmup (it ends at token {lr.warmup_steps:,})"
+    elif lr.decay_style != "constant" and lr.decay_steps > last:
+        where = f"before the decay ends (at token {lr.decay_steps:,})"
+    if where is None:
+        return None
+    return (
+        f"note: the LR schedule is longer than the run, which stops at token {last:,} {where}: "
+        f"its last step's lr is {final:.3e} ({final / lr.max_lr:.3g} x optimizer.lr), as "
+        "Megatron-LM runs such a schedule"
+    )
 
 
 def _decay_text(schedule: TrainingSchedule) -> str:
     lr, last = schedule.lr, schedule.total_tokens
     if lr.decay_style == "constant":
         return "no decay"
-    end = "the run's last token" if lr.decay_steps == last else f"(the run ends at {last:,})"
+    end = "the run's last token" if lr.decay_steps == last else f"the run ends at token {last:,}"
     if lr.decay_style == "WSD":
         start = lr.decay_steps - (lr.wsd_decay_steps or 0)
         return f"{lr.wsd_decay_style} decay from token {start:,} to {lr.decay_steps:,}, {end}"
