@@ -48,14 +48,9 @@ def run_torchrun(
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes",
-        "1",
+        "--standalone",  # the agent's store on a port it binds itself: no free-port race
         "--nproc-per-node",
         str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
         *argv,
     ]
     # Output goes to files, not pipes: helper processes that outlive a crashed rank (e.g.

@@ -271,3 +271,27 @@ def test_unreachable_queues_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is unreachable"):
         open_queue(f"postgresql://nobody@127.0.0.1:{free_port()}/db")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_server_moves_to_another_port_when_its_port_is_taken() -> None:
+    """The free port a server is given can be taken before it binds (another process, another
+    test): ``start`` then picks another, and says nothing of other start failures."""
+    import socket
+
+    bindir = find_postgres_bin()
+    if bindir is None:
+        pytest.skip("no PostgreSQL server binaries: apt-get install postgresql")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = PostgresServer(bindir)
+        server.port = taken.getsockname()[1]
+        try:
+            server.start()
+            assert server.port != taken.getsockname()[1]
+            import psycopg
+
+            with psycopg.connect(server.url()) as conn:
+                assert conn.execute("SELECT 1").fetchone() == (1,)
+        finally:
+            server.stop()

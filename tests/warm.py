@@ -10,7 +10,10 @@ Each rank gets what torchrun gives a worker, and nothing of the zygote's run tim
 a tensor operation, so it starts no thread pool):
 
 - the environment torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-  ``GROUP_RANK``, ``ROLE_*``, ``MASTER_ADDR``/``MASTER_PORT`` of a free port, ``TORCHELASTIC_*``)
+  ``GROUP_RANK``, ``ROLE_*``, ``TORCHELASTIC_*``), with the rendezvous store hosted by the zygote
+  as torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``; bound to a port the kernel
+  picks, so no other process can take it between choosing and binding, which made a rank fail
+  with ``EADDRINUSE`` now and then)
   over the launch's own environment, its working directory, ``sys.argv`` and ``sys.path`` as
   ``python SCRIPT`` / ``python -m MODULE`` would set them, the launch's ``PYTHONPATH`` in front;
 - its stdout and stderr appended, line by line, to the launch's two files (as torchrun's ranks
@@ -114,16 +117,29 @@ def serve(socket_path: str) -> None:
 
 def _launch(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> dict:
     nproc = request["nproc"]
-    port = _free_port()
     run_id = uuid.uuid4().hex[:12]
-    pids = []
+    pids, ports = [], []
     for rank in range(nproc):
+        read_port, write_port = os.pipe()
         pid = os.fork()
         if pid == 0:
             listener.close()
             conn.close()
-            _rank(request, _torchrun_env(rank, nproc, port, run_id))
+            os.close(write_port)
+            _rank(request, _torchrun_env(rank, nproc, run_id), read_port)
+        os.close(read_port)
         pids.append(pid)
+        ports.append(write_port)
+    # The rendezvous store is ours, as torchrun's agent hosts it: bound to a port the kernel
+    # picks (no window between choosing a free port and binding it, in which another process
+    # can take it), created after the forks (no store thread in a forked rank), its port sent
+    # to every rank through its pipe.
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    for write_port in ports:
+        os.write(write_port, f"{store.port}\n".encode())
+        os.close(write_port)
     codes: dict[int, int] = {}
     deadline = time.monotonic() + request["timeout"]
     stopping_since = None
@@ -148,6 +164,7 @@ def _launch(request: dict[str, Any], listener: socket.socket, conn: socket.socke
         time.sleep(0.005)
     for pid in pids:  # helpers a rank left behind (e.g. a checkpoint writer)
         _kill_group(pid, signal.SIGKILL)
+    del store
     return {"timed_out": False, "codes": [codes[p] for p in pids]}
 
 
@@ -168,14 +185,9 @@ def _reap(pids: list[int], codes: dict[int, int]) -> None:
             codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
-    """The variables torchrun sets for worker ``rank`` of one node's ``nproc``."""
+def _torchrun_env(rank: int, nproc: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun sets for worker ``rank`` of one node's ``nproc`` (MASTER_PORT:
+    the zygote's store, sent once it exists)."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -186,20 +198,22 @@ def _torchrun_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, st
         "LOCAL_WORLD_SIZE": str(nproc),
         "ROLE_WORLD_SIZE": str(nproc),
         "GROUP_WORLD_SIZE": "1",
-        "MASTER_ADDR": "localhost",  # as torchrun --rdzv-endpoint 127.0.0.1:PORT sets it
-        "MASTER_PORT": str(port),
+        "MASTER_ADDR": "localhost",  # as torchrun --standalone sets it
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank a client of the zygote's store
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
 
 
-def _rank(request: dict[str, Any], rank_env: dict[str, str]) -> None:
-    """The forked rank: set up as a fresh ``python SCRIPT ARGS`` would be, run, end."""
+def _rank(request: dict[str, Any], rank_env: dict[str, str], read_port: int) -> None:
+    """The forked rank: set up as a fresh ``python SCRIPT ARGS`` would be, run, end.
+    ``read_port``: the pipe that brings the rendezvous store's port."""
     code = 1
     try:
+        with os.fdopen(read_port) as pipe:
+            rank_env = {**rank_env, "MASTER_PORT": pipe.readline().strip()}
         os.setpgid(0, 0)  # the rank and what it starts can be stopped together
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)

@@ -65,19 +65,36 @@ class PostgresServer:
             raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
 
     def start(self) -> None:
+        """initdb, then ``pg_ctl start``. PostgreSQL cannot be told to bind a port of the
+        kernel's choosing, so the free port chosen may be taken by another process before the
+        server binds it: then (the log says so, and only then) a new port is chosen, up to
+        three times."""
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off"
-        self._run(
-            "pg_ctl",
-            "start",
-            "-w",
-            "-D",
-            str(self.data),
-            "-l",
-            str(self.root / "log"),
-            "-o",
-            options,
-        )
+        for attempt in range(3):
+            options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off"
+            try:
+                self._run(
+                    "pg_ctl",
+                    "start",
+                    "-w",
+                    "-D",
+                    str(self.data),
+                    "-l",
+                    str(self.log),
+                    "-o",
+                    options,
+                )
+                return
+            except RuntimeError:
+                taken = "Address already in use" in self.log.read_text(errors="replace")
+                if not taken or attempt == 2:
+                    raise
+                self.log.unlink()
+                self.port = free_port()
+
+    @property
+    def log(self) -> Path:
+        return self.root / "log"
 
     def stop(self) -> None:
         try:

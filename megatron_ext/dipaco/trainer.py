@@ -12,8 +12,6 @@ data-parallel (:mod:`.group`).
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 from typing import Any
 
@@ -22,25 +20,18 @@ import torch
 from megatron_ext.config.schema import Recipe
 from megatron_ext.dipaco.queue import TaskFailedError
 from megatron_ext.dipaco.worker import run_worker
-from megatron_ext.run.rank_env import detect_rank_env
 
 __all__ = ["start_worker_process", "train"]
 
 
 def start_worker_process(recipe: Recipe) -> int:
-    """Join the process groups megatron-core's layers need (a single process picks a free
-    rendezvous port, so independent workers on one host do not collide) and fix the thread
-    count (``launch.threads_per_rank``, 1 when 0: results must not depend on it). Returns the
-    global rank."""
+    """Join the process groups megatron-core's layers need (a single process started without a
+    launcher uses no rendezvous port: run.distributed, so independent workers on one host do not
+    collide) and fix the thread count (``launch.threads_per_rank``, 1 when 0: results must not
+    depend on it). Returns the global rank."""
     from megatron_ext.megatron.parallel import init_distributed
 
-    env = detect_rank_env(os.environ)
-    port = recipe.launch.master_port
-    if env.world_size == 1 and "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    joined = init_distributed(recipe.parallel, recipe.seed, port)
+    joined = init_distributed(recipe.parallel, recipe.seed, recipe.launch.master_port)
     torch.set_num_threads(recipe.launch.threads_per_rank or 1)
     return joined.rank
 

@@ -67,7 +67,8 @@ def init_process_group(
 
     ``device``: ``auto`` = this rank's local GPU when CUDA is present (made current), else the
     CPU; ``cpu`` = always the CPU. ``master_port``: the recipe's ``launch.master_port``, used when
-    MASTER_PORT is unset (mpirun, srun). ``single_rank_group=False`` skips the group when the job
+    MASTER_PORT is unset (mpirun, srun); a single process without MASTER_PORT needs none (an
+    in-memory store). ``single_rank_group=False`` skips the group when the job
     is one process (a trainer that never communicates then needs no rendezvous port).
     """
     if dist.is_initialized():
@@ -79,10 +80,17 @@ def init_process_group(
     where = _device(device, env.local_rank)
     if env.world_size == 1 and not single_rank_group:
         return DistEnv(0, 1, where, None)
-    export_torch_env(env, os.environ, default_port=master_port)
     resolved = resolve_backend(backend)
     if where.type == "cuda":
         torch.cuda.set_device(where)
+    if env.world_size == 1 and "MASTER_PORT" not in os.environ:
+        # One process that no launcher gave a rendezvous: an in-memory store, so there is no
+        # port to choose (independent single-process workers on one host cannot collide).
+        dist.init_process_group(
+            backend=resolved, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return DistEnv(0, 1, where, resolved)
+    export_torch_env(env, os.environ, default_port=master_port)
     dist.init_process_group(
         backend=resolved, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
