@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,12 @@ from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams,
 #: Key prefix of the name-keyed optimizer state (named after the optimizer that introduced it;
 #: kept so that checkpoints written since then load as they are).
 STATE_PREFIX = "optimizer.layerwise"
+
+
+def shard_tag_of(key: str, global_offset: Sequence[int]) -> str:
+    """``key@offsets``: the name of a model shard (the model key and the global offset of the
+    shard's first element, layer axes included) in :data:`STATE_PREFIX` keys."""
+    return f"{key}@{'_'.join(str(o) for o in global_offset)}"
 
 
 class MegatronExtOptimizer(MegatronOptimizer):
@@ -294,7 +301,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             sh = sh.build() if hasattr(sh, "build") else next(iter(sh.values()))
             if isinstance(sh, (list, tuple)):
                 sh = sh[0]
-        return f"{sh.key}@{'_'.join(str(o) for o in sh.global_offset)}"
+        return shard_tag_of(sh.key, sh.global_offset)
 
     def named_sharded_state(self, model_sharded_state_dict: dict) -> dict[str, Any]:
         """The state of every parameter this rank holds, one entry per (parameter, state key),
