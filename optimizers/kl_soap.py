@@ -45,7 +45,7 @@ from .tensor_parallel import (
 )
 from .validation import check_range
 
-__all__ = ["LEGACY_STATE_KEYS", "KLSoap"]
+__all__ = ["KLSoap"]
 
 
 class KLSoap(torch.optim.Optimizer):
@@ -199,7 +199,6 @@ class KLSoap(torch.optim.Optimizer):
                     m, n = split.full_shape(m, n)
                 if not self.state[p]:
                     self._init_state(p, m, n)
-                _migrate_explicit_factors(self.state[p])
                 key = (m, n, self.state[p]["step"], split)
                 buckets.setdefault(key, []).append(p)
             for (m, n, done, split), params in buckets.items():
@@ -267,18 +266,3 @@ class KLSoap(torch.optim.Optimizer):
             p.add_(delta[offset : offset + count].view_as(p), alpha=-lr)
             offset += count
             self.state[p]["step"] = step
-
-
-#: Current state key -> the key that older checkpoints used for the factors themselves (L, R)
-#: before they were held as products with their bases (``L·Q_L``, ``R·Q_R``).
-LEGACY_STATE_KEYS = {"factor_basis_l": "factor_l", "factor_basis_r": "factor_r"}
-_BASIS_OF = {"factor_basis_l": "basis_l", "factor_basis_r": "basis_r"}
-
-
-def _migrate_explicit_factors(state: dict[str, Any]) -> None:
-    """Turn an older checkpoint's factors L, R (``factor_l``/``factor_r``) into the products
-    ``L·Q_L``, ``R·Q_R`` this version keeps (exact up to rounding)."""
-    for new, old in LEGACY_STATE_KEYS.items():
-        if old in state and new not in state:
-            factor = state.pop(old)
-            state[new] = torch.matmul(factor, state[_BASIS_OF[new]].to(factor.dtype))

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from megatron_ext.ckpt.legacy import factor_product
 from megatron_ext.optimizers import eigenbasis as eigenbasis_module
 from megatron_ext.optimizers.eigenbasis import cholesky_qr2, refresh_eigenbasis
 from megatron_ext.optimizers.kl_soap import KLSoap
@@ -430,9 +431,11 @@ def test_times_upper_transposed_equals_the_product(k: int, leaf: int) -> None:
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_checkpoint_with_explicit_factors_is_migrated() -> None:
-    """A state dict from before the factors were held as L·Q (keys ``factor_l``/``factor_r``)
-    loads and continues as the current state does (to fp32 rounding of the conversion)."""
+def test_explicit_factors_upgraded_as_ckpt_upgrade_does_continue_as_the_current_state() -> None:
+    """A state dict from before the factors were held as L·Q (keys ``factor_l``/``factor_r``),
+    turned into today's by the upgrade's product (``megatron_ext.ckpt.legacy``), continues as
+    the current state does (to fp32 rounding of the conversion); KLSoap itself reads today's
+    keys only."""
     g = torch.Generator().manual_seed(37)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 9), (2, 5, 4)]]
     opt = KLSoap(params, lr=0.01, **CFG)
@@ -440,12 +443,22 @@ def test_checkpoint_with_explicit_factors_is_migrated() -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-    saved = copy.deepcopy(opt.state_dict())
-    for entry in saved["state"].values():  # what the older version stored: L and R themselves
+    old = copy.deepcopy(opt.state_dict())
+    for entry in old["state"].values():  # what the older version stored: L and R themselves
         for side in ("l", "r"):
             product, basis = entry.pop(f"factor_basis_{side}"), entry[f"basis_{side}"]
             entry[f"factor_{side}"] = (product @ basis.mT + basis @ product.mT) / 2
-    clones, old = _resume_alongside(opt, params, saved, g)
+    upgraded = copy.deepcopy(old)
+    for entry in upgraded["state"].values():
+        for side in ("l", "r"):
+            factor = entry.pop(f"factor_{side}")
+            entry[f"factor_basis_{side}"] = factor_product(factor, entry[f"basis_{side}"])
+    clones, _ = _resume_alongside(opt, params, upgraded, g)
     for p, q in zip(params, clones, strict=True):
         torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5)
-    assert "factor_l" not in old.state[clones[0]]
+    stale = KLSoap([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.01, **CFG)
+    stale.load_state_dict(old)
+    for p in stale.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(KeyError, match="factor_basis_l"):
+        stale.step()

@@ -1,8 +1,9 @@
 """BF16 as Megatron-LM runs it, the A/B's common start and ``megatron-ext bench precision``.
 
-* checkpoints from when bf16 models kept fp32 norms (``tests/fixtures/precision_fp32_norms``)
-  still load: every parameter is bf16 now, each norm's fp32 master is the saved weight bit for
-  bit, and training continues on the old code's curve;
+* checkpoints from when bf16 models kept fp32 norms (``tests/fixtures/precision_fp32_norms``),
+  upgraded once (``megatron-ext ckpt upgrade``), load: every parameter is bf16 now, each norm's
+  fp32 master is the weight the old checkpoint saved, bit for bit, and training continues on
+  the old code's curve;
 * the CPU A/B, fp32 vs bf16, end to end through the launcher: the bf16 run starts from the fp32
   run's step-0 checkpoint, and the JSON, PNG and printed figures are written.
 """
@@ -21,6 +22,13 @@ from tests.conftest import DIST, ROOT, run_torchrun
 from tests.test_training import TEXT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "precision_fp32_norms"
+OPTIMIZERS = ("muon", "adamw")  # name-keyed state; AdamW state laid out like the model
+# Steps 4-5 after loading each fixture as it is, with the readers of the fp32-era layouts the
+# load path had before `ckpt upgrade` (bb5e60a; the same on the upgraded checkpoint now).
+BEFORE_UPGRADE = {
+    "muon": [5.372047185897827, 5.2731359004974365],
+    "adamw": [5.281623125076294, 5.170848846435547],
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +66,28 @@ def recipe_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
-def test_checkpoints_with_fp32_norms_still_load(recipe_file, tmp_path, optimizer):
+@pytest.fixture(scope="module")
+def upgraded(tmp_path_factory) -> dict[str, Path]:
+    """Both fixtures upgraded (``megatron-ext ckpt upgrade``, one process for both)."""
+    root = tmp_path_factory.mktemp("upgraded")
+    argv = []
+    for optimizer in OPTIMIZERS:
+        src = FIXTURES / optimizer / "step_000003"
+        argv += ["ckpt", "upgrade", str(src), str(root / optimizer), "--"]
+    proc = run_torchrun(DIST / "cli_several.py", 1, *argv[:-1])
+    results = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"argv"')]
+    assert [r["code"] for r in results] == [0] * len(OPTIMIZERS), proc.stdout[-3000:]
+    return {optimizer: root / optimizer for optimizer in OPTIMIZERS}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_upgraded_checkpoints_with_fp32_norms_load(recipe_file, upgraded, tmp_path, optimizer):
     old = json.loads((FIXTURES / "losses.json").read_text())[optimizer]
     proc = run_torchrun(
         DIST / "precision_legacy_load.py",
         2,
         str(recipe_file),
+        str(upgraded[optimizer]),
         str(FIXTURES / optimizer / "step_000003"),
         f"optimizer.name={optimizer}",
         f"run_dir={tmp_path}",
@@ -75,6 +98,8 @@ def test_checkpoints_with_fp32_norms_still_load(recipe_file, tmp_path, optimizer
     # The old code continued with fp32 norms, this one with bf16 norms from the same masters.
     for new, ref in zip(result["losses"], old["steps_4_5"], strict=True):
         assert abs(new - ref) <= 2e-3 * ref, (result["losses"], old["steps_4_5"])
+    # Bit for bit what the load path gave the fixture itself before the upgrade replaced it.
+    assert result["losses"] == BEFORE_UPGRADE[optimizer]
 
 
 def test_the_report_compares_at_matched_tokens():

@@ -229,6 +229,8 @@ COMMAND_TESTS = {
     "bench": "test_smoke.py::test_benchmark_quick_run",
     "ckpt verify": "test_checkpoint_manifest.py::"
     "test_ckpt_verify_reports_each_checkpoint_and_what_auto_would_load",
+    "ckpt upgrade": "test_checkpoint_legacy.py::"
+    "test_each_upgraded_layout_resumes_as_the_old_code_did",
     "recipe from-megatron-args": "test_from_megatron.py::"
     "test_round_trip_the_recipes_dry_run_shows_the_scripts_schedule",
     "tools eps-sweep": "test_convert_eps_sweep.py::"

@@ -1,10 +1,15 @@
-"""``megatron-ext ckpt verify RUN_DIR_OR_CHECKPOINT``: the load-time integrity check, offline.
+"""``megatron-ext ckpt verify|upgrade``: checkpoints, offline.
 
-Checks one checkpoint (a ``step_*`` folder), or every checkpoint of a run directory (its
-``checkpoints/`` folder) or of a ``checkpoints/`` folder, against their manifests: one line per
-checkpoint (intact, written before manifests, or damaged: which file, what is wrong), then which
-one ``checkpoint.load: auto`` would resume from. Exit 0 when every checkpoint checked is intact,
-1 when one is damaged, 2 when the path holds no checkpoint. Torch-free.
+``verify RUN_DIR_OR_CHECKPOINT``, the load-time integrity check: checks one checkpoint (a
+``step_*`` folder, or any folder with a manifest or ``metadata.json``), or every checkpoint of
+a run directory (its ``checkpoints/`` folder) or of a ``checkpoints/`` folder, against their
+manifests: one line per checkpoint (intact, written before manifests, or damaged: which file,
+what is wrong), then which one ``checkpoint.load: auto`` would resume from. Exit 0 when every
+checkpoint checked is intact, 1 when one is damaged, 2 when the path holds no checkpoint.
+Torch-free.
+
+``upgrade SRC DST``: a checkpoint in an older layout rewritten once in today's
+(:mod:`megatron_ext.ckpt.upgrade`; torch is imported when it runs).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_ext.ckpt.select import checkpoint_dirs, inspect, resume_order, step_of
+from megatron_ext.ckpt.select import checkpoint_dirs, inspect, is_checkpoint, resume_order
 from megatron_ext.commands import Command
 from megatron_ext.errors import ConfigError
 
@@ -24,11 +29,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--sizes-only", action="store_true", help="compare file sizes only (no checksums)"
     )
+    u = sub.add_parser(
+        "upgrade", help="rewrite a checkpoint in an older layout in today's layout, once"
+    )
+    u.add_argument(
+        "src",
+        help="a step_* checkpoint, or a run directory / checkpoints/ folder (then the "
+        "checkpoint checkpoint.load=auto resumes from)",
+    )
+    u.add_argument("dst", help="the upgraded checkpoint's folder (must not exist)")
 
 
 def _checkpoints(path: Path) -> tuple[Path | None, list[Path]]:
     """(the folder holding checkpoints or None for a single one, the checkpoints to check)."""
-    if step_of(path) is not None and path.is_dir():
+    if is_checkpoint(path):
         return None, [path]
     for folder in (path / "checkpoints", path):
         found = checkpoint_dirs(folder)
@@ -56,15 +70,20 @@ def verify_main(args: argparse.Namespace) -> int:
 def ckpt_main(args: argparse.Namespace) -> int:
     if args.ckpt_command == "verify":
         return verify_main(args)
-    raise ConfigError(f"unknown ckpt action {args.ckpt_command!r}; use verify")
+    if args.ckpt_command == "upgrade":
+        from megatron_ext.ckpt.upgrade import upgrade_main
+
+        return upgrade_main(args)
+    raise ConfigError(f"unknown ckpt action {args.ckpt_command!r}; use verify or upgrade")
 
 
 #: The ``megatron_ext.commands`` entry point ``ckpt`` (setup.py).
 COMMAND = Command(
     name="ckpt",
-    usage="verify PATH",
-    help="check checkpoints against their manifests",
-    description="Verify checkpoints offline, as a run does before loading one.",
+    usage="verify|upgrade ...",
+    help="check checkpoints against their manifests; upgrade older layouts",
+    description="Verify checkpoints offline, as a run does before loading one; rewrite a "
+    "checkpoint of an older layout in today's, once (ckpt upgrade SRC DST).",
     add_arguments=add_arguments,
     run=ckpt_main,
 )

@@ -29,6 +29,7 @@ __all__ = [
     "Verdict",
     "checkpoint_dirs",
     "inspect",
+    "is_checkpoint",
     "prune_plan",
     "resume_order",
     "step_of",
@@ -66,6 +67,16 @@ def step_of(path: Path) -> int | None:
     """The step of a ``step_NNNNNN`` folder, else None."""
     match = _STEP_DIR.fullmatch(path.name)
     return int(match[1]) if match else None
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is one checkpoint's folder: a ``step_*`` folder, or any folder holding a
+    manifest or dist_checkpointing's ``metadata.json`` (e.g. an upgraded one, named freely)."""
+    return path.is_dir() and (
+        step_of(path) is not None
+        or (path / MANIFEST).is_file()
+        or (path / "metadata.json").is_file()
+    )
 
 
 def checkpoint_dirs(ckpt_dir: Path) -> list[Path]:

@@ -15,8 +15,11 @@ the next save.
 Before loading, the manifest is verified (``checkpoint.verify``: sizes and checksums, or sizes).
 ``load: auto`` skips a damaged checkpoint for the previous intact one and says so; a damaged
 checkpoint named in ``checkpoint.load`` stops the run (``ConfigError``, exit 2) with the same
-report. A checkpoint without a manifest (written before manifests) loads with a note. Pruning
-keeps the newest ``keep_last`` intact checkpoints, so it never deletes the only intact one.
+report. A checkpoint without a manifest (written before manifests) loads with a note. A
+checkpoint in an older layout (:mod:`megatron_ext.ckpt.legacy`, recognised from its metadata)
+stops the run (``ConfigError``) naming the ``megatron-ext ckpt upgrade`` command that converts
+it; loading reads today's layout only. Pruning keeps the newest ``keep_last`` intact
+checkpoints, so it never deletes the only intact one.
 
 Contents: the model and optimizer as ShardedTensors (resharding-ready), and as per-rank
 ``ShardedObject``s the RNG states and the loop state (step, consumed samples).  The LR schedule
@@ -40,6 +43,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.ckpt.collective import verify_collectively, write_manifest_collectively
+from megatron_ext.ckpt.legacy import refuse_older_layouts
 from megatron_ext.ckpt.select import (
     LATEST,
     Verdict,
@@ -51,7 +55,6 @@ from megatron_ext.ckpt.select import (
 from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
 from megatron_ext.errors import ConfigError
-from megatron_ext.megatron import fp32_weight_masters
 from megatron_ext.megatron.save_queue import fork_results_queue
 
 
@@ -118,13 +121,16 @@ class Checkpointer:
     ) -> dict[str, Any] | None:
         """Verify ``path`` and load it; a damaged one is reported and gives None
         (``fallback``) or a ``ConfigError``. A checkpoint without a manifest that fails to
-        load counts as damaged."""
+        load counts as damaged; one in an older layout stops the run (``ConfigError``, with
+        the upgrade command) whether or not there is an older checkpoint to fall back to."""
         verdict = verify_collectively(path, self.config.verify)
         if verdict.intact and not verdict.manifest:
             _say(f"note: {path} has no manifest (written before manifests): loading it unverified")
         if verdict.intact:
             try:
                 return load_checkpoint(path, model, optimizer)
+            except ConfigError:
+                raise
             except Exception as exc:
                 if verdict.manifest:
                     raise
@@ -189,17 +195,13 @@ def _sharded_state(
     loop_state: dict[str, Any],
     is_loading: bool,
     with_rng: bool = True,
-    checkpoint_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's layout. ``loop`` (step, consumed samples) and ``world`` are the same on
-    every rank: plain values, saved once. The RNG streams are per rank. ``checkpoint_dir``: the
-    checkpoint being loaded (the optimizer reads older layouts of its state from it)."""
+    every rank: plain values, saved once. The RNG streams are per rank."""
     model_sd = _unwrap(model).sharded_state_dict()
     state = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, checkpoint_dir=checkpoint_dir
-        ),
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "loop": loop_state,
         "world": dist.get_world_size(),
     }
@@ -313,16 +315,15 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
 
     Model and optimizer state are keyed by parameter, so a checkpoint written at another world
     size loads too (e.g. DP=2 -> DP=1 with the layer-wise optimizer); the per-rank RNG streams
-    then cannot be matched to ranks and keep their fresh seeding (said on rank 0)."""
+    then cannot be matched to ranks and keep their fresh seeding (said on rank 0). A checkpoint
+    in an older layout is a ``ConfigError`` naming its upgrade (nothing is loaded)."""
+    refuse_older_layouts(path)
     saved_world = dist_checkpointing.load_common_state_dict(str(path)).get("world")
     same_world = saved_world == dist.get_world_size()
     if dist_checkpointing.load_common_state_dict(str(path))["loop"]["step"] == 0:
         return load_initial_weights(path, model, optimizer, same_world)
-    state = fp32_weight_masters.load(  # dist_checkpointing.load; masters of fp32-era norms
-        _sharded_state(
-            model, optimizer, {}, is_loading=True, with_rng=same_world, checkpoint_dir=path
-        ),
-        str(path),
+    state = dist_checkpointing.load(
+        _sharded_state(model, optimizer, {}, is_loading=True, with_rng=same_world), str(path)
     )
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -22,16 +22,16 @@ training loop.
 
 One checkpoint form for every optimizer: state keyed by parameter,
 ``optimizer.layerwise.<state key>.<model shard tag>`` (whole tensors as ShardedTensors, scalars
-as ShardedObjects), written by one replica, loadable at any data-parallel size. Older layouts
-are read by :mod:`megatron_ext.megatron.legacy_state`, chosen once in
-:meth:`MegatronExtOptimizer.sharded_state_dict`.
+as ShardedObjects), written by one replica, loadable at any data-parallel size. Checkpoints in
+older layouts are upgraded once, offline (``megatron-ext ckpt upgrade``,
+:mod:`megatron_ext.ckpt.legacy`); loading reads this form only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,12 @@ from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams,
 #: Key prefix of the name-keyed optimizer state (named after the optimizer that introduced it;
 #: kept so that checkpoints written since then load as they are).
 STATE_PREFIX = "optimizer.layerwise"
+
+
+def shard_tag_of(key: str, global_offset: Sequence[int]) -> str:
+    """``key@offsets``: the name of a model shard (the model key and the global offset of the
+    shard's first element, layer axes included) in :data:`STATE_PREFIX` keys."""
+    return f"{key}@{'_'.join(str(o) for o in global_offset)}"
 
 
 class MegatronExtOptimizer(MegatronOptimizer):
@@ -260,24 +266,13 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self.zero_grad()
 
     def sharded_state_dict(
-        self,
-        model_sharded_state_dict: dict,
-        is_loading: bool = False,
-        metadata: dict | None = None,
-        checkpoint_dir: str | Path | None = None,
+        self, model_sharded_state_dict: dict, is_loading: bool = False, metadata: dict | None = None
     ) -> dict[str, Any]:
-        """The name-keyed state for dist_checkpointing (:meth:`named_sharded_state`).
-        ``checkpoint_dir``: the checkpoint about to be loaded; if it holds an older layout,
-        that layout's reader says what to ask for (its loaded form is this one)."""
+        """The name-keyed state for dist_checkpointing (:meth:`named_sharded_state`); when
+        loading, the wrapped optimizer's state is created first (:meth:`_init_state`)."""
         self.finish_param_sync()
         if is_loading:
             self._init_state()
-        if is_loading and checkpoint_dir is not None:
-            from megatron_ext.megatron import legacy_state
-
-            older = legacy_state.older_layout(checkpoint_dir, STATE_PREFIX)
-            if older is not None:
-                return older.sharded_state(self, model_sharded_state_dict)
         return self.named_sharded_state(model_sharded_state_dict)
 
     def model_shards(self, model_sharded_state_dict: dict) -> dict[str, Any]:
@@ -294,7 +289,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             sh = sh.build() if hasattr(sh, "build") else next(iter(sh.values()))
             if isinstance(sh, (list, tuple)):
                 sh = sh[0]
-        return f"{sh.key}@{'_'.join(str(o) for o in sh.global_offset)}"
+        return shard_tag_of(sh.key, sh.global_offset)
 
     def named_sharded_state(self, model_sharded_state_dict: dict) -> dict[str, Any]:
         """The state of every parameter this rank holds, one entry per (parameter, state key),

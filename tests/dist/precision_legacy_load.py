@@ -1,11 +1,12 @@
-"""Load a checkpoint written when bf16 models kept their norms in fp32 (no fp32 master saved
-for them), then train two steps; prints one JSON line on rank 0.
+"""Load the upgrade (``megatron-ext ckpt upgrade``) of a checkpoint written when bf16 models
+kept their norms in fp32 (no fp32 master saved for them), then train two steps; prints one JSON
+line on rank 0.
 
 Checks on every rank: every parameter is bf16 now (Float16Module, norms included); the fp32
-master of each norm is bit for bit the fp32 weight the checkpoint holds, and the bf16 norm its
-rounding.
+master of each norm is bit for bit the fp32 weight the original checkpoint holds, and the bf16
+norm its rounding.
 
-Usage (under torchrun): precision_legacy_load.py RECIPE CHECKPOINT_DIR [key=value ...]
+Usage (under torchrun): precision_legacy_load.py RECIPE UPGRADED_DIR ORIGINAL_DIR [key=value ...]
 """
 
 import dataclasses
@@ -24,7 +25,7 @@ def main() -> None:
     from megatron_ext.gpt.setup import setup
     from megatron_ext.gpt.step import train_step
 
-    recipe_path, ckpt, *overrides = sys.argv[1:]
+    recipe_path, ckpt, original, *overrides = sys.argv[1:]
     recipe = load_recipe(recipe_path, [*overrides, f"checkpoint.load={ckpt}"], world_size=2)
     run = setup(recipe)
     loop = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint).resume(
@@ -45,7 +46,7 @@ def main() -> None:
         )
         for i in norms
     }
-    saved = dist_checkpointing.load(request, ckpt)
+    saved = dist_checkpointing.load(request, original)
     moved = 0
     for i in norms:
         master, param, weight = opt.master_params[i], opt.model_params[i], saved[names[i]]
