@@ -16,7 +16,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.sections import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megatron_ext.run.precision import check_precision_fields
 from megatron_ext.run.stopping import check_stop_fields
-from megatron_ext.schedules.batch import ConstantBatch
+from megatron_ext.schedules.batch import BatchRule, ConstantBatch
 from megatron_ext.schedules.plan import (
     TrainingSchedule,
     batch_rule,
@@ -75,7 +75,7 @@ def check_gpt_sections(recipe: Recipe) -> None:
             "data.tokenizer=sentencepiece needs data.tokenizer_model "
             "(train one with `megatron-ext data tokenizer`)"
         )
-    check_precision_fields(recipe)
+    check_precision_fields(t, m, p.pipeline_model_parallel_size)
     recipe.optimizer.check()
     check_stop_fields(t)
 
@@ -95,13 +95,12 @@ def check_gpt(recipe: Recipe, world_size: int | None) -> None:
     lr_schedule(recipe)
     schedule = training_schedule(recipe)
     if world_size is not None:
-        _check_layout(recipe, world_size)
-        _check_stages(recipe, schedule, world_size)
+        _check_layout(recipe.parallel, recipe.model.num_moe_experts, world_size)
+        _check_stages(recipe.parallel, recipe.training, schedule, batch_rule(recipe), world_size)
 
 
-def _check_layout(recipe: Recipe, world_size: int) -> None:
-    """World size against the parallel layout (the batches: :func:`_check_stages`)."""
-    p = recipe.parallel
+def _check_layout(p: ParallelConfig, num_experts: int, world_size: int) -> None:
+    """World size against the parallel layout ``p`` (the batches: :func:`_check_stages`)."""
     # ranks holding one copy of the model; data parallel is the rest (megatron-core's rule)
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     if world_size % mp:
@@ -111,7 +110,7 @@ def _check_layout(recipe: Recipe, world_size: int) -> None:
             f"{p.context_parallel_size} = {mp}: change the rank count or the parallel sizes"
         )
     dp = world_size // mp
-    if recipe.model.num_moe_experts:
+    if num_experts:
         edp = dp * p.context_parallel_size
         if edp % p.expert_model_parallel_size:
             raise ConfigError(
@@ -120,14 +119,20 @@ def _check_layout(recipe: Recipe, world_size: int) -> None:
             )
 
 
-def _check_stages(recipe: Recipe, schedule: TrainingSchedule, world_size: int) -> None:
-    """Every stage's global batch splits into micro-batches x data-parallel ranks."""
-    p, t = recipe.parallel, recipe.training
+def _check_stages(
+    p: ParallelConfig,
+    t: TrainingConfig,
+    schedule: TrainingSchedule,
+    rule: BatchRule,
+    world_size: int,
+) -> None:
+    """Every stage's global batch (of ``schedule``, by ``rule``) splits into micro-batches x
+    data-parallel ranks."""
     mbs = t.micro_batch_size
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
-    if isinstance(batch_rule(recipe), ConstantBatch):
+    if isinstance(rule, ConstantBatch):
         if t.global_batch_size % (mbs * dp):
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by "

@@ -45,7 +45,6 @@ from megatron_ext.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from megatron_ext.config.schema import Recipe
 
 __all__ = [
     "PRECISIONS",
@@ -142,11 +141,12 @@ def transformer_config_fields(precision: str, start: int = 0, end: int = 0) -> d
     return fields
 
 
-def check_precision_fields(recipe: Recipe) -> None:
-    """The precision's rules that need no hardware (``Recipe.check`` calls this): the
+def check_precision_fields(t: Any, m: Any, pipeline_stages: int) -> None:
+    """The precision's rules that need no hardware (the GPT sections' check calls this): the
     first/last BF16 layer counts, and FP8/FP4 only on Transformer Engine's layers (the local
-    spec's linears ignore ``fp8``/``fp4`` and would silently train in BF16)."""
-    t, m = recipe.training, recipe.model
+    spec's linears ignore ``fp8``/``fp4`` and would silently train in BF16). ``t``, ``m``: the
+    ``training`` and ``model`` sections; ``pipeline_stages``:
+    ``parallel.pipeline_model_parallel_size``."""
     spec = precision_spec(t.precision)
     start, end = t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16
     counts = (
@@ -167,7 +167,7 @@ def check_precision_fields(recipe: Recipe) -> None:
             f"{counts} leave no FP8/FP4 layer of model.num_layers={m.num_layers}: "
             f"keep their sum below {m.num_layers}"
         )
-    per_stage = m.num_layers // recipe.parallel.pipeline_model_parallel_size
+    per_stage = m.num_layers // pipeline_stages
     if max(start, end) > per_stage:
         raise ConfigError(
             f"{counts}: each may be at most the {per_stage} layer(s) of one pipeline stage "
