@@ -175,6 +175,12 @@ REASONS = {
     "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
     "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
     "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
+    "no-masked-softmax-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
+    "no-rope-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
+    "no-bias-gelu-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
+    "no-bias-dropout-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
+    "cross-entropy-loss-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
+    "moe-permute-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
 }
 #: flags that make another model than the recipe would describe without them, and why megatron-ext
 #: cannot express them: the converter refuses them unless --allow-unmapped (then each is a comment)
@@ -194,6 +200,14 @@ MODEL_CHANGING = {
     "num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
+    # gpt-oss's architecture (examples/gptoss)
+    "enable-gpt-oss": "gpt-oss's architecture is not built by megatron-ext",
+    "quick-geglu": "the quick-GeGLU activation is not built by megatron-ext",
+    "glu-linear-offset": "an offset GLU is not built by megatron-ext",
+    "activation-func-clamp-value": "a clamped activation is not built by megatron-ext",
+    "softmax-type": "learnable (sink) softmax is not built by megatron-ext",
+    "window-size": "sliding-window attention is not built by megatron-ext",
+    "window-attn-skip-freq": "sliding-window attention is not built by megatron-ext",
 }
 #: Megatron-LM's entry scripts whose model a GPT recipe describes
 ENTRY_SCRIPTS = ("pretrain_gpt.py",)
