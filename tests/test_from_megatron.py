@@ -491,3 +491,62 @@ def test_no_position_embedding_is_megatron_lms_rope_only_flag() -> None:
     assert "--no-position-embedding" in rope.mapped and rope.unmapped == []
     with pytest.raises(ConfigError, match="without --position-embedding-type rope"):
         _convert(flags)
+
+
+OWN_PARSER = r"""#!/bin/bash
+DATA="MOCK"
+CKPT="none"
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --data)
+            DATA="$2"
+            shift 2
+            ;;
+        -c|--checkpoint-path) CKPT="$2"; shift 2;;
+        --fast) LAYERS=2; shift;;
+        -h|--help)
+            echo "  --data PATH        the data prefix"
+            echo "  --num-layers N     not a flag of this script"
+            exit 0
+            ;;
+    esac
+done
+LAYERS=${LAYERS:-4}
+srun --ntasks-per-node 1 --cpus-per-task 16 torchrun --nproc_per_node 8 pretrain_gpt.py \
+    --num-layers $LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 128 \
+    --micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-3 \
+    --data-path $DATA --save $CKPT
+"""
+
+
+def test_a_scripts_own_option_parser_is_driven_by_script_options() -> None:
+    """``case`` labels are the script's options, not Megatron-LM flags; the options given set
+    the script's variables ("$2" or a literal), the others keep its defaults; ``echo`` text and
+    srun's options are not read as Megatron-LM's."""
+    given = ["--data", "data/doc", "-c", "runs/x"]
+    args = read_megatron_args(OWN_PARSER, script_options=given)
+    names = [f.name for f in args.flags]
+    assert names[:2] == ["nproc_per_node", "num-layers"]  # no label, no help text, no srun option
+    assert args.other_commands == [("srun", "--ntasks-per-node 1 --cpus-per-task 16")]
+    recipe = load_recipe_dict(convert(args).recipe)
+    assert (recipe.data.path, recipe.run_dir, recipe.model.num_layers) == ("data/doc", "runs/x", 4)
+    fast = load_recipe_dict(
+        convert(read_megatron_args(OWN_PARSER, script_options=["--fast"])).recipe
+    )
+    assert (fast.data.path, fast.run_dir, fast.model.num_layers) == ("MOCK", "none", 2)
+    notes = convert(args).notes
+    assert (
+        "srun --ntasks-per-node 1 --cpus-per-task 16: srun's options, not Megatron-LM's: not read"
+        in notes
+    )
+
+
+def test_script_options_on_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "train.sh").write_text(OWN_PARSER)
+    proc = _cli(
+        "recipe", "from-megatron-args", "train.sh", "-o", "r.yaml",
+        "--script-options", "--data data/doc --checkpoint-path runs/y", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    recipe = load_recipe(tmp_path / "r.yaml")
+    assert (recipe.data.path, recipe.run_dir) == ("data/doc", "runs/y")

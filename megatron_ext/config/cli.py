@@ -12,6 +12,7 @@ line and exit code 2 (nothing written). No torch import.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the script's positional arguments ($1, $2, ...), e.g. checkpoint and data paths",
     )
     p.add_argument(
+        "--script-options",
+        default="",
+        metavar="'OPTIONS'",
+        help="the options of a script that parses its own (a while/case over $1), as one "
+        "quoted string: --script-options '--data data/doc --tokenizer tok/'",
+    )
+    p.add_argument(
         "--allow-unmapped",
         action="store_true",
         help="write the recipe even when a flag that changes the model cannot be expressed "
@@ -61,7 +69,8 @@ def recipe_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
         raise ConfigError(f"{source}: no such file")
-    conversion = convert(read_megatron_args(source.read_text(), args.script_args))
+    options = shlex.split(args.script_options)
+    conversion = convert(read_megatron_args(source.read_text(), args.script_args, options))
     if conversion.model_changing and not args.allow_unmapped:
         dropped = "; ".join(
             f"{flag} ({reason})"

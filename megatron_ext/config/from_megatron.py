@@ -92,6 +92,8 @@ def convert(args: MegatronArgs) -> Conversion:
     """The recipe for Megatron-LM flags ``args`` (see the module docstring)."""
     _check_entry_script(args)
     out = Conversion(recipe={"trainer": "gpt"})
+    for command, words in args.other_commands:
+        out.notes.append(f"{command} {words}: {command}'s options, not Megatron-LM's: not read")
     for path, value in MEGATRON_DEFAULTS.items():
         out.set(path, value)
     keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)  # source order

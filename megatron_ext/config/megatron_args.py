@@ -26,6 +26,12 @@ __all__ = ["Flag", "MegatronArgs", "read_megatron_args"]
 _ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)(\+?)=(.*)$")
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 _ENTRY = re.compile(r"^[\w./-]*pretrain_\w+\.py$")  # Megatron-LM's entry scripts
+# commands that wrap the launcher on its line; their options are theirs
+_WRAPPERS = {"srun", "mpirun", "mpiexec", "nsys", "ncu", "numactl", "taskset", "nohup", "time"}
+_LAUNCHERS = {"torchrun", "python", "python3"}
+_OUTPUT_COMMANDS = {"echo", "printf"}
+# a case label of the script's own option parser: --data) or -d|--data)
+_LABEL = re.compile(r"^-{1,2}[\w-]+(\|-{1,2}[\w-]+)*\)$")
 _SHELL_WORDS = {"(", ")", "\\", "then", "fi", "do", "done", "else", "]]", "]", ";", "&&", "||"}
 
 
@@ -49,6 +55,8 @@ class MegatronArgs:
     flags: list[Flag] = field(default_factory=list)
     variables: dict[str, str] = field(default_factory=dict)
     entry_scripts: list[str] = field(default_factory=list)  # pretrain_*.py words, in order
+    # words of other commands on a launch line (srun, nsys, ...), by command: not Megatron's
+    other_commands: list[tuple[str, str]] = field(default_factory=list)
 
     def last(self, name: str) -> Flag | None:
         """The last occurrence of ``--name`` (dashes or underscores alike), or None."""
@@ -68,11 +76,27 @@ def _key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def read_megatron_args(text: str, script_args: Sequence[str] = ()) -> MegatronArgs:
-    """Parse ``text`` (see the module docstring); ``script_args`` are ``$1``, ``$2``, ..."""
+def read_megatron_args(
+    text: str, script_args: Sequence[str] = (), script_options: Sequence[str] = ()
+) -> MegatronArgs:
+    """Parse ``text`` (see the module docstring); ``script_args`` are ``$1``, ``$2``, ...;
+    ``script_options`` the words given to the script's own option parser (``--data PATH``):
+    inside its ``case`` block, the assignments of an option given take its value (``"$2"``) or
+    their literal, those of an option not given are skipped, and its labels are no flags."""
     out = MegatronArgs(variables={str(i + 1): v for i, v in enumerate(script_args)})
+    options = _given_options(script_options)
+    labels: list[str] | None = None  # the case labels whose block this line is in
     for number, line in _logical_lines(text):
         stripped = line.strip()
+        first = stripped.split(maxsplit=1)[0] if stripped else ""
+        if _LABEL.match(first):
+            labels = first[:-1].split("|")
+            stripped = stripped[len(first) :].strip()
+        if labels is not None:
+            _case_statement(stripped, labels, options, out.variables)
+            if stripped.endswith(";;") or first == "esac":
+                labels = None
+            continue
         match = _ASSIGN.match(stripped)
         if match and not match.group(3).startswith("("):
             words = _split(_expand(match.group(3), out.variables))
@@ -81,9 +105,55 @@ def read_megatron_args(text: str, script_args: Sequence[str] = ()) -> MegatronAr
         if match:  # an array: its elements follow the "("
             stripped = match.group(3)[1:]
         words = _split(_expand(stripped, out.variables))
+        if words and words[0] in _OUTPUT_COMMANDS:
+            continue  # echo "  --data PATH   the data" is text
+        words = _launch_words(words, out)
         out.entry_scripts += [w for w in words if _ENTRY.match(w)]
         out.flags.extend(_flags(words, number))
     return out
+
+
+def _launch_words(words: list[str], out: MegatronArgs) -> list[str]:
+    """``words`` from the launcher on (``torchrun``, ``python``): a command that wraps it
+    (``srun --ntasks 8 torchrun ...``, ``nsys profile -t cuda python ...``) keeps its own
+    options, recorded in ``out.other_commands``, not read as Megatron-LM's."""
+    if not words or words[0] not in _WRAPPERS:
+        return words
+    start = next((i for i, w in enumerate(words) if w.rsplit("/", 1)[-1] in _LAUNCHERS), None)
+    if start is None:
+        start = next((i for i, w in enumerate(words) if _ENTRY.match(w)), len(words))
+    out.other_commands.append((words[0], " ".join(words[1:start])))
+    return words[start:]
+
+
+def _given_options(words: Sequence[str]) -> dict[str, str | None]:
+    """``--name value`` / ``--name`` words -> {name: value or None}."""
+    given: dict[str, str | None] = {}
+    for i, w in enumerate(words):
+        if w.startswith("-"):
+            value = (
+                words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("-") else None
+            )
+            given[w] = value
+    return given
+
+
+def _case_statement(
+    text: str, labels: list[str], options: dict[str, str | None], variables: dict[str, str]
+) -> None:
+    """One line of a ``case`` block of the script's option parser: its assignments, when one
+    of ``labels`` was given (``"$2"``: the option's value; else the literal)."""
+    given = [label for label in labels if label in options]
+    if not given:
+        return
+    for part in text.rstrip(";").split(";"):
+        match = _ASSIGN.match(part.strip())
+        if not match:
+            continue
+        raw = match.group(3).strip().strip("\"'")
+        value = options[given[0]] if raw in ("$2", "${2}") else raw
+        if value is not None:
+            variables[match.group(1)] = value
 
 
 def _logical_lines(text: str) -> list[tuple[int, str]]:
