@@ -47,7 +47,7 @@ demo: $(STAMP)
 	$(VENV)/bin/megatron-ext launch recipes/tiny_cpu_gpt.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Markers are set at collection (tests/tiers.py); an unmarked test that starts a process of
 # this project fails here, naming the fix.
