@@ -410,7 +410,8 @@ def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
-        "megatron-ext: error: the script builds a model megatron-ext cannot: "
+        "megatron-ext: error: the script trains a model, or reads data, that megatron-ext "
+        "cannot express: "
         "--fp16 (fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, "
         "mxfp8)); --multi-latent-attention (multi-latent attention (MLA) is not built by "
         "megatron-ext); nothing written (pass --allow-unmapped to write the recipe without "
@@ -550,3 +551,17 @@ def test_script_options_on_the_command_line(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     recipe = load_recipe(tmp_path / "r.yaml")
     assert (recipe.data.path, recipe.run_dir) == ("data/doc", "runs/y")
+
+
+def test_a_tokenizer_megatron_ext_cannot_read_is_refused_not_swapped() -> None:
+    """A dataset of GPT-2 BPE ids read with the byte tokenizer would be other tokens: the
+    tokenizer flags count as model-changing (exit 2 in the CLI unless --allow-unmapped)."""
+    flags = (
+        "--global-batch-size 8 --train-iters 10 --tokenizer-type GPT2BPETokenizer "
+        "--vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt"
+    )
+    assert _convert(flags).model_changing == [
+        "--tokenizer-type GPT2BPETokenizer",
+        "--vocab-file gpt2/vocab.json",
+        "--merge-file gpt2/merges.txt",
+    ]

@@ -78,7 +78,8 @@ def recipe_main(args: argparse.Namespace) -> int:
             if flag in conversion.model_changing
         )
         raise ConfigError(
-            f"the script builds a model megatron-ext cannot: {dropped}; nothing written (pass "
+            f"the script trains a model, or reads data, that megatron-ext cannot express: "
+            f"{dropped}; nothing written (pass "
             f"--allow-unmapped to write the recipe without them, as comments in it)"
         )
     recipe = recipe_from_dict(conversion.recipe)  # a bad value stops here, nothing written

@@ -361,7 +361,7 @@ def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., An
             take("tokenizer-model")
             out.set("data.tokenizer_model", model)
     elif kind is not None:
-        take("tokenizer-type", "megatron-ext reads byte or SentencePiece tokenizers")
+        take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
         take("tokenizer-model", f"the model of --tokenizer-type {kind}")
     load, save = _value(flags.get("load")), _value(flags.get("save"))
     if load is not None:

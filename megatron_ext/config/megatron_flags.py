@@ -172,8 +172,6 @@ REASONS = {
     "decoupled-lr": "one learning rate for every parameter",
     "decoupled-min-lr": "one learning rate for every parameter",
     "mock-data": "megatron-ext trains on an indexed dataset (data.path)",
-    "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
-    "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece)",
     "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
     "no-masked-softmax-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
     "no-rope-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
@@ -182,8 +180,9 @@ REASONS = {
     "cross-entropy-loss-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
     "moe-permute-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
 }
-#: flags that make another model than the recipe would describe without them, and why megatron-ext
-#: cannot express them: the converter refuses them unless --allow-unmapped (then each is a comment)
+#: flags that make another model (or another reading of the data) than the recipe would describe
+#: without them, and why megatron-ext cannot express them: the converter refuses them unless
+#: --allow-unmapped (then each is a comment in the recipe)
 MODEL_CHANGING = {
     "multi-latent-attention": "multi-latent attention (MLA) is not built by megatron-ext",
     "q-lora-rank": "multi-latent attention (MLA) is not built by megatron-ext",
@@ -200,6 +199,14 @@ MODEL_CHANGING = {
     "num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
+    # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens
+    "tokenizer-type": "megatron-ext reads byte or SentencePiece tokenizers; the dataset's ids are "
+    "this tokenizer's",
+    "tokenizer-model": "the model of a tokenizer megatron-ext does not read",
+    "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece); the "
+    "dataset's ids are its",
+    "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece); the "
+    "dataset's ids are its",
     # gpt-oss's architecture (examples/gptoss)
     "enable-gpt-oss": "gpt-oss's architecture is not built by megatron-ext",
     "quick-geglu": "the quick-GeGLU activation is not built by megatron-ext",
