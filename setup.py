@@ -75,6 +75,7 @@ setup(
         "pyyaml>=6",
         "numpy>=1.26",
         "sentencepiece>=0.2",
+        "tokenizers>=0.20",  # data.tokenizer: huggingface (a local folder, GPT-2 vocab + merges)
         "mpi4py>=4",
         "mpich>=4",
         "triton>=3",

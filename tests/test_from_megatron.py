@@ -554,14 +554,14 @@ def test_script_options_on_the_command_line(tmp_path: Path) -> None:
 
 
 def test_a_tokenizer_megatron_ext_cannot_read_is_refused_not_swapped() -> None:
-    """A dataset of GPT-2 BPE ids read with the byte tokenizer would be other tokens: the
-    tokenizer flags count as model-changing (exit 2 in the CLI unless --allow-unmapped)."""
+    """A dataset of another tokenizer's ids read with the byte tokenizer would be other tokens:
+    a tokenizer megatron-ext does not read counts as model-changing (exit 2 in the CLI unless
+    --allow-unmapped); GPT-2's files and Hugging Face folders are read (test_tokenizers_hf)."""
     flags = (
-        "--global-batch-size 8 --train-iters 10 --tokenizer-type GPT2BPETokenizer "
-        "--vocab-file gpt2/vocab.json --merge-file gpt2/merges.txt"
+        "--global-batch-size 8 --train-iters 10 --tokenizer-type TikTokenizer "
+        "--tokenizer-model tok.tiktoken"
     )
     assert _convert(flags).model_changing == [
-        "--tokenizer-type GPT2BPETokenizer",
-        "--vocab-file gpt2/vocab.json",
-        "--merge-file gpt2/merges.txt",
+        "--tokenizer-type TikTokenizer",
+        "--tokenizer-model tok.tiktoken",
     ]

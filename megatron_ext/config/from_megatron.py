@@ -354,12 +354,37 @@ def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., An
         take("data-path", "a blend of several prefixes: give one indexed-dataset prefix")
     kind = _value(flags.get("tokenizer-type"))
     model = _value(flags.get("tokenizer-model"))
+    vocab, merges = _value(flags.get("vocab-file")), _value(flags.get("merge-file"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         take("tokenizer-type")
         out.set("data.tokenizer", "sentencepiece")
         if model is not None:
             take("tokenizer-model")
             out.set("data.tokenizer_model", model)
+    elif kind == "HuggingFaceTokenizer" and model is not None:
+        take("tokenizer-type")
+        take("tokenizer-model")
+        out.set("data.tokenizer", "huggingface")
+        out.set("data.tokenizer_model", model)
+        out.notes.append(
+            f"--tokenizer-model {model}: megatron-ext reads it offline, so it must be a local "
+            "folder saved by save_pretrained (a hub name is not downloaded)"
+        )
+    elif kind == "GPT2BPETokenizer" and vocab is not None and merges is not None:
+        from pathlib import PurePosixPath
+
+        from megatron_ext.data.kinds import gpt2_files
+
+        expected = str(gpt2_files(PurePosixPath(vocab))[1])
+        if merges != expected:
+            take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
+            take("vocab-file", f"its merges must be {expected} (next to it, same prefix)")
+            take("merge-file", f"megatron-ext reads the merges at {expected}: rename it there")
+        else:
+            for key in ("tokenizer-type", "vocab-file", "merge-file"):
+                take(key)
+            out.set("data.tokenizer", "huggingface")
+            out.set("data.tokenizer_model", vocab)
     elif kind is not None:
         take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
         take("tokenizer-model", f"the model of --tokenizer-type {kind}")

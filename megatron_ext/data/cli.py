@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import get_args
 
 from megatron_ext.commands import Command
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
+from megatron_ext.data.kinds import TokenizerKind
 from megatron_ext.errors import ConfigError
 
 
@@ -28,8 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=".txt/.jsonl files or folders; 'python-stdlib' = stdlib docstrings",
     )
     b.add_argument("--output", required=True, help="output prefix")
-    b.add_argument("--tokenizer", choices=("byte", "sentencepiece"), default="byte")
-    b.add_argument("--tokenizer-model", default="", help="SentencePiece .model file")
+    b.add_argument("--tokenizer", choices=get_args(TokenizerKind), default="byte")
+    b.add_argument(
+        "--tokenizer-model",
+        default="",
+        help="SentencePiece .model file, or the folder of a Hugging Face tokenizer",
+    )
     b.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
     t = dsub.add_parser("tokenizer", help="train a SentencePiece model on local text")
     t.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders, or 'python-stdlib'")

@@ -1,6 +1,7 @@
-"""Tokenizers for pretraining: UTF-8 bytes, or a SentencePiece model trained on local text.
+"""Tokenizers for pretraining: UTF-8 bytes, a SentencePiece model trained on local text, or a
+Hugging Face tokenizer saved in a local folder (a converted model's own).
 
-Both subclass megatron-core's ``MegatronTokenizerBase``, the type ``GPTDatasetConfig.tokenizer``
+All subclass megatron-core's ``MegatronTokenizerBase``, the type ``GPTDatasetConfig.tokenizer``
 is declared with, and provide what megatron-core's datasets read from a tokenizer:
 
 - ``eod``: the end-of-document id appended after every document when a dataset is built;
@@ -18,16 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import sentencepiece
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_ext.data.kinds import TokenizerKind, gpt2_files
 from megatron_ext.errors import ConfigError
 
-TokenizerKind = Literal["byte", "sentencepiece"]
 SentencePieceModelType = Literal["bpe", "unigram"]
 
 
@@ -148,8 +150,102 @@ class SentencePieceTokenizer(PretrainingTokenizer):
         return self._model.decode(list(ids))
 
 
+class HuggingFaceTokenizer(PretrainingTokenizer):
+    """A Hugging Face tokenizer saved in a folder (``tokenizer.json``, and the
+    ``tokenizer_config.json`` ``save_pretrained`` writes beside it), or GPT-2's byte-level BPE
+    files (Megatron-LM's ``GPT2BPETokenizer``: ``<prefix>vocab.json`` given, its
+    ``<prefix>merges.txt`` beside it; or a folder holding ``vocab.json`` and ``merges.txt``),
+    read with the ``tokenizers`` library: no network, no ``transformers`` import.
+
+    ``eod``: the config's ``eos_token``, else the first of ``<|endoftext|>``, ``</s>``,
+    ``<|end_of_text|>``, ``<eos>`` in the vocabulary; ``pad``: the config's ``pad_token``, else
+    -1. Text is encoded without special tokens (a document is its text; ``eod`` follows it).
+    """
+
+    EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+    def __init__(self, folder: str | Path) -> None:
+        path = Path(folder)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        gpt2 = gpt2_files(path)
+        if file.is_file() and not file.name.endswith("vocab.json"):
+            raw = file.read_bytes()
+            self._tokenizer = _from_json(raw)
+        elif all(f.is_file() for f in gpt2):
+            raw = gpt2[0].read_bytes() + b"\0" + gpt2[1].read_bytes()
+            self._tokenizer = _gpt2_bpe(*gpt2)
+        else:
+            raise ConfigError(
+                f"Hugging Face tokenizer {str(path)!r} not found: give the folder "
+                "save_pretrained wrote (it holds tokenizer.json), or one holding GPT-2's "
+                "vocab.json and merges.txt"
+            )
+        super().__init__(path=str(path), config={})
+        self._sha256 = hashlib.sha256(raw).hexdigest()
+        config_file = file.with_name("tokenizer_config.json")
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.eod = self._special(config.get("eos_token"), self.EOD_NAMES, path)
+        pad = self._token_id(config.get("pad_token"))
+        self.pad = pad if pad is not None else -1
+
+    def _token_id(self, token: Any) -> int | None:
+        if isinstance(token, dict):  # {"content": "</s>", ...} in older configs
+            token = token.get("content")
+        return None if token is None else self._tokenizer.token_to_id(str(token))
+
+    def _special(self, configured: Any, names: tuple[str, ...], path: Path) -> int:
+        found = self._token_id(configured)
+        for name in names if found is None else ():
+            found = self._tokenizer.token_to_id(name)
+            if found is not None:
+                break
+        if found is None:
+            raise ConfigError(
+                f"Hugging Face tokenizer {str(path)!r} names no end-of-text token "
+                f"(eos_token in tokenizer_config.json, or one of {', '.join(names)}) to end "
+                "documents with"
+            )
+        return found
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def unique_identifiers(self) -> dict[str, Any]:
+        return {"class": "megatron_ext.HuggingFaceTokenizer", "tokenizer_sha256": self._sha256}
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Ids -> text; special tokens carry no text and are dropped."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _from_json(raw: bytes) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(raw.decode("utf-8"))
+
+
+def _gpt2_bpe(vocab: Path, merges: Path) -> Any:
+    """GPT-2's tokenizer from its two files: byte-level BPE after GPT-2's pre-tokenizing regex."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 def build_tokenizer(kind: TokenizerKind, model_path: str | Path = "") -> PretrainingTokenizer:
-    """The tokenizer a recipe or the CLI names: ``byte``, or ``sentencepiece`` with its model."""
+    """The tokenizer a recipe or the CLI names: ``byte``, ``sentencepiece`` with its model
+    file, or ``huggingface`` with its folder."""
     if kind == "byte":
         if model_path:
             raise ConfigError(
@@ -164,7 +260,14 @@ def build_tokenizer(kind: TokenizerKind, model_path: str | Path = "") -> Pretrai
                 "(--tokenizer-model / data.tokenizer_model)"
             )
         return SentencePieceTokenizer(model_path)
-    raise ConfigError(f"unknown tokenizer {kind!r}; choose byte or sentencepiece")
+    if kind == "huggingface":
+        if not model_path:
+            raise ConfigError(
+                "the huggingface tokenizer needs its folder (--tokenizer-model / "
+                "data.tokenizer_model: the folder save_pretrained wrote)"
+            )
+        return HuggingFaceTokenizer(model_path)
+    raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(get_args(TokenizerKind))}")
 
 
 def train_sentencepiece(

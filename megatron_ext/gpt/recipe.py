@@ -70,6 +70,11 @@ def check_gpt_sections(recipe: Recipe) -> None:
             "training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
             "(the length of the final decay window)"
         )
+    if recipe.data.tokenizer == "huggingface" and not recipe.data.tokenizer_model:
+        raise ConfigError(
+            "data.tokenizer=huggingface needs data.tokenizer_model (the folder a Hugging Face "
+            "tokenizer was saved to, with its tokenizer.json)"
+        )
     if recipe.data.tokenizer == "sentencepiece" and not recipe.data.tokenizer_model:
         raise ConfigError(
             "data.tokenizer=sentencepiece needs data.tokenizer_model "

@@ -19,6 +19,7 @@ from typing import ClassVar, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS
+from megatron_ext.data.kinds import TokenizerKind
 from megatron_ext.run.precision import Precision
 from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
 
@@ -96,8 +97,10 @@ class DataConfig:
         help="text inputs built into `path` when it is missing; "
         "'python-stdlib' = the installed stdlib's docstrings",
     )
-    tokenizer: Literal["byte", "sentencepiece"] = spec("byte")
-    tokenizer_model: str = spec("", help="SentencePiece .model file")
+    tokenizer: TokenizerKind = spec("byte")
+    tokenizer_model: str = spec(
+        "", help="SentencePiece .model file, or a Hugging Face tokenizer's folder"
+    )
     split: str = spec("98,2,0", help="train,valid,test weights")
 
 
