@@ -60,17 +60,18 @@ def hf_batch_loss(hf: torch.nn.Module, samples: list[dict]) -> float:
     return float((ce * mask).sum() / mask.sum())
 
 
-def test_training_continues_from_a_converted_olmoe(tmp_path: Path) -> None:
-    tokenizer = build_tokenizer("byte", "")
-    hf = _hf_olmoe(tokenizer.vocab_size)
+def _continue(tmp_path: Path, hf: torch.nn.Module, source: str) -> list[float]:
+    """Convert ``hf`` (saved in tmp_path/hf beside whatever tokenizer files are there), train
+    STEPS from OUT/recipe.yaml on ``source``, and check the first loss against the HF model's
+    on the trainer's own first batch (built with the recipe's tokenizer); returns the losses."""
     hf_dir, out = tmp_path / "hf", tmp_path / "mcore"
     hf.save_pretrained(hf_dir)
     args = argparse.Namespace(convert_command="hf-to-mcore", hf_dir=hf_dir, out=out)
     assert convert_main(args) == 0
     overrides = [
         f"run_dir={tmp_path / 'run'}",
-        f"data.path={tmp_path / 'data' / 'stdlib'}",
-        "data.source=[python-stdlib]",
+        f"data.path={tmp_path / 'data' / 'corpus'}",
+        f"data.source=[{source}]",
         "optimizer.name=muon",
         "optimizer.lr=0.01",
         f"training.steps={STEPS}",
@@ -83,7 +84,6 @@ def test_training_continues_from_a_converted_olmoe(tmp_path: Path) -> None:
     ]
     recipe = read_recipe(out / "recipe.yaml", overrides)
     assert recipe.checkpoint.load == str((out / "step_000000").resolve())
-    assert recipe.model.num_moe_experts == 8 and recipe.model.qk_layernorm_scope == "projection"
     proc = run_torchrun(
         "megatron_ext.launch.cli", 1, "train", str(out / "recipe.yaml"), *overrides, module=True
     )
@@ -92,11 +92,53 @@ def test_training_continues_from_a_converted_olmoe(tmp_path: Path) -> None:
     assert len(losses) == STEPS
 
     # The same first batch as the trainer's (its dataset, built by the trainer's own function)
+    tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
     train_data, _ = build_data(recipe, tokenizer, training_schedule(recipe))
     expected = hf_batch_loss(hf, [train_data[i] for i in range(4)])
     print(f"first loss {losses[0]:.7f}, HF {expected:.7f}; after {STEPS} steps {losses[-1]:.4f}")
     assert losses[0] == pytest.approx(expected, rel=1e-5, abs=1e-5)  # fp32 forward
+    return losses
+
+
+def test_training_continues_from_a_converted_olmoe(tmp_path: Path) -> None:
+    hf = _hf_olmoe(build_tokenizer("byte", "").vocab_size)
+    losses = _continue(tmp_path, hf, "python-stdlib")
+    recipe = read_recipe(tmp_path / "mcore" / "recipe.yaml")
+    assert recipe.model.num_moe_experts == 8 and recipe.model.qk_layernorm_scope == "projection"
+    assert recipe.data.tokenizer == "byte"  # no tokenizer files came with the model
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_a_converted_model_continues_on_real_text_with_its_own_tokenizer(tmp_path: Path) -> None:
+    """The HF folder holds the model's tokenizer (a BPE trained here, saved by
+    save_pretrained): hf-to-mcore copies it to OUT/tokenizer, the recipe reads it, the run
+    builds its dataset of python-docs text with it, and the first loss is the HF model's on
+    that batch of the tokenizer's ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_ext.data.corpus import iter_documents
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<|endoftext|>"])
+    bpe.train_from_iterator(list(iter_documents(["python-docs"]))[:300], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", unk_token="<unk>"
+    )
+    fast.save_pretrained(tmp_path / "hf")
+    hf = _hf_olmoe(len(fast))
+    out = tmp_path / "mcore"
+    losses = _continue(tmp_path, hf, "python-docs")
+    recipe = read_recipe(out / "recipe.yaml")
+    assert (recipe.data.tokenizer, recipe.data.tokenizer_model) == (
+        "huggingface",
+        str((out / "tokenizer").resolve()),
+    )
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tmp_path / "hf" / "tokenizer.json"
+    ).read_bytes()
+    assert losses[-1] < losses[0], losses
 
 
 def test_mcore_to_hf_from_a_recipe_and_its_checkpoint_round_trips_qwen3_moe(tmp_path) -> None:

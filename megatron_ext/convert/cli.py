@@ -99,9 +99,10 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     fork_results_queue()
     dist_checkpointing.save(initial, str(args.out / WEIGHTS))
     (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
-    from megatron_ext.convert.recipe import RECIPE, continue_recipe
+    from megatron_ext.convert.recipe import RECIPE, continue_recipe, copy_tokenizer
 
-    recipe = continue_recipe(args.out, fields, raw["model_type"], WEIGHTS)
+    tokenizer = copy_tokenizer(args.hf_dir, args.out)
+    recipe = continue_recipe(args.out, fields, raw["model_type"], WEIGHTS, tokenizer)
     (args.out / RECIPE).write_text(recipe, encoding="utf-8")
     hf_config = {**full, "rms_norm_eps": eps.value}
     (args.out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
@@ -109,7 +110,13 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
         f"wrote {args.out}/{WEIGHTS} and {args.out}/{FIELDS} ({raw['model_type']}, "
         f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}\n"
         f"continue training: megatron-ext launch {args.out / RECIPE} data.path=PREFIX "
-        "optimizer.name=muon"
+        "optimizer.name=muon\n"
+        + (
+            f"tokenizer: {tokenizer['tokenizer']} from {tokenizer['tokenizer_model']} (the "
+            "recipe's data.tokenizer)"
+            if tokenizer is not None
+            else "tokenizer: none came with the model; data.path must hold its tokenizer's ids"
+        )
     )
     return 0
 
