@@ -565,3 +565,20 @@ def test_a_tokenizer_megatron_ext_cannot_read_is_refused_not_swapped() -> None:
         "--tokenizer-type TikTokenizer",
         "--tokenizer-model tok.tiktoken",
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--train-iters 10 --train-samples 80", "expected iteration-based training"),
+        ("--train-iters 10 --lr-decay-samples 80", "expected iteration-based learning rate decay"),
+        ("--train-samples 80 --lr-warmup-iters 2", "expected sample-based learnig rate warmup"),
+        ("--train-iters 10 --lr-warmup-fraction 0.1 --lr-warmup-iters 2", "can only specify one"),
+    ],
+)
+def test_megatron_lms_counting_rules_are_applied(flags: str, message: str) -> None:
+    """validate_args: iteration- and sample-counted flags do not mix (its own messages)."""
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"Megatron-LM refuses that \\('{message}"):
+        _convert("--global-batch-size 8 " + flags)

@@ -140,6 +140,7 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
         missing.append("--train-iters or --train-samples")
     if flags.get("global-batch-size") is None and flags.get("step-batch-size-schedule") is None:
         missing.append("--global-batch-size or --step-batch-size-schedule")
+    _check_counting(flags)
     if flags.get("global-batch-size") is not None and flags.get("step-batch-size-schedule"):
         raise ConfigError(  # Megatron-LM's validate_args refuses the pair
             "--step-batch-size-schedule and --global-batch-size are both given; Megatron-LM "
@@ -157,6 +158,37 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
             f"required flag value(s) are unresolved shell variables: {'; '.join(unresolved)} "
             f"(pass the script's positional arguments with --script-args, or edit the script)"
         )
+
+
+#: Megatron-LM 0.19's validate_args: a run counted in iterations takes no sample-counted LR
+#: position, and the reverse; a warmup is a fraction or a count, not both (its messages)
+_COUNTING = {
+    "train-iters": (
+        ("train-samples", "expected iteration-based training"),
+        ("lr-decay-samples", "expected iteration-based learning rate decay"),
+        ("lr-warmup-samples", "expected iteration-based learning rate warmup"),
+    ),
+    "train-samples": (
+        ("lr-decay-iters", "expected sample-based learning rate decay"),
+        ("lr-warmup-iters", "expected sample-based learnig rate warmup"),
+    ),
+    "lr-warmup-fraction": (
+        ("lr-warmup-iters", "can only specify one of lr-warmup-fraction and lr-warmup-iters"),
+        ("lr-warmup-samples", "can only specify one of lr-warmup-fraction and lr-warmup-samples"),
+    ),
+}
+
+
+def _check_counting(flags: dict[str, Flag | None]) -> None:
+    for given, conflicts in _COUNTING.items():
+        if flags.get(given) is None:
+            continue
+        for other, message in conflicts:
+            value = _value(flags.get(other))
+            if value is not None and value not in ("0", "0.0"):
+                raise ConfigError(
+                    f"--{given} with --{other}: Megatron-LM refuses that ('{message}'); keep one"
+                )
 
 
 def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | None) -> None:
