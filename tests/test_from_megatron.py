@@ -582,3 +582,30 @@ def test_megatron_lms_counting_rules_are_applied(flags: str, message: str) -> No
 
     with pytest.raises(ConfigError, match=f"Megatron-LM refuses that \\('{message}"):
         _convert("--global-batch-size 8 " + flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "precision"),
+    [
+        ("--bf16 --fp8-format hybrid --fp8-recipe tensorwise", "fp8_tensorwise"),
+        ("--bf16 --fp8-format hybrid", "fp8_delayed"),  # megatron-core's recipe default
+        ("--bf16 --fp8-format e4m3 --fp8-recipe blockwise", "fp8_blockwise"),
+        ("--bf16 --fp8-format e4m3 --fp8-recipe mxfp8", "mxfp8"),
+        ("--bf16 --fp4-format e2m1", "nvfp4"),
+    ],
+)
+def test_fp8_and_fp4_flags_are_the_precision_with_those_fields(flags: str, precision: str) -> None:
+    """The precision whose megatron-core fields (run/precision.py) are the flags' values."""
+    from megatron_ext.run.precision import SPECS
+
+    conversion = _convert("--global-batch-size 8 --train-iters 10 " + flags)
+    assert conversion.unmapped == [] and conversion.recipe["training"]["precision"] == precision
+    spec = SPECS[precision]
+    assert (spec.fp8 or spec.fp4) in flags
+
+
+def test_an_fp8_pair_no_precision_has_is_refused() -> None:
+    conversion = _convert("--global-batch-size 8 --train-iters 10 --bf16 --fp8-format e4m3")
+    assert conversion.model_changing == ["--fp8-format e4m3"]  # e4m3 + delayed: not one of ours
+    alone = _convert("--global-batch-size 8 --train-iters 10 --fp8-recipe tensorwise")
+    assert alone.model_changing == [] and len(alone.unmapped) == 1

@@ -57,10 +57,13 @@ class Conversion:
     # unmapped flags that build another model (MODEL_CHANGING): refused unless allowed
     model_changing: list[str] = field(default_factory=list)
 
-    def drop(self, flag: Flag, reason: str) -> None:
-        """``flag`` is not mapped, for ``reason``; a model-changing one is also recorded."""
+    def drop(self, flag: Flag, reason: str, changes_model: bool | None = None) -> None:
+        """``flag`` is not mapped, for ``reason``; a model-changing one (``changes_model``; None:
+        a flag of :data:`MODEL_CHANGING`) is also recorded."""
         self.unmapped.append((flag.text, reason))
-        if flag.name.replace("_", "-") in MODEL_CHANGING:
+        if changes_model is None:
+            changes_model = flag.name.replace("_", "-") in MODEL_CHANGING
+        if changes_model:
             self.model_changing.append(flag.text)
 
     def set(self, path: str, value: Any) -> None:
@@ -244,11 +247,14 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     """The flags that are not one field each; returns the keys handled."""
     handled: set[str] = set()
 
-    def take(key: str, reason: str | None = None) -> Flag | None:
+    def take(key: str, reason: str | None = None, changes_model: bool | None = None) -> Flag | None:
         flag = flags.get(key)
         if flag is not None:
             handled.add(key)
-            out.mapped.append(flag.text) if reason is None else out.drop(flag, reason)
+            if reason is None:
+                out.mapped.append(flag.text)
+            else:
+                out.drop(flag, reason, changes_model)
         return flag
 
     if take("swiglu"):
@@ -269,12 +275,7 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
             out.set("training.precision", value)
     precision = out.get("training.precision", "fp32")
     take("fp16", MODEL_CHANGING["fp16"])
-    for key in ("fp8-format", "fp8-recipe", "fp4-format"):
-        take(
-            key,
-            f"not translated into training.precision (fp8_tensorwise, fp8_delayed, ...: set it "
-            f"by hand); the recipe uses {precision}",
-        )
+    _low_precision(out, flags, take, precision)
     percent = _value(flags.get("rotary-percent"))
     if percent is not None:
         take("rotary-percent", None if float(percent) == 1.0 else MODEL_CHANGING["rotary-percent"])
@@ -331,6 +332,40 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     _data(out, flags, take)
     _samples(out, flags, take)
     return handled
+
+
+def _low_precision(
+    out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any], base: str
+) -> None:
+    """``--fp8-format``/``--fp8-recipe`` (Megatron-LM's recipe default: delayed) or
+    ``--fp4-format``/``--fp4-recipe`` (default nvfp4) as the one ``training.precision`` with
+    those megatron-core fields (run/precision.py's table); a pair no precision has is refused
+    like a model-changing flag."""
+    from megatron_ext.run.precision import SPECS
+
+    fp8, fp4 = _value(flags.get("fp8-format")), _value(flags.get("fp4-format"))
+    if fp8 is None and fp4 is None:
+        for key in ("fp8-recipe", "fp4-recipe"):
+            take(key, "megatron-core reads it only with its format flag", changes_model=False)
+        return
+    if fp8 is not None:
+        wanted = {"fp8": fp8, "fp8_recipe": _value(flags.get("fp8-recipe")) or "delayed"}
+    else:
+        wanted = {"fp4": fp4, "fp4_recipe": _value(flags.get("fp4-recipe")) or "nvfp4"}
+    found = [s.name for s in SPECS.values() if all(getattr(s, k) == v for k, v in wanted.items())]
+    keys = ("fp8-format", "fp8-recipe") if fp8 is not None else ("fp4-format", "fp4-recipe")
+    if found and base == "bf16":
+        for key in keys:
+            take(key)
+        out.set("training.precision", found[0])
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in wanted.items())
+    reason = (
+        f"{shown} with {base} parameters is not one of megatron-ext's precisions "
+        f"({', '.join(SPECS)}: run/precision.py)"
+    )
+    for key in keys:
+        take(key, reason)
 
 
 def _moe_layer_freq(

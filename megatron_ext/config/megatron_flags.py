@@ -207,6 +207,11 @@ MODEL_CHANGING = {
     "dataset's ids are its",
     "merge-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece); the "
     "dataset's ids are its",
+    # FP8/FP4 pairs no training.precision has (the recipe would train in bf16)
+    "fp8-format": "not one of megatron-ext's precisions",
+    "fp8-recipe": "not one of megatron-ext's precisions",
+    "fp4-format": "not one of megatron-ext's precisions",
+    "fp4-recipe": "not one of megatron-ext's precisions",
     # gpt-oss's architecture (examples/gptoss)
     "enable-gpt-oss": "gpt-oss's architecture is not built by megatron-ext",
     "quick-geglu": "the quick-GeGLU activation is not built by megatron-ext",
