@@ -439,9 +439,8 @@ def test_an_lr_schedule_longer_than_the_run_runs_as_in_megatron_lm(tmp_path: Pat
     """Megatron-LM's own Muon test configs: 100 steps of a 3,200-step warmup and a 320,000-step
     decay. Accepted; the dry run says where the run stops; the LR of every step is megatron-core's
     OptimizerParamScheduler's."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     from megatron_ext.schedules.plan import training_schedule
+    from tests.mcore_lr import megatron_core_lrs
 
     flags = (
         "--global-batch-size 8 --train-iters 100 --lr-warmup-iters 3200 "
@@ -460,27 +459,11 @@ def test_an_lr_schedule_longer_than_the_run_runs_as_in_megatron_lm(tmp_path: Pat
     ]
     schedule = training_schedule(load_recipe(tmp_path / "r.yaml"))
 
-    class Groups:
-        def __init__(self) -> None:
-            self.param_groups: list[dict] = [{}]
-
-    theirs = Groups()
-    scheduler = OptimizerParamScheduler(
-        theirs,
-        init_lr=0.0,
-        max_lr=1e-3,
-        min_lr=1e-5,
-        lr_warmup_steps=3200,
-        lr_decay_steps=320000,
-        lr_decay_style="cosine",
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=320000,
-        wd_incr_style="constant",
+    theirs = megatron_core_lrs(
+        range(100), max_lr=1e-3, min_lr=1e-5, warmup=3200, decay=320000, style="cosine"
     )
-    for step in range(100):
-        assert schedule.lr_at(step) == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-12)
-        scheduler.step(1)
+    for step, lr in theirs.items():
+        assert schedule.lr_at(step) == pytest.approx(lr, rel=1e-12), step
 
 
 def test_no_position_embedding_is_megatron_lms_rope_only_flag() -> None:

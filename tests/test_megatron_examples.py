@@ -90,7 +90,7 @@ def test_mixtral_8x7b_is_the_scripts_model_and_schedule() -> None:
     """Converted whole (7 flags listed unmapped with the reason, none model-changing); its LR
     is megatron-core's OptimizerParamScheduler's at every chosen step, the decay ending at
     320,000 of 500,000."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from tests.mcore_lr import megatron_core_lrs
 
     recipe, conversion = _recipe(MIXTRAL)
     m, t, o, p, d = recipe.model, recipe.training, recipe.optimizer, recipe.parallel, recipe.data
@@ -144,30 +144,13 @@ def test_mixtral_8x7b_is_the_scripts_model_and_schedule() -> None:
         "--no-load-rng",
     ]
 
-    class Groups:
-        def __init__(self) -> None:
-            self.param_groups: list[dict] = [{}]
-
-    theirs = Groups()
-    scheduler = OptimizerParamScheduler(
-        theirs,
-        init_lr=0.0,
-        max_lr=1e-4,
-        min_lr=1e-5,
-        lr_warmup_steps=500,
-        lr_decay_steps=320000,
-        lr_decay_style="cosine",
-        start_wd=0.1,
-        end_wd=0.1,
-        wd_incr_steps=500000,
-        wd_incr_style="constant",
-    )
     schedule = training_schedule(recipe)
-    done = 0
-    for step in (0, 1, 250, 500, 501, 100000, 319999, 320000, 400000, 499999):
-        scheduler.step(step - done)
-        done = step
-        assert schedule.lr_at(step) == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-12), step
+    steps = (0, 1, 250, 500, 501, 100000, 319999, 320000, 400000, 499999)
+    theirs = megatron_core_lrs(
+        steps, max_lr=1e-4, min_lr=1e-5, warmup=500, decay=320000, style="cosine"
+    )
+    for step, lr in theirs.items():
+        assert schedule.lr_at(step) == pytest.approx(lr, rel=1e-12), step
 
 
 def test_gpt3_175b_is_refused_as_megatron_lm_refuses_it() -> None:
