@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # route_parameter is torch-free: the planner and the launcher call it
+    import torch
 
 __all__ = ["route_parameter", "weight_decay_groups"]
 

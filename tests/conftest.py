@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import tiers
+from tests import tally, tiers
 from tests.warm import Zygote, differs_at_startup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +42,7 @@ def run_torchrun(
     zygote = warm_zygote()
     if zygote is not None and not differs_at_startup(full_env, zygote.env):
         code, out, err = zygote.launch(argv, nproc, full_env, cwd or ROOT, timeout)
+        tally.warm_launch(nproc)
         proc = subprocess.CompletedProcess(["warm", str(nproc), *argv], code, out, err)
         return _checked(proc, check)
     cmd = [
@@ -132,6 +133,17 @@ def count_calls(monkeypatch):
 
 def pytest_configure(config: pytest.Config) -> None:
     tiers.register(config)
+    tally.install()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tally.record(report)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.section("suite cost (tests/tally.py)")
+    for line in tally.summary():
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

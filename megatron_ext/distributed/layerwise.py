@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
-from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, plan_ownership
+from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, bucket_layout, plan_ownership
 from megatron_ext.distributed.reduce_scatter_v import reduce_scatter_v
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
@@ -146,36 +146,25 @@ class LayerwiseOptimizer:
         return optimizers
 
     def _build_buckets(self) -> list[Bucket]:
-        """Consecutive (forward-order) non-replicated parameters of one dtype, at most
-        ``bucket_numel`` elements per bucket; each with optimizers over this rank's share."""
-        groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-        size = 0
-        for name, p in self.named_params:
-            if self.plan.owner[name] == OwnershipPlan.REPLICATED:
-                continue
-            current = groups[-1]
-            if current and (
-                size + p.numel() > self.bucket_numel or current[-1][1].dtype != p.dtype
-            ):
-                groups.append([])
-                size = 0
-            groups[-1].append((name, p))
-            size += p.numel()
+        """The plan's bucket layout (:func:`~.plan.bucket_layout`), each bucket with optimizers
+        over this rank's share."""
+        layouts = bucket_layout(
+            [(n, p.numel(), str(p.dtype)) for n, p in self.named_params],
+            self.plan,
+            self.bucket_numel,
+        )
         buckets = []
-        for i, members in enumerate(g for g in groups if g):
+        for i, layout in enumerate(layouts):
+            members = [(n, self._params[n]) for n in layout.members]
             order = sorted(members, key=lambda m: self.plan.owner[m[0]])  # stable: keeps fwd order
-            counts = [
-                sum(p.numel() for n, p in members if self.plan.owner[n] == r)
-                for r in range(self.world)
-            ]
-            mine = [n for n, _ in members if self.plan.owner[n] == self.rank]
+            mine = [n for n in layout.members if self.plan.owner[n] == self.rank]
             buckets.append(
                 Bucket(
                     index=i,
                     order=order,
-                    counts=counts,
+                    counts=list(layout.counts),
                     optimizers=self._optimizers_for(mine),
-                    first=members[0][0],
+                    first=layout.members[0],
                 )
             )
         return buckets

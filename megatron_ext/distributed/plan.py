@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,3 +157,53 @@ def plan_ownership(
     return OwnershipPlan(
         world=world, owner=owner, compute=compute, memory=memory, replicated=replicated
     )
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One all-gather bucket of the layer-wise optimizer: its parameters in forward order and
+    the elements each rank owns in it (its buffer is laid out rank by rank)."""
+
+    members: tuple[str, ...]
+    counts: tuple[int, ...]  # elements per owner rank; sum = the bucket's elements
+    dtype: str  # the parameters' dtype (one per bucket), e.g. "torch.bfloat16"
+
+    def gather_bytes(self, rank: int, element_bytes: int) -> tuple[int, int]:
+        """(sent, received) payload bytes of ``rank`` in the bucket's all-gather-v: its own
+        segment out, everyone else's in (what :class:`~.allgather_v.WireStats` counts)."""
+        own = self.counts[rank]
+        return own * element_bytes, (sum(self.counts) - own) * element_bytes
+
+    def reduce_scatter_bytes(self, rank: int, element_bytes: int) -> tuple[int, int]:
+        """(sent, received) payload bytes of ``rank`` in the bucket's gradient
+        reduce-scatter-v: the gradients it does not own out, ``world − 1`` copies of its own in
+        (:func:`~.reduce_scatter_v.reduce_scatter_v`)."""
+        own = self.counts[rank]
+        world = len(self.counts)
+        return (sum(self.counts) - own) * element_bytes, (world - 1) * own * element_bytes
+
+
+def bucket_layout(
+    params: Sequence[tuple[str, int, str]], plan: OwnershipPlan, bucket_numel: int
+) -> list[BucketLayout]:
+    """The buckets of ``params`` — ``(name, numel, dtype)`` in forward order: consecutive
+    non-replicated parameters of one dtype, a bucket closing before it would exceed
+    ``bucket_numel`` elements (a larger parameter gets a bucket of its own)."""
+    groups: list[list[tuple[str, int, str]]] = [[]]
+    size = 0
+    for name, numel, dtype in params:
+        if plan.owner[name] == OwnershipPlan.REPLICATED:
+            continue
+        current = groups[-1]
+        if current and (size + numel > bucket_numel or current[-1][2] != dtype):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, numel, dtype))
+        size += numel
+    layouts = []
+    for members in (g for g in groups if g):
+        counts = [0] * plan.world
+        for name, numel, _ in members:
+            counts[plan.owner[name]] += numel
+        layouts.append(BucketLayout(tuple(n for n, _, _ in members), tuple(counts), members[0][2]))
+    return layouts

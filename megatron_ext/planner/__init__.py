@@ -1,0 +1,2 @@
+"""Planning a cluster run before it starts: memory, communication and step time per rank,
+torch-free."""
