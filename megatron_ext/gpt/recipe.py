@@ -27,13 +27,12 @@ from megatron_ext.schedules.plan import (
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
 
-__all__ = ["check_gpt", "check_gpt_sections"]
+__all__ = ["check_gpt", "check_gpt_sections", "check_model_layout"]
 
 
-def check_gpt_sections(recipe: Recipe) -> None:
-    """The rules of the GPT sections (``model``, ``optimizer``, ``data``, ``training``,
-    ``parallel``) that need no job size; every trainer that reads them runs these (DiPaCo)."""
-    m, t, p = recipe.model, recipe.training, recipe.parallel
+def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """The model's shape against the parallel sizes (heads, query groups, MoE, TP, PP): the
+    recipe check and the planner (:mod:`megatron_ext.planner.params`) apply the same rules."""
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
@@ -58,6 +57,13 @@ def check_gpt_sections(recipe: Recipe) -> None:
             f"parallel.pipeline_model_parallel_size="
             f"{p.pipeline_model_parallel_size}"
         )
+
+
+def check_gpt_sections(recipe: Recipe) -> None:
+    """The rules of the GPT sections (``model``, ``optimizer``, ``data``, ``training``,
+    ``parallel``) that need no job size; every trainer that reads them runs these (DiPaCo)."""
+    m, t, p = recipe.model, recipe.training, recipe.parallel
+    check_model_layout(m, p)
     # An LR schedule longer than the run (warmup or decay past training.steps) is accepted, as
     # Megatron-LM runs it (its tests train 100 steps of a 3,200-step warmup); the dry run's
     # schedule says where the run stops in it (schedules/table.py).

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.config.moe_presets import check_moe_fields
+from megatron_ext.gpt.recipe import check_model_layout
 from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 
 __all__ = [
@@ -281,27 +281,7 @@ def check_plannable(
             "model.position_embedding_type=learned_absolute needs seq_length "
             "(the position embedding has one row per position)"
         )
-    if m.hidden_size % m.num_attention_heads:
-        raise ValueError(
-            f"model.hidden_size={m.hidden_size} is not divisible by "
-            f"model.num_attention_heads={m.num_attention_heads}"
-        )
-    groups = m.num_query_groups or m.num_attention_heads
-    if m.num_attention_heads % groups:
-        raise ValueError(
-            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-            f"model.num_query_groups={groups}"
-        )
-    if m.num_attention_heads % tp or groups % tp:
-        raise ValueError(
-            f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
-            f"{groups} must be divisible by parallel.tensor_model_parallel_size={tp}"
-        )
-    if m.num_layers % pp:
-        raise ValueError(
-            f"model.num_layers={m.num_layers} is not divisible by "
-            f"parallel.pipeline_model_parallel_size={pp}"
-        )
+    check_model_layout(m, p)  # the recipe check's rules: heads, groups, MoE, TP, PP
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is not a stage of pipeline_model_parallel_size={pp}")
     ffn = default_ffn_hidden_size(m)
@@ -317,7 +297,6 @@ def check_plannable(
 
 def _check_moe(m: ModelConfig, tp: int, ep: int, ffn: int) -> None:
     """The recipe's MoE rules, then megatron-core's that shape or refuse a MoE model."""
-    check_moe_fields(m, ep)  # raises ConfigError, a ValueError naming the field
     # softmax over one score has a zero gradient
     softmax_one = m.moe_router_topk == 1 and m.moe_router_score_function == "softmax"
     if softmax_one and not m.moe_router_pre_softmax:
