@@ -107,6 +107,7 @@ setup(
             "launch = megatron_ext.launch.cli:COMMAND",
             "train = megatron_ext.run.cli:COMMAND",
             "recipe = megatron_ext.config.cli:COMMAND",
+            "plan = megatron_ext.planner.cli:COMMAND",
             "ckpt = megatron_ext.ckpt.cli:COMMAND",
             "data = megatron_ext.data.cli:COMMAND",
             "convert = megatron_ext.convert.cli:CONVERT",

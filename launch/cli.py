@@ -38,7 +38,13 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the exact command and environment, run nothing",
+        help="print the exact command and environment (and, on a GPU host, the memory plan), "
+        "run nothing",
+    )
+    p.add_argument(
+        "--no-fit-check",
+        action="store_true",
+        help="launch even when the plan says a rank's memory exceeds the GPU's",
     )
 
 

@@ -30,12 +30,32 @@ class HostInfo:
 
     gpus: int
     cpus: int
+    gpu_name: str = ""  # as nvidia-smi names GPU 0 ("" when unknown or no GPU)
 
 
 def probe_host(environ: Mapping[str, str] | None = None) -> HostInfo:
-    """GPUs and CPU cores available to this process."""
+    """GPUs and CPU cores available to this process, and the GPUs' model."""
     environ = os.environ if environ is None else environ
-    return HostInfo(gpus=count_gpus(environ), cpus=count_cpus())
+    gpus = count_gpus(environ)
+    return HostInfo(gpus=gpus, cpus=count_cpus(), gpu_name=gpu_name() if gpus else "")
+
+
+def gpu_name(nvidia_smi: str | None = None) -> str:
+    """GPU 0's name from ``nvidia-smi --query-gpu=name`` ("" when it cannot say)."""
+    smi = nvidia_smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = [line.strip() for line in out.splitlines() if line.strip()]
+    return lines[0] if lines else ""
 
 
 def count_gpus(

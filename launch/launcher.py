@@ -40,9 +40,11 @@ from megatron_ext.config.reads import describe_reads
 from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.fit import check_fit, job_plan
 from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
 from megatron_ext.launch.preflight import check_before_launch
 from megatron_ext.launch.supervise import run_ranks
+from megatron_ext.planner.report import format_plan
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.startup import LAUNCHED_AT_VAR, process_start_time
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
@@ -117,34 +119,40 @@ class LaunchCommand(NamedTuple):
 
 
 def launch_main(args: argparse.Namespace) -> int:
-    """``megatron-ext launch``: print (``--dry-run``) or run the torchrun command."""
+    """``megatron-ext launch``: print (``--dry-run``) or run the torchrun command, after the fit
+    check on a GPU host (:mod:`.fit`)."""
     request, host = LaunchRequest.from_args(args), probe_host()
     argv, env = build_launch_command(request, os.environ, host)
+    recipe = read_recipe(request.recipe, request.overrides)
+    layout = resolve_layout(request, os.environ, host, recipe)
+    plan, no_plan = job_plan(
+        recipe, request.recipe, request.overrides, layout.nnodes, layout.nproc_per_node, host
+    )
     if args.dry_run:
         print(format_dry_run(argv, env))
         # The batch stages and LR on tokens and an MoE preset's fields, for the reader (stderr:
         # stdout stays a shell snippet); writes run_dir/schedule.png.
-        recipe = read_recipe(request.recipe, request.overrides)
         print(
             f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}",
             file=sys.stderr,
         )
-        world = resolve_layout(request, os.environ, host, recipe).world_size
-        schedule = describe_schedule(recipe, world)
+        schedule = describe_schedule(recipe, layout.world_size)
         if schedule:
             print(schedule, file=sys.stderr)
         model = recipe.sections.get("model")  # MoE: what the preset set, what the recipe
         preset = describe_moe_preset(model) if model is not None else None
         if preset:
             print(preset, file=sys.stderr)
+        print(format_plan(plan) if plan is not None else no_plan, file=sys.stderr)
+    if not args.no_fit_check:
+        check_fit(plan)  # a dry run of a job that does not fit says so with launch's exit code
+    if args.dry_run:
         return 0
     if importlib.util.find_spec("torch") is None:  # finds the package without importing it
         raise ConfigError(
             f"torch is not installed for {sys.executable}; install this package "
             "with its dependencies (make venv) or run inside the container"
         )
-    recipe = read_recipe(request.recipe, request.overrides)
-    layout = resolve_layout(request, os.environ, host, recipe)
     check_before_launch(recipe, layout.rdzv_endpoint, layout.node_rank)
     resume = {
         LAUNCH_COMMAND_VAR: shlex.join(["megatron-ext", "launch", *request.argv()]),

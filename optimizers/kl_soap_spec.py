@@ -70,6 +70,7 @@ SPEC = OptimizerSpec(
     summary="KL-SOAP (Adam in the KL-Shampoo eigenbasis) on the hidden matrices, AdamW on the rest",
     couples_matrix_entries=True,
     tp_modes=("blockwise", "duplicated"),
+    full_state_tp_modes=("duplicated",),
     uses=("lr", "weight_decay", "adam", "tp_mode"),
     hyperparameters=(
         Hyperparameter(

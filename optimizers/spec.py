@@ -28,6 +28,7 @@ __all__ = [
     "Hyperparameter",
     "OptimizerSpec",
     "optimizer_spec",
+    "recipe_hyperparameters",
     "register_optimizer",
     "registered_optimizers",
 ]
@@ -97,6 +98,9 @@ class OptimizerSpec:
             layer-wise optimizer gives each matrix to one rank. Element-wise ones (AdamW, Lion)
             take any tensor, shards included.
         tp_modes: tensor-parallel modes it implements (matrix optimizers).
+        full_state_tp_modes: the ``tp_modes`` in which a rank keeps the whole matrix's state
+            for its shard (KL-SOAP's ``duplicated``: factors and bases of the full matrix);
+            in the others ``state_bytes`` is of the shard's shape.
         uses: shared recipe fields it takes (keys of :data:`SHARED_FIELDS`).
         hyperparameters: its own options, each a recipe field ``<name>_<key>``.
         fixed: keyword arguments always passed (not recipe options).
@@ -120,6 +124,7 @@ class OptimizerSpec:
     flops: Callable[[int, int, Mapping[str, Any]], float]
     state_bytes: Callable[[int, int], int]
     tp_modes: tuple[str, ...] = ()
+    full_state_tp_modes: tuple[str, ...] = ()
     uses: tuple[str, ...] = ("lr", "weight_decay")
     hyperparameters: tuple[Hyperparameter, ...] = ()
     fixed: Mapping[str, Any] = field(default_factory=dict)
@@ -186,3 +191,10 @@ def optimizer_spec(name: str) -> OptimizerSpec:
     """The spec registered as ``name``; ``ConfigError`` (a ``ValueError``) listing the
     registered names if none."""
     return OPTIMIZERS.get(name)
+
+
+def recipe_hyperparameters(section: Any) -> dict[str, dict[str, Any]]:
+    """Keyword hyperparameters of a recipe's optimizer (``section.name``) and of AdamW (the
+    non-matrix part), from their specs, with the update-RMS matching applied."""
+    names = dict.fromkeys((section.name, "adamw"))
+    return {name: optimizer_spec(name).kwargs(section) for name in names}

@@ -99,7 +99,9 @@ def preset_model(name: str) -> ModelConfig:
 
 def planned(model: ModelConfig, parallel: ParallelConfig, pp_rank: int = 0) -> list[list[Any]]:
     params = gpt_parameters(model, parallel, vocab_size=VOCAB, pp_rank=pp_rank, seq_length=SEQ)
-    return [[p.name, list(p.shape), p.is_expert, p.tensor_parallel] for p in params]
+    return [
+        [p.name, list(p.shape), p.is_expert, p.tensor_parallel, p.partition_dim] for p in params
+    ]
 
 
 def built(model: ModelConfig) -> Any:
@@ -117,7 +119,7 @@ def assert_same(model: ModelConfig, parallel: ParallelConfig, pp_rank: int, real
         p.numel
         for p in gpt_parameters(model, parallel, vocab_size=VOCAB, pp_rank=pp_rank, seq_length=SEQ)
     )
-    shapes = [shape for _, shape, _, _ in real]
+    shapes = [row[1] for row in real]
     assert numel == sum(_product(s) for s in shapes)
 
 

@@ -183,6 +183,11 @@ class ParallelConfig:
     context_parallel_size: int = spec(1, ge=1)
     expert_model_parallel_size: int = spec(1, ge=1)
     sequence_parallel: bool = False
+    recompute_granularity: Literal["none", "selective", "full"] = spec(
+        "none",
+        help="activation recomputation (megatron-core's): selective = core attention, full = "
+        "every layer from its input (uniform, one layer per checkpoint)",
+    )
     backend: Literal["auto", "nccl", "gloo"] = spec(
         "auto", help="auto = nccl with CUDA, gloo without"
     )

@@ -19,10 +19,13 @@ anything.  Every replaced call, and why:
 ``torch.cuda.synchronize``      -> ``torch.cpu.synchronize`` (no-op)
     Timers and DDP flush the device before measuring / finishing.
 ``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed`` and megatron-core's
-``tensor_parallel.random._set_cuda_rng_state``  -> the CPU default generator
+``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``  -> the CPU default
+generator
     megatron-core's RNG tracker forks "device" RNG streams (data-parallel, tensor-parallel,
     expert-parallel) around dropout and weight init; on a CPU host the device generator *is* the
-    CPU generator, so the tracker seeds, saves and restores that one.
+    CPU generator, so the tracker seeds, saves and restores that one (activation
+    recomputation, ``parallel.recompute_granularity``, saves and restores it around each
+    recomputed forward).
 ``torch.zeros(..., device="cuda")`` inside ``megatron.core.pipeline_parallel.schedules``
     -> the same on the CPU.  The forward/backward schedules allocate their token counter on
     "cuda" literally; the module's ``torch`` name is bound to a proxy that forwards everything to
@@ -77,6 +80,12 @@ def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool =
     torch.set_rng_state(new_state)
 
 
+def _get_rng_state(
+    device: object = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
+    return torch.get_rng_state()  # a new tensor: cloned already
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     import megatron.core.pipeline_parallel.schedules as mc_schedules
     import megatron.core.tensor_parallel.random as mc_random
@@ -95,6 +104,7 @@ def _replacements() -> list[tuple[object, str, object]]:
         (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed) and None),
         (mc_random, "_set_cuda_rng_state", _set_rng_state),
+        (mc_random, "_get_cuda_rng_state", _get_rng_state),
         (mc_schedules, "torch", _SchedulesTorch()),
         (mc_dispatcher, "maybe_move_tensor_to_cpu", _to_cpu),
     ]

@@ -52,6 +52,20 @@ def use_transformer_engine(model: ModelConfig) -> bool:
     )
 
 
+def recompute_fields(granularity: str) -> dict[str, Any]:
+    """megatron-core's recompute fields for ``parallel.recompute_granularity``: ``selective``
+    recomputes core attention; ``full`` checkpoints every layer (``uniform``, one per chunk)."""
+    if granularity == "none":
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+
+
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -87,6 +101,7 @@ def transformer_config(
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        **recompute_fields(parallel.recompute_granularity),
         **transformer_config_fields(precision, *bf16_layers),
         # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
         use_cpu_initialization=not cuda,

@@ -18,7 +18,7 @@ from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.optimizers.routing import weight_decay_groups
-from megatron_ext.optimizers.spec import optimizer_spec
+from megatron_ext.optimizers.spec import recipe_hyperparameters
 
 __all__ = [
     "InnerFactory",
@@ -62,9 +62,8 @@ def is_expert_param(param: torch.nn.Parameter) -> bool:
 
 
 def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
-    """Keyword hyperparameters of the recipe's optimizer and of AdamW (the non-matrix part),
-    from their specs, with the update-RMS matching applied."""
-    return {name: optimizer_spec(name).kwargs(cfg) for name in dict.fromkeys((cfg.name, "adamw"))}
+    """Keyword hyperparameters of the recipe's optimizer and of AdamW (the non-matrix part)."""
+    return recipe_hyperparameters(cfg)
 
 
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:

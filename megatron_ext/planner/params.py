@@ -48,6 +48,15 @@ class PlannedParam:
     shape: tuple[int, ...]  # this rank's shard, elements
     is_expert: bool  # megatron-core sets allreduce=False (expert-parallel weights)
     tensor_parallel: bool  # megatron-core's tensor_model_parallel attribute is True
+    partition_dim: int | None = None  # the axis TP splits (0 column-, 1 row-parallel), if split
+
+    def full_shape(self, tp: int) -> tuple[int, ...]:
+        """The whole tensor's shape across the ``tp`` ranks of its TP group."""
+        if self.partition_dim is None or tp == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.partition_dim] *= tp
+        return tuple(shape)
 
     @property
     def numel(self) -> int:
@@ -124,9 +133,9 @@ def _column(
     """Column-parallel linear ``inp -> out``: weight [out/tp, inp], bias [out/tp]."""
     local = out // d.tp
     marked = expert and d.ep > 1
-    params = [PlannedParam(f"{prefix}.weight", (local, inp), marked, True)]
+    params = [PlannedParam(f"{prefix}.weight", (local, inp), marked, True, 0)]
     if bias:
-        params.append(PlannedParam(f"{prefix}.bias", (local,), marked, True))
+        params.append(PlannedParam(f"{prefix}.bias", (local,), marked, True, 0))
     return params
 
 
@@ -135,7 +144,7 @@ def _row(
 ) -> list[PlannedParam]:
     """Row-parallel linear ``inp -> out``: weight [out, inp/tp], bias [out] (whole)."""
     marked = expert and d.ep > 1
-    params = [PlannedParam(f"{prefix}.weight", (out, inp // d.tp), marked, True)]
+    params = [PlannedParam(f"{prefix}.weight", (out, inp // d.tp), marked, True, 1)]
     if bias:
         params.append(PlannedParam(f"{prefix}.bias", (out,), marked, False))
     return params
@@ -234,7 +243,7 @@ def gpt_parameters(
     params: list[PlannedParam] = []
     if first:
         word = PlannedParam(
-            "embedding.word_embeddings.weight", (d.vocab // tp, hidden), False, True
+            "embedding.word_embeddings.weight", (d.vocab // tp, hidden), False, True, 0
         )
         params.append(word)
         if model.position_embedding_type == "learned_absolute":
@@ -250,7 +259,8 @@ def gpt_parameters(
         params += _norm("decoder.final_layernorm", hidden, model.normalization == "LayerNorm")
         # tied weights on one stage: the output layer reads the embedding's, it holds none
         if model.untie_embeddings_and_output_weights or not first:
-            params.append(PlannedParam("output_layer.weight", (d.vocab // tp, hidden), False, True))
+            output = PlannedParam("output_layer.weight", (d.vocab // tp, hidden), False, True, 0)
+            params.append(output)
     return params
 
 

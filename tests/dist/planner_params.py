@@ -97,13 +97,15 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, int]]] = {
 
 
 def describe(module: Any) -> list[list[Any]]:
-    """``module.named_parameters()`` as [name, shape, allreduce is False, tensor_model_parallel]."""
+    """``module.named_parameters()`` as [name, shape, allreduce is False, tensor_model_parallel,
+    partition_dim (None unless split)]."""
     return [
         [
             name,
             list(p.shape),
             not getattr(p, "allreduce", True),
             bool(getattr(p, "tensor_model_parallel", False)),
+            p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
         ]
         for name, p in module.named_parameters()
     ]

@@ -1,0 +1,151 @@
+"""Bytes one rank holds during a GPT run, term by term, as this project's GPT trainer lays them out.
+
+- **parameters**: the rank's shards (:func:`~.params.gpt_parameters`) in the model dtype (bf16
+  for every precision but fp32: megatron-core's ``Float16Module``);
+- **gradients**: megatron-core DDP's ``main_grad`` buffer, fp32 (the trainer sets
+  ``grad_reduce_in_fp32=True``), one element per parameter element;
+- **masters**: fp32 copies of bf16 parameters where this rank updates them — every parameter
+  for plain AdamW (:class:`~megatron_ext.megatron.replicated.ReplicatedOptimizer`), the owned and
+  the replicated ones under the layer-wise plan (:class:`~megatron_ext.distributed.layerwise.
+  LayerwiseOptimizer`);
+- **optimizer state**: each held parameter's optimizer spec (``state_bytes``: AdamW's two
+  moments, Muon's momentum, KL-SOAP's factors, eigenbases and moments, ...), by optimizer;
+- **activations**: what one micro-batch keeps for backward, times the micro-batches in flight
+  (1F1B: ``pp - stage`` on stage ``stage``), see :mod:`.activations`;
+- **transient**: the largest short-lived buffer: the layer-wise all-gather buffers (every bucket
+  is launched at the end of the step and freed in the next forward, so all are alive at once), a
+  reduce-scatter-v bucket's send and receive buffers, or the matrix optimizer's workspace on its
+  largest matrix.
+
+The peak is ``static + max(activations, transient)``: the gather buffers are released as the
+forward that builds the activations reaches each bucket.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_ext.optimizers.spec import optimizer_spec
+from megatron_ext.planner.ownership import FP32, OptimizerLayout, domain_buckets, matrices
+from megatron_ext.planner.params import PlannedParam
+
+__all__ = ["MemoryFigures", "rank_memory", "state_bytes"]
+
+
+def state_bytes(p: PlannedParam, route: str, *, tp: int = 1, tp_mode: str = "duplicated") -> int:
+    """Optimizer state of ``p`` (bytes) under ``route``: of the shard's shape, or of the whole
+    matrix's where the optimizer keeps it for a TP shard (``full_state_tp_modes``)."""
+    spec = optimizer_spec(route)
+    full = p.tensor_parallel and tp > 1 and tp_mode in spec.full_state_tp_modes
+    count, rows, cols = matrices(p.full_shape(tp) if full else p.shape)
+    return count * spec.state_bytes(rows, cols)
+
+
+@dataclass
+class MemoryFigures:
+    """Bytes on one rank (see the module docstring)."""
+
+    parameters: int
+    gradients: int
+    masters: int
+    optimizer_state: dict[str, int]  # by optimizer name
+    activations: int
+    transient: int
+    transient_what: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def static(self) -> int:
+        return self.parameters + self.gradients + self.masters + sum(self.optimizer_state.values())
+
+    @property
+    def peak(self) -> int:
+        return self.static + max(self.activations, self.transient)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "masters": self.masters,
+            "optimizer_state": dict(self.optimizer_state),
+            "optimizer_state_total": sum(self.optimizer_state.values()),
+            "activations": self.activations,
+            "transient": self.transient,
+            "transient_what": self.transient_what,
+            "static": self.static,
+            "peak": self.peak,
+        }
+
+
+def rank_memory(
+    params: Sequence[PlannedParam],
+    layout: OptimizerLayout,
+    *,
+    dense_rank: int,
+    expert_rank: int,
+    bf16: bool,
+    activations: int,
+    tp: int = 1,
+    tp_mode: str = "duplicated",
+) -> MemoryFigures:
+    """One rank's bytes: ``params`` are its shards (one pipeline stage, one TP rank);
+    ``tp_mode`` is ``optimizer.tp_mode``."""
+    param_bytes = 2 if bf16 else FP32
+    numel = sum(p.numel for p in params)
+    held = layout.held(params, dense_rank, expert_rank)
+    state: dict[str, int] = {}
+    for p in held:
+        route = layout.routes[p.name]
+        state[route] = state.get(route, 0) + state_bytes(p, route, tp=tp, tp_mode=tp_mode)
+    masters = FP32 * sum(p.numel for p in held) if bf16 else 0
+    transient, what = _largest_transient(
+        params, layout, held, dense_rank, expert_rank, param_bytes, tp, tp_mode
+    )
+    return MemoryFigures(
+        parameters=numel * param_bytes,
+        gradients=numel * FP32,
+        masters=masters,
+        optimizer_state=state,
+        activations=activations,
+        transient=transient,
+        transient_what=what,
+    )
+
+
+def _largest_transient(
+    params: Sequence[PlannedParam],
+    layout: OptimizerLayout,
+    held: Sequence[PlannedParam],
+    dense_rank: int,
+    expert_rank: int,
+    param_bytes: int,
+    tp: int,
+    tp_mode: str,
+) -> tuple[int, str]:
+    candidates: list[tuple[int, str]] = [(0, "none")]
+    domains = domain_buckets(params, layout)
+    buckets = [b for _, bs in domains for b in bs]
+    if buckets:
+        gathered = sum(sum(b.counts) for b in buckets) * param_bytes
+        candidates.append((gathered, f"all-gather-v buffers of {len(buckets)} buckets"))
+    for plan, bs in domains:
+        rank = expert_rank if plan is layout.expert else dense_rank
+        for b in bs:  # send, receive, and the summed segment of one bucket
+            own = b.counts[rank]
+            rs = FP32 * (sum(b.counts) + len(b.counts) * own + own)
+            candidates.append((rs, "a reduce-scatter-v bucket's buffers"))
+    for p in held:
+        route = layout.routes[p.name]
+        if optimizer_spec(route).couples_matrix_entries:
+            gathered = p.tensor_parallel and tp > 1 and tp_mode == "duplicated"
+            _, rows, cols = matrices(p.full_shape(tp) if gathered else p.shape)
+            small = min(rows, cols)
+            # iterate, its Gram matrix and the polynomial's product (Newton–Schulz), or the
+            # rotated gradient and the QR workspace (KL-SOAP): about this many fp32 elements
+            work = FP32 * (3 * rows * cols + 2 * small * small)
+            candidates.append((work, f"{route} workspace on {p.name} {rows}x{cols}"))
+    return max(candidates, key=lambda c: c[0])
