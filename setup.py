@@ -123,6 +123,7 @@ setup(
                 "dipaco",
                 "layerwise",
                 "optimizers",
+                "plan",
                 "precision",
                 "ramp",
                 "soma",

@@ -154,6 +154,37 @@ def check_dipaco(report: dict[str, Any], out: str, folder: Path) -> None:
         assert 0 < q["median_ms"] <= q["p95_ms"], q
 
 
+def check_plan(report: dict[str, Any], out: str, folder: Path) -> None:
+    from megatron_ext.planner.gpus import gpu_spec
+    from megatron_ext.planner.plan import Cluster, plan_recipe
+
+    rows = report["rows"]
+    assert [(r["gpus"], r["optimizer"]) for r in rows] == [
+        (8, "adamw"),
+        (8, "muon"),
+        (64, "adamw"),
+        (64, "muon"),
+    ]
+    for r in rows:  # each row is the plan `megatron-ext plan` makes of the same settings
+        cluster = Cluster(gpu_spec("h100"), r["gpus"] // 8, 8)
+        plan = plan_recipe("gpt_1b", r["overrides"], cluster)
+        assert r["peak_gb"] == plan.worst.memory.peak / 1e9 and r["fits"] == plan.fits
+        assert r["layout"]["dp"] == r["gpus"]  # gpt_1b: TP = PP = 1
+        assert r["layout"]["global_batch"] % (r["layout"]["micro_batch"] * r["gpus"]) == 0
+    adamw, muon = rows[2], rows[3]
+    # AdamW replicated: every rank 8 bytes per element; layer-wise Muon over 64 ranks: the most
+    # loaded rank holds a whole embedding's AdamW moments (128256 x 2048), little else
+    embedding = 8 * 128256 * 2048 / 1e9
+    assert embedding < muon["optimizer_state_gb"] < 1.05 * embedding < adamw["optimizer_state_gb"]
+    dps = [b["dp"] for b in report["balance"]]
+    assert dps == [2, 4, 8, 64]
+    for b in report["balance"]:
+        assert abs(b["ZeRO-1"]["state_imbalance"] - 1) < 0.05  # even slices (Muon: by element)
+    assert report["balance"][-1]["ours"]["state_imbalance"] > 1.5  # 64 ranks, 64 matrices
+    assert "| gpt_1b | 64 | muon |" in (folder / "plan.md").read_text()
+    assert (folder / "plan_balance.png").stat().st_size > 10_000
+
+
 #: benchmark name -> the check of its quick run's JSON and output
 BENCH_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {
     "optimizers": check_optimizers,
@@ -163,6 +194,7 @@ BENCH_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {
     "precision": check_precision,
     "ramp": check_ramp,
     "dipaco": check_dipaco,
+    "plan": check_plan,
 }
 
 
@@ -231,6 +263,7 @@ COMMAND_TESTS = {
     "test_ckpt_verify_reports_each_checkpoint_and_what_auto_would_load",
     "ckpt upgrade": "test_checkpoint_legacy.py::"
     "test_each_upgraded_layout_resumes_as_the_old_code_did",
+    "plan": "test_planner_cli.py::test_text_and_json_give_the_same_figures",
     "recipe from-megatron-args": "test_from_megatron.py::"
     "test_round_trip_the_recipes_dry_run_shows_the_scripts_schedule",
     "tools eps-sweep": "test_convert_eps_sweep.py::"

@@ -28,6 +28,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from megatron_ext.optimizers.spec import optimizer_spec
@@ -168,11 +169,16 @@ class BucketLayout:
     counts: tuple[int, ...]  # elements per owner rank; sum = the bucket's elements
     dtype: str  # the parameters' dtype (one per bucket), e.g. "torch.bfloat16"
 
+    @cached_property
+    def numel(self) -> int:
+        """The bucket's elements (``sum(counts)``, computed once)."""
+        return sum(self.counts)
+
     def gather_bytes(self, rank: int, element_bytes: int) -> tuple[int, int]:
         """(sent, received) payload bytes of ``rank`` in the bucket's all-gather-v: its own
         segment out, everyone else's in (what :class:`~.allgather_v.WireStats` counts)."""
         own = self.counts[rank]
-        return own * element_bytes, (sum(self.counts) - own) * element_bytes
+        return own * element_bytes, (self.numel - own) * element_bytes
 
     def reduce_scatter_bytes(self, rank: int, element_bytes: int) -> tuple[int, int]:
         """(sent, received) payload bytes of ``rank`` in the bucket's gradient
@@ -180,7 +186,7 @@ class BucketLayout:
         (:func:`~.reduce_scatter_v.reduce_scatter_v`)."""
         own = self.counts[rank]
         world = len(self.counts)
-        return (sum(self.counts) - own) * element_bytes, (world - 1) * own * element_bytes
+        return (self.numel - own) * element_bytes, (world - 1) * own * element_bytes
 
 
 def bucket_layout(

@@ -496,9 +496,11 @@ def plan_run(
     *,
     name: str = "",
     mfu: float = DEFAULT_MFU,
+    baselines: bool = True,
 ) -> Plan:
     """The plan of ``recipe`` (a GPT recipe, overrides applied) on ``cluster``, without
-    :func:`first_fix` (see :func:`plan_recipe`)."""
+    :func:`first_fix` (see :func:`plan_recipe`); ``baselines``: also megatron-core's layer-wise
+    and ZeRO-1 assignments (:func:`layerwise_baselines`)."""
     if recipe.trainer != "gpt":
         raise ConfigError(
             f"megatron-ext plan plans GPT runs; {name or 'this recipe'} is trainer="
@@ -526,13 +528,18 @@ def plan_run(
     worst = max(stages, key=lambda s: s.memory.peak)
     links = _links(cluster, lay)
     c = worst.comm
+    # a collective lasts as long as its larger direction (the reduce-scatter-v's owner receives
+    # world - 1 copies of its segment)
     exposed = {
-        "tensor_parallel": (c.tensor_parallel[0], links["tensor_parallel"]),
-        "expert_all_to_all": (c.expert_all_to_all[0], links["expert"]),
-        "pipeline": (c.pipeline[0], links["pipeline"]),
-        "grad_reduce_scatter": (c.grad_reduce_scatter[0], links["data_parallel"]),
-        "replicated_all_reduce": (c.replicated_all_reduce[0], links["data_parallel"]),
-        "ddp_all_reduce": (c.ddp_all_reduce[0], links["data_parallel"]),
+        name: (max(getattr(c, name)), links[link])
+        for name, link in (
+            ("tensor_parallel", "tensor_parallel"),
+            ("expert_all_to_all", "expert"),
+            ("pipeline", "pipeline"),
+            ("grad_reduce_scatter", "data_parallel"),
+            ("replicated_all_reduce", "data_parallel"),
+            ("ddp_all_reduce", "data_parallel"),
+        )
     }
     step = step_time(
         model_flops=model_flops,
@@ -570,7 +577,8 @@ def plan_run(
     )
     if t.batch_ramp.start or t.step_batch_size_schedule:
         plan.notes.append("batch ramp: figures at the target batch; earlier stages use less")
-    plan.baselines = layerwise_baselines(recipe, lay, vocab, hp, worst.stage)
+    if baselines:
+        plan.baselines = layerwise_baselines(recipe, lay, vocab, hp, worst.stage)
     return plan
 
 
@@ -689,7 +697,7 @@ def first_fix(
     for change in candidate_changes(recipe, cluster):
         try:
             changed = read_recipe(source, [*overrides, *change])
-            if plan_run(changed, cluster, mfu=mfu).fits:
+            if plan_run(changed, cluster, mfu=mfu, baselines=False).fits:
                 return " ".join(change)
         except ValueError:  # ConfigError too: not a valid layout at this size
             continue
