@@ -14,11 +14,16 @@ leaves what it measured.
 3. ``mxfp8_refused``: ``bench precision`` and ``launch --dry-run`` with mxfp8 exit 2 with the
    gate's one line (MXFP8 needs compute capability 10.x-11.x);
 4. ``cuda_tests``: the tests that need CUDA (``scripts/gpu_check_pytest.py`` selects them);
-5. ``layerwise``: ``bench layerwise --device cuda`` (DP=1 on one GPU, bf16);
-6. ``mcore_layerwise``: megatron-core's ``LayerWiseDistributedOptimizer`` beside ours
+5. ``plan_memory``: ``megatron-ext plan`` against the CUDA allocator: a ~0.3 B-parameter GPT
+   (bf16, Transformer Engine) trained 4 steps on one GPU with AdamW and with Muon; the plan's
+   peak (one-GPU cluster of this GPU) beside ``summary.json``'s ``peak_allocated_bytes``, ok
+   when within 15%.
+
+6. ``layerwise``: ``bench layerwise --device cuda`` (DP=1 on one GPU, bf16);
+7. ``mcore_layerwise``: megatron-core's ``LayerWiseDistributedOptimizer`` beside ours
    (``scripts/gpu_mcore_layerwise.py``: Muon, same matrices, same gradients);
-7. ``soma``: ``bench soma --device cuda`` (the SPSA timing);
-8. ``optimizers``: ``bench optimizers --device cuda`` with Emerging-Optimizers beside ours.
+8. ``soma``: ``bench soma --device cuda`` (the SPSA timing);
+9. ``optimizers``: ``bench optimizers --device cuda`` with Emerging-Optimizers beside ours.
 
 Usage: scripts/gpu_check.sh [OUT_DIR]  (or python scripts/gpu_check.py --out OUT_DIR)
 """
@@ -195,12 +200,63 @@ def optimizers(out: Path, timeout: float) -> dict[str, Any]:
     return result
 
 
+#: the plan check's model: tiny_cpu_gpt widened to ~0.3 B parameters, on TE, bf16
+PLAN_OVERRIDES = [
+    "model.num_layers=12",
+    "model.hidden_size=1536",
+    "model.num_attention_heads=12",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=4096",
+    "model.transformer_impl=auto",  # Transformer Engine on the GPU (the plan: fused attention)
+    "training.precision=bf16",
+    "training.steps=4",
+    "training.lr_warmup_steps=1",
+    "training.lr_wsd_decay_steps=2",
+    "training.eval_interval=4",
+    "training.micro_batch_size=4",
+    "training.global_batch_size=8",
+    "training.seq_length=1024",
+    "checkpoint.save_at_end=false",
+]
+
+
+def plan_memory(out: Path, timeout: float) -> dict[str, Any]:
+    from megatron_ext.launch.hosts import gpu_name
+    from megatron_ext.planner.gpus import gpu_kind, gpu_spec
+    from megatron_ext.planner.plan import Cluster, plan_recipe
+
+    kind = gpu_kind(gpu_name())
+    if kind is None:
+        return {"ok": False, "error": f"GPU {gpu_name()!r} is not in the plan's catalog"}
+    result: dict[str, Any] = {"gpu": kind, "runs": {}}
+    for optimizer in ("adamw", "muon"):
+        overrides = [*PLAN_OVERRIDES, f"optimizer.name={optimizer}"]
+        overrides.append(f"run_dir={out / ('plan_' + optimizer)}")
+        plan = plan_recipe("tiny_cpu_gpt", overrides, Cluster(gpu_spec(kind), 1, 1))
+        cmd = [*CLI, "launch", "tiny_cpu_gpt", *overrides, "--nproc-per-node", "1"]
+        run_result = run(cmd, timeout / 2, out / f"plan_{optimizer}.log")
+        summary = read_json(out / f"plan_{optimizer}" / "summary.json") or {}
+        measured = (summary.get("memory") or {}).get("peak_allocated_bytes")
+        predicted = plan.worst.memory.peak
+        ratio = predicted / measured if measured else None
+        result["runs"][optimizer] = {
+            "rc": run_result["rc"],
+            "predicted": plan.worst.memory.as_dict(),
+            "measured_peak_allocated": measured,
+            "predicted_over_measured": ratio,
+            "ok": run_result["rc"] == 0 and ratio is not None and abs(ratio - 1) <= 0.15,
+        }
+    result["ok"] = all(r["ok"] for r in result["runs"].values())
+    return result
+
+
 #: (name, function, its own time limit in seconds), in the order they run
 STEPS: tuple[tuple[str, Callable[[Path, float], dict[str, Any]], float], ...] = (
     ("environment", environment, 60),
     ("precision_ab", precision_ab, 200),
     ("mxfp8_refused", mxfp8_refused, 60),
     ("cuda_tests", cuda_tests, 90),
+    ("plan_memory", plan_memory, 100),
     ("layerwise", layerwise, 60),
     ("mcore_layerwise", mcore_layerwise, 90),
     ("soma", soma, 60),

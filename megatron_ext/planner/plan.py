@@ -289,6 +289,14 @@ def run_layout(recipe: Recipe, world: int) -> RunLayout:
     )
 
 
+def planned_model(recipe: Recipe) -> Any:
+    """The model section the parameters are listed for: a ``transformer_engine`` model is
+    listed with the local spec's names (Transformer Engine moves each norm's weight into the
+    following linear, ``linear_qkv.layer_norm_weight``: the same elements, the same routes)."""
+    m = recipe.model
+    return replace(m, transformer_impl="local") if m.transformer_impl == "transformer_engine" else m
+
+
 def fused_attention(recipe: Recipe) -> bool:
     """Whether the cluster run's attention is Transformer Engine's fused kernel: ``auto`` and
     ``transformer_engine`` use TE (the NGC container has it), ``local`` megatron-core's own."""
@@ -350,7 +358,7 @@ def _stage(
     vocab: int,
     hp: dict[str, Any],
 ) -> StagePlan:
-    m, opt = recipe.model, recipe.optimizer
+    m, opt = planned_model(recipe), recipe.optimizer
     bf16 = precision_spec(recipe.training.precision).half
     param_bytes = 2 if bf16 else FP32
     params = gpt_parameters(m, recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq)
@@ -604,7 +612,7 @@ def layerwise_baselines(
         return {}
     bf16 = precision_spec(recipe.training.precision).half
     params = gpt_parameters(
-        recipe.model, recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq
+        planned_model(recipe), recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq
     )
     specs = matrix_routed(
         routed_specs(
@@ -656,7 +664,7 @@ def _total_params(recipe: Recipe, vocab: int, lay: RunLayout) -> int:
         context_parallel_size=1,
         sequence_parallel=False,
     )
-    params = gpt_parameters(recipe.model, whole, vocab_size=vocab, seq_length=lay.seq)
+    params = gpt_parameters(planned_model(recipe), whole, vocab_size=vocab, seq_length=lay.seq)
     return sum(p.numel for p in params)
 
 
