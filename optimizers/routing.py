@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # route_parameter is torch-free: the planner and the launcher call it
     import torch
 
-__all__ = ["route_parameter", "weight_decay_groups"]
+__all__ = ["decays_weight", "route_parameter", "weight_decay_groups"]
 
 _ADAMW_NAME_PARTS = ("embedding", "output_layer", "conv1d", "norm", "router.weight")
 
@@ -52,6 +52,12 @@ def route_parameter(
     return matrix_optimizer
 
 
+def decays_weight(name: str, shape: Sequence[int]) -> bool:
+    """megatron-core's convention: weight decay on matrices, none on biases and 1-D tensors
+    (norm weights). Torch-free: the planner groups parameters by it."""
+    return len(shape) >= 2 and not name.endswith("bias")
+
+
 def weight_decay_groups(
     named_params: Iterable[tuple[str, torch.Tensor]], weight_decay: float | None = None
 ) -> list[dict[str, Any]]:
@@ -60,7 +66,7 @@ def weight_decay_groups(
     the optimizer's own default. Empty groups are left out."""
     decay, no_decay = [], []
     for name, p in named_params:
-        (no_decay if p.ndim < 2 or name.endswith("bias") else decay).append(p)
+        (decay if decays_weight(name, p.shape) else no_decay).append(p)
     groups: list[dict[str, Any]] = []
     if decay:
         groups.append(

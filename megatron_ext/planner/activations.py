@@ -1,28 +1,44 @@
 """Bytes one micro-batch keeps for backward on one rank of a GPT run.
 
-Counted per transformer layer from the tensors autograd saves, with ``t`` tokens on the rank
+Counted tensor by tensor from what autograd saves, with ``t`` tokens on the rank
 (``seq·micro_batch / cp``), ``h`` the hidden size, ``q`` and ``kv`` the query and key/value
-widths, ``f`` the MLP width, ``e`` the model dtype's bytes:
+widths (heads × head size), ``f`` the MLP width, ``e`` the model dtype's bytes; with sequence
+parallelism the ``t·h`` tensors (and the norms' per-token statistics) are split over TP, the
+rest is per TP rank (``/tp``). Per transformer layer:
 
-- norms: each saves its input (``t·h``) and an fp32 statistic per token;
-- attention: the QKV input (``t·h``), its output (``t·(q + 2kv)/tp``), the rotated query and
-  key, the output projection's input (``t·q/tp``). Fused attention (Transformer Engine, the
-  cluster's case) keeps its output and an fp32 log-sum-exp per head and token; megatron-core's
-  local attention (``transformer_impl=local``, CPU) keeps the key and value expanded to the query
-  heads and the ``b·heads/tp·s²`` probabilities (fp32 softmax output, plus their cast to ``e``
-  for a half model) — the term that selective recomputation removes;
-- MLP: the fc1 input (``t·h``), its output (``t·f·(2 if gated)/tp``) and the activation's
-  output (``t·f/tp``); a MoE layer: router logits and probabilities (fp32 ``t·E``), the
-  ``t·topk/ep`` routed tokens' copies, fc1 outputs and activations on each EP rank, and any
-  shared expert as an MLP;
-- with sequence parallelism the ``t·h`` tensors are split over TP;
-- full recomputation keeps only each layer's input (``t·h``) and rebuilds one layer at a time in
-  backward (one layer's activations on top, :func:`activation_bytes`' ``recompute_peak``).
+- **norms** (before attention, before the MLP; the final norm on the last stage): the local
+  spec's torch norm saves its input and the normalised input in fp32 and an fp32 statistic per
+  token; Transformer Engine's (fused into the next linear) its input in ``e`` and the statistic.
+  The linear after it saves the norm's output (``e·t·h``), counted with that linear. q/k norms
+  (``qk_layernorm``) are norms over the query and key widths whose output only RoPE reads (it
+  saves no input);
+- **RoPE**: the cos and sin tables, for the query and for the key (``4·s·head size``, ``e``);
+- **attention**: the rotated query and the core attention's output (``t·q``, the output
+  projection reads the same storage). The local spec's SDPA with grouped-query attention saves
+  the key and value expanded to the query heads (``2·t·q``); otherwise (one group per head,
+  Transformer Engine's fused attention, or selective recomputation, whose checkpoint saves the
+  core attention's inputs) the rotated key (``t·kv``) and the value, a view that keeps the whole
+  QKV output alive (``t·(q + 2kv)``). Without selective recomputation an fp32 log-sum-exp per
+  head and token (flash-style kernels: CPU SDPA, TE): never the ``s²`` probabilities;
+- **MLP**: its input (the norm's output), fc1's output, and for SwiGLU the activation of the
+  gate half, the linear half (megatron-core adds ``glu_linear_offset``, a new tensor) and their
+  product read by fc2: ``(2 + 3)·t·f``; for GELU fc1's output and the activation: ``2·t·f``;
+- **MoE**: the router's fp32 logits, scores and routing map (``3·t·E``), its top-k indices and
+  the dispatcher's permutation indices (int64), the ``t·topk`` token copies routed to this
+  rank's experts (uniform routing: each EP rank receives ``t·topk/ep`` from each of the ``ep``
+  ranks), each expert's MLP tensors on its tokens, their fp32 routing weight, and a shared
+  expert as a dense MLP.
 
-The first stage adds the embedding's output, the last the logits (``t·V/tp`` in ``e`` and in
-fp32 for the cross-entropy). Micro-batches in flight (1F1B: ``pp − stage``) multiply it.
+The first stage adds the token ids the embedding saves (int64), the last the final norm, the
+output layer's input, the fp32 logits the cross-entropy keeps (a half model's logits are cast,
+the cast saves nothing), its per-token target and mask, and the loss mask.
 
-``tests/test_planner_memory.py`` checks these counts against the bytes a CPU run's autograd
+Recomputation: ``selective`` drops the attention's expanded key/value and log-sum-exp and
+rebuilds them one layer at a time in backward; ``full`` keeps only each layer's input
+(``e·t·h``) and rebuilds one whole layer at a time. :func:`activation_bytes` returns both.
+Micro-batches in flight (1F1B: ``pp − stage``) multiply what is kept.
+
+``tests/test_planner_measure.py`` checks these counts against the bytes a CPU run's autograd
 graph actually saves (``torch.autograd.graph.saved_tensors_hooks``). Torch-free.
 """
 
@@ -36,6 +52,7 @@ from megatron_ext.planner.params import default_ffn_hidden_size, moe_layer_patte
 __all__ = ["ActivationShape", "activation_bytes"]
 
 FP32 = 4
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -46,44 +63,94 @@ class ActivationShape:
     micro_batch: int
     tp: int = 1
     cp: int = 1
-    ep: int = 1
+    ep: int = 1  # uniform routing: a rank's experts get t·topk token copies at any EP size
     sequence_parallel: bool = False
     element_bytes: int = 2  # the model dtype
-    fused_attention: bool = True  # Transformer Engine's; False: megatron-core's local attention
+    # Transformer Engine's layers (fused attention, norms fused into the next linear); False:
+    # the local spec (torch norms, SDPA core attention), what a CPU host runs
+    fused_attention: bool = True
     recompute: str = "none"  # parallel.recompute_granularity
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on this rank."""
+        return self.seq * self.micro_batch // self.cp
+
+
+def _norm(a: ActivationShape, rows: int, width: int) -> int:
+    """A norm over ``rows × width`` elements (the output is counted with its reader)."""
+    if a.fused_attention:  # Transformer Engine: input in the model dtype, fp32 rsigma
+        return a.element_bytes * rows * width + FP32 * rows
+    return 2 * FP32 * rows * width + FP32 * rows  # torch: fp32 input and normalised input, rstd
+
+
+def _mlp(a: ActivationShape, tokens: int, width: int, gated: bool) -> int:
+    """An MLP's tensors past its input: fc1's output, the activation, fc2's input."""
+    return a.element_bytes * tokens * width * (5 if gated else 2)
+
+
+def _attention(m: ModelConfig, a: ActivationShape) -> int:
+    """Self-attention of one layer, from the q/k norms to the output projection's input."""
+    e, tp, t = a.element_bytes, a.tp, a.tokens
+    heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    head = m.kv_channels or m.hidden_size // heads
+    q, kv = heads * head // tp, groups * head // tp  # widths on this rank
+    total = 0
+    if m.qk_layernorm:
+        if m.qk_layernorm_scope == "head":  # over each head
+            total += _norm(a, t * heads // tp, head) + _norm(a, t * groups // tp, head)
+        else:  # over this rank's whole projection
+            total += _norm(a, t, q) + _norm(a, t, kv)
+    if m.position_embedding_type == "rope":
+        total += 4 * e * (a.seq // a.cp) * head  # cos and sin, for the query and for the key
+    total += e * t * q  # the rotated query
+    if a.recompute == "selective":  # the checkpoint's inputs, and the output it returns
+        return total + e * t * kv + e * t * (q + 2 * kv) + e * t * q
+    if _expands_key_value(m, a):
+        return total + _core_attention(m, a)
+    return total + e * t * kv + e * t * (q + 2 * kv) + _core_attention(m, a)
+
+
+def _expands_key_value(m: ModelConfig, a: ActivationShape) -> bool:
+    """The local spec's SDPA repeats grouped keys and values to the query heads."""
+    groups = m.num_query_groups or m.num_attention_heads
+    return not a.fused_attention and groups != m.num_attention_heads
+
+
+def _core_attention(m: ModelConfig, a: ActivationShape) -> int:
+    """What the core attention itself saves beyond its inputs: the expanded key and value
+    (local SDPA with grouped queries), its output (the projection's input too) and an fp32
+    log-sum-exp per head and token -- what selective recomputation rebuilds in backward."""
+    e, t, heads = a.element_bytes, a.tokens, m.num_attention_heads // a.tp
+    q = heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    expanded = 2 * e * t * q if _expands_key_value(m, a) else 0
+    return expanded + e * t * q + FP32 * t * heads
+
+
+def _moe(m: ModelConfig, a: ActivationShape) -> int:
+    """A MoE MLP past its input: router, dispatch, this rank's experts, the shared expert."""
+    e, t = a.element_bytes, a.tokens
+    experts, topk = m.num_moe_experts, m.moe_router_topk
+    gated = m.activation == "swiglu"
+    f = m.moe_ffn_hidden_size or default_ffn_hidden_size(m)
+    routed = t * topk  # token copies this rank's experts receive (uniform routing)
+    total = 3 * FP32 * t * experts + 2 * INT64 * t * topk  # router: logits, scores, map; top-k
+    total += INT64 * (t * experts + routed)  # the dispatcher's permutation indices
+    total += e * routed * m.hidden_size + _mlp(a, routed, f, gated) + FP32 * routed
+    shared = m.moe_shared_expert_intermediate_size or 0
+    return total + _mlp(a, t, shared // a.tp, gated)
 
 
 def _layer_bytes(m: ModelConfig, a: ActivationShape, moe: bool) -> int:
     """One transformer layer's saved bytes for one micro-batch (see the module docstring)."""
-    e, tp = a.element_bytes, a.tp
-    t = a.seq * a.micro_batch // a.cp
-    h = m.hidden_size
-    heads = m.num_attention_heads
-    kv_ch = m.kv_channels or h // heads
-    q, kv = heads * kv_ch, (m.num_query_groups or heads) * kv_ch
-    gated = m.activation == "swiglu"
-    ht = t * h // (tp if a.sequence_parallel else 1)  # one hidden-size tensor
-    norms = 2 * (3 * e * ht + FP32 * t)  # input, output read by the next linear, statistic
-    attention = e * t * (q + 2 * kv) // tp + e * 2 * t * q // tp  # QKV out, rotated q and k
-    attention += e * t * q // tp  # the projection's input
-    if a.fused_attention:
-        attention += FP32 * t * heads // tp
-    elif a.recompute != "selective":
-        s_local = a.seq // a.cp
-        probs = a.micro_batch * heads // tp * s_local * a.seq
-        attention += e * 2 * t * q // tp  # key and value expanded to the query heads
-        attention += FP32 * probs + (e * probs if e != FP32 else 0)
+    sp = a.tp if a.sequence_parallel else 1
+    rows, h = a.tokens // sp, m.hidden_size
+    norm_and_reader = _norm(a, rows, h) + a.element_bytes * rows * h  # + the next linear's input
+    total = norm_and_reader + _attention(m, a) + norm_and_reader
     if moe:
-        experts, topk = m.num_moe_experts, m.moe_router_topk
-        f = m.moe_ffn_hidden_size or default_ffn_hidden_size(m)
-        routed = t * topk // a.ep
-        mlp = 2 * FP32 * t * experts + e * routed * (h + f * (3 if gated else 2))
-        shared = m.moe_shared_expert_intermediate_size or 0
-        mlp += e * t * shared * (3 if gated else 2) // tp
-    else:
-        f = default_ffn_hidden_size(m)
-        mlp = e * t * f * (3 if gated else 2) // tp
-    return norms + attention + mlp
+        return total + _moe(m, a)
+    gated = m.activation == "swiglu"
+    return total + _mlp(a, a.tokens, default_ffn_hidden_size(m) // a.tp, gated)
 
 
 def activation_bytes(
@@ -96,18 +163,24 @@ def activation_bytes(
     vocab: int,
 ) -> tuple[int, int]:
     """(bytes kept for backward by one micro-batch on the stage holding ``layers``, the extra
-    bytes of the one layer full recomputation rebuilds at a time). ``vocab`` is padded."""
+    bytes recomputation rebuilds at a time in backward: one layer under ``full``, one layer's
+    core attention under ``selective``, 0 without). ``vocab`` is padded."""
     pattern = moe_layer_pattern(m)
-    t = a.seq * a.micro_batch // a.cp
+    t, e = a.tokens, a.element_bytes
+    sp = a.tp if a.sequence_parallel else 1
     per_layer = [_layer_bytes(m, a, pattern[i]) for i in layers]
     if a.recompute == "full":
-        ht = t * m.hidden_size // (a.tp if a.sequence_parallel else 1)
-        kept = a.element_bytes * ht * len(per_layer)
-        peak = max(per_layer, default=0)
+        kept = e * t * m.hidden_size // sp * len(per_layer)  # each layer's input
+        rebuild = max(per_layer, default=0)  # the layer rebuilt, as saved without recompute
+    elif a.recompute == "selective":
+        kept = sum(per_layer)
+        rebuild = _core_attention(m, a) if layers else 0
     else:
-        kept, peak = sum(per_layer), 0
+        kept, rebuild = sum(per_layer), 0
     if first_stage:
-        kept += a.element_bytes * t * m.hidden_size // (a.tp if a.sequence_parallel else 1)
+        kept += INT64 * t  # the token ids
     if last_stage:
-        kept += (a.element_bytes + FP32) * t * vocab // a.tp
-    return kept, peak
+        kept += _norm(a, t // sp, m.hidden_size) + e * t * m.hidden_size // sp  # final norm
+        kept += FP32 * t * vocab // a.tp  # the logits, fp32, for the cross-entropy
+        kept += (1 + INT64 + FP32) * t  # its target mask and target; the loss mask
+    return kept, rebuild

@@ -14,8 +14,11 @@
   (1F1B: ``pp - stage`` on stage ``stage``), see :mod:`.activations`;
 - **transient**: the largest short-lived buffer: the layer-wise all-gather buffers (every bucket
   is launched at the end of the step and freed in the next forward, so all are alive at once), a
-  reduce-scatter-v bucket's send and receive buffers, or the matrix optimizer's workspace on its
-  largest matrix.
+  reduce-scatter-v bucket's send and receive buffers, the matrix optimizer's workspace on its
+  largest matrix, or an element-wise optimizer's update temporaries: AdamW (``foreach``) and
+  Lion step each parameter group with torch's foreach kernels, which allocate one fp32 element
+  per element of the group at once (AdamW's ``√v``, Lion's interpolated update) — the whole
+  model's matrices for plain AdamW, a bucket's owned share under the layer-wise optimizer.
 
 The peak is ``static + max(activations, transient)``: the gather buffers are released as the
 forward that builds the activations reaches each bucket.
@@ -29,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.optimizers.routing import decays_weight
 from megatron_ext.optimizers.spec import optimizer_spec
 from megatron_ext.planner.ownership import FP32, OptimizerLayout, domain_buckets, matrices
 from megatron_ext.planner.params import PlannedParam
@@ -148,4 +152,38 @@ def _largest_transient(
             # rotated gradient and the QR workspace (KL-SOAP): about this many fp32 elements
             work = FP32 * (3 * rows * cols + 2 * small * small)
             candidates.append((work, f"{route} workspace on {p.name} {rows}x{cols}"))
+    for route, group in _elementwise_groups(params, layout, dense_rank, expert_rank):
+        numel = sum(p.numel for p in group)
+        candidates.append((FP32 * numel, f"{route} update temporaries over {numel:,} elements"))
     return max(candidates, key=lambda c: c[0])
+
+
+def _elementwise_groups(
+    params: Sequence[PlannedParam], layout: OptimizerLayout, dense_rank: int, expert_rank: int
+) -> list[tuple[str, list[PlannedParam]]]:
+    """(route, parameter group) of every element-wise optimizer step on this rank: one torch
+    optimizer over all parameters for plain AdamW; under the layer-wise optimizer one per route
+    over the replicated parameters of each domain and one per route over this rank's share of
+    each bucket; each split into weight-decay groups (``weight_decay_groups``)."""
+    by_name = {p.name: p for p in params}
+    if layout.dense is None:
+        steps = [list(params)]
+    else:
+        steps = []
+        for plan, buckets in domain_buckets(params, layout):
+            rank = expert_rank if plan is layout.expert else dense_rank
+            steps.append([by_name[n] for n in plan.replicated if n in by_name])
+            steps += [[by_name[n] for n in b.members if plan.owner[n] == rank] for b in buckets]
+    out = []
+    for members in steps:
+        routes: dict[str, list[PlannedParam]] = {}
+        for p in members:
+            routes.setdefault(layout.routes[p.name], []).append(p)
+        for route, group in routes.items():
+            if optimizer_spec(route).couples_matrix_entries:
+                continue
+            for decays in (True, False):
+                part = [p for p in group if decays_weight(p.name, p.shape) == decays]
+                if part:
+                    out.append((route, part))
+    return out

@@ -51,6 +51,7 @@ __all__ = [
     "plan_recipe",
     "plan_run",
     "plan_vocab_size",
+    "stage_activations",
 ]
 
 #: the byte tokenizer's vocabulary (megatron_ext.data.tokenizers.ByteTokenizer.vocab_size)
@@ -298,8 +299,9 @@ def planned_model(recipe: Recipe) -> Any:
 
 
 def fused_attention(recipe: Recipe) -> bool:
-    """Whether the cluster run's attention is Transformer Engine's fused kernel: ``auto`` and
-    ``transformer_engine`` use TE (the NGC container has it), ``local`` megatron-core's own."""
+    """Whether the cluster run's layers are Transformer Engine's (fused attention, norms fused
+    into the next linear): ``auto`` and ``transformer_engine`` use TE (the NGC container has
+    it); ``local`` is megatron-core's local spec with SDPA core attention (what a CPU runs)."""
     return recipe.model.transformer_impl != "local"
 
 
@@ -378,25 +380,7 @@ def _stage(
 
         dense_rank = max(range(dense.ranks), key=load)
         expert_rank = dense_rank * lay.cp // lay.ep if expert is not None else 0
-    shape = ActivationShape(
-        seq=lay.seq,
-        micro_batch=lay.micro_batch,
-        tp=lay.tp,
-        cp=lay.cp,
-        ep=lay.ep,
-        sequence_parallel=lay.sequence_parallel,
-        element_bytes=param_bytes,
-        fused_attention=fused_attention(recipe),
-        recompute=lay.recompute,
-    )
-    kept, rebuild = activation_bytes(
-        m,
-        shape,
-        stage_layers(m.num_layers, lay.pp, stage),
-        first_stage=stage == 0,
-        last_stage=stage == lay.pp - 1,
-        vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
-    )
+    kept, rebuild = stage_activations(recipe, lay, stage, vocab)
     in_flight = min(lay.pp - stage, lay.micro_batches)
     memory = rank_memory(
         params,
@@ -440,6 +424,31 @@ def _stage(
         in_flight=in_flight,
         dense_rank=dense_rank,
         expert_rank=expert_rank,
+    )
+
+
+def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) -> tuple[int, int]:
+    """(bytes one micro-batch keeps for backward on ``stage``, bytes recomputation rebuilds at
+    a time), :func:`~.activations.activation_bytes` at the run's sizes."""
+    m = planned_model(recipe)
+    shape = ActivationShape(
+        seq=lay.seq,
+        micro_batch=lay.micro_batch,
+        tp=lay.tp,
+        cp=lay.cp,
+        ep=lay.ep,
+        sequence_parallel=lay.sequence_parallel,
+        element_bytes=2 if precision_spec(recipe.training.precision).half else FP32,
+        fused_attention=fused_attention(recipe),
+        recompute=lay.recompute,
+    )
+    return activation_bytes(
+        m,
+        shape,
+        stage_layers(m.num_layers, lay.pp, stage),
+        first_stage=stage == 0,
+        last_stage=stage == lay.pp - 1,
+        vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
     )
 
 
