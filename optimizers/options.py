@@ -10,6 +10,7 @@ from typing import Literal
 
 __all__ = [
     "CoefficientSet",
+    "FactorUpdate",
     "InverseRoot",
     "NSMethod",
     "NSPrecision",
@@ -35,3 +36,5 @@ PolarPrecision = Literal["fp32", "fp64"]
 RefreshMode = Literal["qr", "eigh", "cholesky_qr2"]
 #: KL-SOAP's S^(−p): from the eigenbasis diagonal, or coupled Newton–Schulz on the factor.
 InverseRoot = Literal["eigenbasis", "newton_schulz"]
+#: KL-SOAP's Kronecker factor update: KL-Shampoo's ``G S_R^(−p) Gᵀ/n`` or Shampoo's ``G Gᵀ``.
+FactorUpdate = Literal["kl", "shampoo"]

@@ -96,6 +96,22 @@ def test_renamed_options_are_refused_with_the_new_name(old: str, new: str) -> No
         ),
         ({"name": "kl_soap", "kl_soap_shampoo_beta": 1.0}, r"must be < 1"),
         ({"name": "muon", "muon_coefficient_type": "quintik"}, "did you mean 'quintic'"),
+        (
+            {"name": "kl_soap", "kl_soap_factor_update": "plain"},
+            "optimizer.kl_soap_factor_update='plain' is not one of kl, shampoo",
+        ),
+        (
+            {
+                "name": "kl_soap",
+                "kl_soap_factor_update": "shampoo",
+                "kl_soap_inverse_root": "newton_schulz",
+            },
+            "optimizer.kl_soap_inverse_root='newton_schulz' would be ignored",
+        ),
+        (
+            {"name": "kl_soap", "kl_soap_factor_update": "shampoo", "kl_soap_factor_eps": 1e-10},
+            "optimizer.kl_soap_factor_eps=1e-10 would be ignored",
+        ),
     ],
 )
 def test_bad_options_fail_validation(section: dict, message: str) -> None:
