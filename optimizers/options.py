@@ -15,6 +15,7 @@ __all__ = [
     "NSMethod",
     "NSPrecision",
     "PolarPrecision",
+    "RMSMatch",
     "RefreshMode",
     "ScaleMode",
     "TPMode",
@@ -30,6 +31,9 @@ NSMethod = Literal["auto", "plain", "gram"]
 NSPrecision = Literal["fp32", "bf16"]
 #: Update scale of Muon/MOP: √max(m, n) (``spectral``), √max(1, m/n), or √(m/n).
 ScaleMode = Literal["spectral", "shape", "unit_rms"]
+#: Muon/MOP's update-RMS factor: ``extra_scale_factor`` alone (a constant), or times
+#: √((1 − β)/(1 + β)) from the momentum β.
+RMSMatch = Literal["constant", "beta"]
 #: Precision of MOP's SVD.
 PolarPrecision = Literal["fp32", "fp64"]
 #: KL-SOAP's eigenbasis refresh (:mod:`.eigenbasis`).
