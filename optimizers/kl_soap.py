@@ -1,11 +1,16 @@
 """KL-SOAP: SOAP with KL-Shampoo Kronecker factors and a per-step eigenbasis refresh.
 
+The factor update is selectable (``factor_update``): KL-Shampoo's (default) or SOAP's plain
+Shampoo accumulation ``L ← βL + (1 − β)·G Gᵀ``, ``R ← βR + (1 − β)·Gᵀ G``; state and refresh are
+the same for both.
+
 The algorithm and its implementation notes are in :mod:`.kl_soap_math`; this module is the
 ``torch.optim.Optimizer`` around it.
 
 * Matrices of equal shape and step count are processed as one batch. State lives in stacked
-  tensors (:class:`~.packing.StatePacker`); per step the full-size transients are the stacked
-  gradient and three matmul workspaces per matrix in the batch (``Q_Lᵀ G``, ``G Q_R`` and
+  tensors (:class:`~.packing.StatePacker`), the same for both factor updates; per step the
+  full-size transients are the stacked gradient and three matmul workspaces per matrix in the
+  batch (``Q_Lᵀ G``, ``G Q_R`` and ``Q_Lᵀ G Q_R``; two with Shampoo factors, which need no
   ``Q_Lᵀ G Q_R``; Adam in the eigenbasis reuses two of them), plus ``k×k`` refresh workspaces
   per side (the sorted basis, the sorted product and the QR's reflectors).
 * 1-D parameters are not preconditioned: route them to AdamW.
@@ -33,7 +38,7 @@ from .kl_soap_math import (
     KLSoapMatrices,
     kl_soap_direction,
 )
-from .options import InverseRoot, RefreshMode, TPMode
+from .options import FactorUpdate, InverseRoot, RefreshMode, TPMode
 from .orthogonalized import default_max_batch_numel
 from .packing import StatePacker
 from .tensor_parallel import (
@@ -55,6 +60,12 @@ class KLSoap(torch.optim.Optimizer):
         params: parameters (2-D or 3-D) or parameter-group dicts.
         lr: learning rate η.
         betas: Adam's (β1, β2) in the eigenbasis.
+        factor_update: ``kl`` (default): KL-Shampoo factors, ``L ← β_s·L + (1 − β_s)/n·G S_R^(−p)
+            Gᵀ`` and ``R ← β_s·R + (1 − β_s)/m·Gᵀ S_L^(−p) G`` (``m×m`` and ``n×n`` for an
+            ``m×n`` G); ``shampoo``: SOAP's ``L ← β_s·L + (1 − β_s)·G Gᵀ``,
+            ``R ← β_s·R + (1 − β_s)·Gᵀ G``, which read neither ``factor_eps``, ``factor_exponent``
+            nor ``inverse_root`` (those must then keep their defaults). Either way the factors
+            include the current gradient before the refresh.
         shampoo_beta: weight β_s of the *old* factor in the EMA of L and R (SOAP's convention:
             ``L ← β_s·L + (1 − β_s)·new``).
         correct_shampoo_beta_bias: bias-correct that EMA (``β_t = 1 − (1 − β_s)/(1 − β_sᵗ)``),
@@ -87,6 +98,7 @@ class KLSoap(torch.optim.Optimizer):
         *,
         lr: float = 3e-3,
         betas: tuple[float, float] = (0.9, 0.95),
+        factor_update: FactorUpdate = "kl",
         shampoo_beta: float = 0.95,
         correct_shampoo_beta_bias: bool = True,
         eps: float = 1e-8,
@@ -113,6 +125,7 @@ class KLSoap(torch.optim.Optimizer):
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
+            factor_update=factor_update,
             shampoo_beta=shampoo_beta,
             correct_shampoo_beta_bias=correct_shampoo_beta_bias,
             eps=eps,
@@ -148,6 +161,7 @@ class KLSoap(torch.optim.Optimizer):
     @staticmethod
     def _config(group: dict[str, Any]) -> KLSoapConfig:
         return KLSoapConfig(
+            factor_update=group["factor_update"],
             betas=tuple(group["betas"]),  # type: ignore[arg-type]
             shampoo_beta=group["shampoo_beta"],
             correct_shampoo_beta_bias=group["correct_shampoo_beta_bias"],
@@ -161,6 +175,13 @@ class KLSoap(torch.optim.Optimizer):
             root_damping=group["root_damping"],
             stale_refresh=group["stale_refresh"],
         )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict installs the saved groups through here: groups saved before
+        # factor_update existed held KL-Shampoo factors
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("factor_update", "kl")
 
     def _split(self, p: torch.Tensor, group: dict[str, Any]) -> ShardSplit | None:
         """How ``p``'s matrices split over TP; None for whole matrices and ``blockwise``."""

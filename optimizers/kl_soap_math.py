@@ -1,4 +1,5 @@
-"""KL-SOAP's per-batch math: KL-Shampoo factors, eigenbasis refresh, Adam in the eigenbasis.
+"""KL-SOAP's per-batch math: KL-Shampoo (or Shampoo) factors, eigenbasis refresh, Adam in the
+eigenbasis.
 
 Per matrix ``G`` of shape ``(m, n)`` (Algorithm 2 of the KL-Shampoo paper, Lin et al., 2025,
 arXiv:2509.03378, with SOAP's Adam-in-the-eigenbasis, Vyas et al., 2024):
@@ -18,6 +19,11 @@ arXiv:2509.03378, with SOAP's Adam-in-the-eigenbasis, Vyas et al., 2024):
    1/root_damping (1e4), which fp32 Newton–Schulz needs to converge in ``root_iters`` steps —
    zero-initialised factors of rectangular matrices are rank-deficient, and from the first
    step's ``S = I/ε`` their eigenvalues span ~1e16.
+   With ``factor_update="shampoo"`` the factors are SOAP's plain Shampoo EMA instead (SOAP
+   Alg. 1; Emerging-Optimizers' ``SOAP(use_kl_shampoo=False)``):
+   ``L ← β_t·L + (1 − β_t)·G Gᵀ`` and ``R ← β_t·R + (1 − β_t)·Gᵀ G`` — same β_t (old factor
+   weighted, bias-corrected alike), no 1/n, 1/m scales, no S^(−p) (so no ``factor_eps``,
+   ``factor_exponent`` or ``inverse_root``), and the same refresh and Adam steps below.
 2. Every ``refresh_every`` steps: ``Q ← orth(L·Q)`` (:mod:`.eigenbasis`; ``eigh`` at the first
    refresh). Because the factors already hold this step's gradient, the basis never lags the
    gradient — with the per-step refresh this removes the loss spikes seen with stale bases.
@@ -49,9 +55,15 @@ Implementation notes.
   every refresh (``Q_newᵀ (Q_old m Q_oldᵀ) Q_new``) and costs one two-sided product instead of
   two. The second moment lives in the eigenbasis; its rows/columns follow the basis columns when
   a refresh reorders them.
+* The Shampoo factor update uses the same held products,
+  ``L_new·Q_L = β_t·P_L + (1 − β_t)·G·(Q_Lᵀ G)ᵀ`` and
+  ``R_new·Q_R = β_t·P_R + (1 − β_t)·Gᵀ·(G Q_R)``: ``4mn(m + n)`` flops per matrix (no ``G'``:
+  ``2mn·min(m, n)`` fewer than the KL update).
 * ``stale_refresh=True`` reproduces the reference SOAP behaviour for ablations: the basis is
   refreshed every 10 steps (unless ``refresh_every`` says otherwise) from factors that do not yet
-  include the current gradient (except at step 1, where the factors are still empty).
+  include the current gradient (except at step 1, where the factors are still empty). With
+  ``factor_update="shampoo"`` (and ``correct_shampoo_beta_bias=False``) that is the reference
+  SOAP's factor and refresh schedule.
 
 The functions here work on one batch of same-shape matrices (:class:`KLSoapMatrices`);
 :class:`~.kl_soap.KLSoap` is the ``torch.optim.Optimizer`` around them.
@@ -71,9 +83,9 @@ from .eigenbasis import (
     refresh_eigenbasis,
     take_rows,
 )
-from .kl_soap_spec import root_index
+from .kl_soap_spec import check_factor_update, root_index
 from .matrix_roots import inverse_root_newton_schulz
-from .options import InverseRoot
+from .options import FactorUpdate, InverseRoot
 from .validation import check_betas, check_choice, check_range
 
 __all__ = [
@@ -81,7 +93,9 @@ __all__ = [
     "STATE_KEYS",
     "KLSoapConfig",
     "KLSoapMatrices",
+    "accumulate_factors",
     "accumulate_kl_factors",
+    "accumulate_shampoo_factors",
     "adam_in_eigenbasis",
     "explicit_factors",
     "kl_soap_direction",
@@ -104,8 +118,14 @@ STALE_REFRESH_EVERY = 10
 
 @dataclass(frozen=True)
 class KLSoapConfig:
-    """Hyperparameters of the per-matrix KL-SOAP math (see the module docstring)."""
+    """Hyperparameters of the per-matrix KL-SOAP math (see the module docstring).
 
+    ``factor_update`` is ``kl`` (KL-Shampoo factors) or ``shampoo`` (SOAP's ``G Gᵀ``, ``Gᵀ G``);
+    with ``shampoo``, ``factor_eps``, ``factor_exponent`` and ``inverse_root`` must keep their
+    defaults (nothing reads them).
+    """
+
+    factor_update: FactorUpdate = "kl"
     betas: tuple[float, float] = (0.9, 0.95)
     shampoo_beta: float = 0.95
     correct_shampoo_beta_bias: bool = True
@@ -120,6 +140,7 @@ class KLSoapConfig:
     stale_refresh: bool = False
 
     def __post_init__(self) -> None:
+        check_choice("factor_update", self.factor_update, FactorUpdate)
         check_betas("betas", self.betas)
         check_range("shampoo_beta", self.shampoo_beta, low=0.0, high=1.0, high_open=True)
         if not isinstance(self.correct_shampoo_beta_bias, bool):
@@ -136,6 +157,14 @@ class KLSoapConfig:
         check_range("root_damping", self.root_damping, low=0.0)
         if not isinstance(self.stale_refresh, bool):
             raise ValueError(f"stale_refresh must be a bool, got {self.stale_refresh!r}")
+        check_factor_update(
+            self.factor_update,
+            {
+                "factor_eps": self.factor_eps,
+                "factor_exponent": self.factor_exponent,
+                "inverse_root": self.inverse_root,
+            },
+        )
         if self.inverse_root == "newton_schulz" and self.root_index is None:
             raise ValueError(
                 "inverse_root='newton_schulz' needs factor_exponent = 1/r for an integer r "
@@ -245,6 +274,30 @@ def accumulate_kl_factors(
     )
 
 
+def accumulate_shampoo_factors(
+    grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig, step: int
+) -> None:
+    """Step 1 with ``factor_update="shampoo"``: EMA of ``G Gᵀ`` into L and ``Gᵀ G`` into R (the
+    old factor weighted by :meth:`KLSoapConfig.factor_beta`), keeping ``factor_basis_l = L·Q_L``
+    and ``factor_basis_r = R·Q_R`` with the current bases; ``grad`` is ``(B, m, n)``."""
+    decay = cfg.factor_beta(step)
+    weight = 1.0 - decay
+    qtg = torch.bmm(s.basis_l.mT, grad)  # Q_Lᵀ G
+    gq = torch.bmm(grad, s.basis_r)  # G Q_R
+    # L_new·Q_L = β·L Q_L + (1−β)·G Gᵀ Q_L = β·L Q_L + (1−β)·G·(Q_Lᵀ G)ᵀ
+    s.factor_basis_l.baddbmm_(grad, qtg.mT, beta=decay, alpha=weight)
+    # R_new·Q_R = β·R Q_R + (1−β)·Gᵀ G Q_R
+    s.factor_basis_r.baddbmm_(grad.mT, gq, beta=decay, alpha=weight)
+
+
+def accumulate_factors(grad: torch.Tensor, s: KLSoapMatrices, cfg: KLSoapConfig, step: int) -> None:
+    """Step 1, the factor update ``cfg.factor_update`` selects."""
+    if cfg.factor_update == "shampoo":
+        accumulate_shampoo_factors(grad, s, cfg, step)
+    else:
+        accumulate_kl_factors(grad, s, cfg, step)
+
+
 def _root_eps(factor: torch.Tensor, cfg: KLSoapConfig) -> torch.Tensor:
     """``(B, 1, 1)`` damping ``ε + root_damping·‖factor‖_F`` of the Newton–Schulz roots."""
     norm = torch.linalg.matrix_norm(factor, ord="fro", keepdim=True)
@@ -305,9 +358,9 @@ def kl_soap_direction(
     if cfg.stale_refresh and step > 1:
         if refresh:
             refresh_bases(s, cfg.refresh_mode, first=False)
-        accumulate_kl_factors(grad, s, cfg, step)
+        accumulate_factors(grad, s, cfg, step)
     else:
-        accumulate_kl_factors(grad, s, cfg, step)
+        accumulate_factors(grad, s, cfg, step)
         if refresh:
             refresh_bases(s, cfg.refresh_mode, first=step == 1)
     return adam_in_eigenbasis(grad, s, cfg, step)

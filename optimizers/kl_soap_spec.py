@@ -3,10 +3,11 @@ refresh that includes the current gradient (the algorithm: :mod:`.kl_soap_math`)
 
 Recipe fields ``optimizer.kl_soap_*``; Adam's β1, β2 and ε in the eigenbasis are the shared
 ``optimizer.adam_beta1``, ``adam_beta2``, ``adam_eps``. Conventions, checked against
-Emerging-Optimizers' ``SOAP(use_kl_shampoo=True)`` (tests/test_optim_parity.py):
-``kl_soap_shampoo_beta`` weighs the *old* factor (``L ← β·L + (1 − β)·new``, SOAP's
-``shampoo_beta``), bias-corrected by default; ``kl_soap_factor_eps`` is absolute, in the units
-of the factors' eigenvalues. Its update is Adam's, rotated: it already has AdamW's update RMS.
+Emerging-Optimizers' ``SOAP(use_kl_shampoo=True)`` and, for ``kl_soap_factor_update=shampoo``,
+``SOAP(use_kl_shampoo=False)`` (tests/test_optim_parity.py): ``kl_soap_shampoo_beta`` weighs the
+*old* factor (``L ← β·L + (1 − β)·new``, SOAP's ``shampoo_beta``), bias-corrected by default;
+``kl_soap_factor_eps`` is absolute, in the units of the factors' eigenvalues. Its update is
+Adam's, rotated: it already has AdamW's update RMS.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from .adamw_spec import ELEMENTWISE_FLOPS
-from .options import InverseRoot, RefreshMode
+from .options import FactorUpdate, InverseRoot, RefreshMode
 from .spec import Hyperparameter, OptimizerSpec
+
+#: The options only KL-Shampoo factors read, at their defaults. Shampoo's ``G Gᵀ`` takes no
+#: inverse root, so ``factor_update="shampoo"`` refuses any other value (it would be ignored).
+KL_ONLY_DEFAULTS: dict[str, float | str] = {
+    "factor_eps": 1e-8,
+    "factor_exponent": 1.0,
+    "inverse_root": "eigenbasis",
+}
 
 
 def root_index(exponent: float) -> int | None:
@@ -26,25 +35,45 @@ def root_index(exponent: float) -> int | None:
     return r if r >= 1 and math.isclose(1.0 / r, exponent, rel_tol=1e-12) else None
 
 
-def kl_soap_flops(m: int, n: int) -> float:
+def check_factor_update(factor_update: str, values: Mapping[str, Any], prefix: str = "") -> None:
+    """Raise ``ValueError`` if ``factor_update="shampoo"`` comes with a KL-only option (named
+    ``prefix + key`` in the message) away from its default (:data:`KL_ONLY_DEFAULTS`)."""
+    if factor_update != "shampoo":
+        return
+    changed = [f"{prefix}{k}={values[k]!r}" for k, v in KL_ONLY_DEFAULTS.items() if values[k] != v]
+    if changed:
+        defaults = ", ".join(f"{prefix}{k}={v!r}" for k, v in KL_ONLY_DEFAULTS.items())
+        raise ValueError(
+            f"{prefix}factor_update='shampoo' accumulates G Gᵀ and GᵀG, which take no "
+            f"inverse root, so {', '.join(changed)} would be ignored: keep {defaults}, or use "
+            f"{prefix}factor_update='kl'"
+        )
+
+
+def kl_soap_flops(m: int, n: int, factor_update: FactorUpdate = "kl") -> float:
     """FLOPs (2 per multiply-add) of one step with a refresh by ``qr``, one ``m×n`` matrix.
 
-    ``Q_Lᵀ G``, ``G Q_R`` and ``G'`` for the factor updates, the two low-rank updates, per side a
+    Factor updates (kept as ``L·Q_L``, ``R·Q_R``): KL-Shampoo's need ``Q_Lᵀ G``, ``G Q_R`` and
+    ``G'`` and two low-rank updates; Shampoo's ``G (Q_Lᵀ G)ᵀ`` and ``Gᵀ (G Q_R)`` need ``Q_Lᵀ G``,
+    ``G Q_R`` and those two products (no ``G'``: ``2mn·min(m, n)`` fewer). Then per side a
     triangular product (``k³``), ``geqrf`` and forming Q (``4/3·k³`` each), and the three
     two-sided products of Adam in the eigenbasis.
     """
     two_sided = 2 * m * n * (m + n)
-    updates = two_sided + 2 * m * n * min(m, n) + two_sided
+    updates = two_sided + two_sided
+    if factor_update == "kl":
+        updates += 2 * m * n * min(m, n)
     per_side = (1 + 4 / 3 + 4 / 3) * (m**3 + n**3)
     return updates + per_side + 3 * two_sided
 
 
 def _step_flops(rows: int, cols: int, kwargs: Mapping[str, Any]) -> float:
-    return kl_soap_flops(rows, cols) + ELEMENTWISE_FLOPS * rows * cols
+    factor_update = kwargs.get("factor_update", "kl")
+    return kl_soap_flops(rows, cols, factor_update) + ELEMENTWISE_FLOPS * rows * cols
 
 
 def _state_bytes(rows: int, cols: int) -> int:
-    # L·Q_L, R·Q_R, Q_L, Q_R and the two Adam moments
+    # L·Q_L, R·Q_R, Q_L, Q_R and the two Adam moments (either factor update)
     return 4 * (2 * rows * rows + 2 * cols * cols + 2 * rows * cols)
 
 
@@ -55,6 +84,11 @@ def _refresh_every(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(section: Any) -> None:
+    check_factor_update(
+        section.kl_soap_factor_update,
+        {k: getattr(section, f"kl_soap_{k}") for k in KL_ONLY_DEFAULTS},
+        prefix="optimizer.kl_soap_",
+    )
     if section.kl_soap_inverse_root == "newton_schulz" and (
         root_index(section.kl_soap_factor_exponent) is None
     ):
@@ -67,12 +101,20 @@ def _check(section: Any) -> None:
 SPEC = OptimizerSpec(
     name="kl_soap",
     target="megatron_ext.optimizers.kl_soap:KLSoap",
-    summary="KL-SOAP (Adam in the KL-Shampoo eigenbasis) on the hidden matrices, AdamW on the rest",
+    summary="KL-SOAP (Adam in the KL-Shampoo or Shampoo eigenbasis) on the hidden matrices, "
+    "AdamW on the rest",
     couples_matrix_entries=True,
     tp_modes=("blockwise", "duplicated"),
     full_state_tp_modes=("duplicated",),
     uses=("lr", "weight_decay", "adam", "tp_mode"),
     hyperparameters=(
+        Hyperparameter(
+            key="factor_update",
+            default="kl",
+            choices=FactorUpdate,
+            help="kl: KL-Shampoo L ← βL + (1 − β)/n·G S_R^(−p) Gᵀ (and R); shampoo: SOAP's plain "
+            "L ← βL + (1 − β)·G Gᵀ, R ← βR + (1 − β)·GᵀG (no factor_eps/exponent/inverse root)",
+        ),
         Hyperparameter(
             key="shampoo_beta",
             default=0.95,
@@ -89,10 +131,13 @@ SPEC = OptimizerSpec(
             key="factor_eps",
             default=1e-8,
             ge=0.0,
-            help="absolute ε in (λ + ε)^(−p), units of the factors' eigenvalues",
+            help="absolute ε in (λ + ε)^(−p), units of the factors' eigenvalues (kl factors)",
         ),
         Hyperparameter(
-            key="factor_exponent", default=1.0, gt=0.0, help="p of S^(−p) (1 for KL-Shampoo)"
+            key="factor_exponent",
+            default=1.0,
+            gt=0.0,
+            help="p of S^(−p) (1 for KL-Shampoo; kl factors only)",
         ),
         Hyperparameter(
             key="refresh_every",
@@ -110,7 +155,8 @@ SPEC = OptimizerSpec(
             key="inverse_root",
             default="eigenbasis",
             choices=InverseRoot,
-            help="S^(−p) from the eigenbasis diagonal, or by coupled Newton–Schulz on the factor",
+            help="S^(−p) from the eigenbasis diagonal, or by coupled Newton–Schulz on the factor "
+            "(kl factors only)",
         ),
         Hyperparameter(
             key="root_iters",

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from .ns_iteration import newton_schulz
-from .options import PolarPrecision, ScaleMode, TPMode
+from .options import PolarPrecision, RMSMatch, ScaleMode, TPMode
 from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout
 from .tensor_parallel import TPShardInfo
@@ -97,8 +97,9 @@ def polar_factor(
 class MOP(OrthogonalizedOptimizer):
     """Muon with the exact polar factor from an SVD of the momentum.
 
-    Same update as :class:`~.muon.Muon` (momentum, scale modes, decoupled weight decay, fused
-    QKV split, batching) with ``X = U Vᵀ`` computed by :func:`polar_factor` in ``precision``.
+    Same update as :class:`~.muon.Muon` (momentum, scale modes and ``rms_match``, decoupled
+    weight decay, fused QKV split, batching) with ``X = U Vᵀ`` computed by :func:`polar_factor`
+    in ``precision``.
 
     Tensor parallelism (``tp_shards``): ``tp_mode`` ``duplicated`` (default; the SVD of the
     gathered full matrix, TP=1 update) or ``blockwise`` (each shard alone). There is no
@@ -116,6 +117,7 @@ class MOP(OrthogonalizedOptimizer):
         precision: PolarPrecision = "fp32",
         scale_mode: ScaleMode = "spectral",
         extra_scale_factor: float = 1.0,
+        rms_match: RMSMatch = "constant",
         qkv_layout: QKVLayout | None = None,
         tp_mode: TPMode = "duplicated",
         tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
@@ -129,6 +131,7 @@ class MOP(OrthogonalizedOptimizer):
             precision=precision,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            rms_match=rms_match,
             qkv_layout=qkv_layout,
             tp_mode=tp_mode,
         )

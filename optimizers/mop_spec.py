@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .muon_spec import check_rms_matchable, momentum_options
+from .muon_spec import check_rms_matchable, momentum_options, own_rms_factor
 from .options import PolarPrecision
 from .spec import Hyperparameter, OptimizerSpec
 
@@ -38,6 +38,7 @@ SPEC = OptimizerSpec(
         ),
     ),
     update_rms_kwarg="extra_scale_factor",
+    own_update_rms=lambda section: own_rms_factor(section, "mop"),
     check=lambda section: check_rms_matchable(section, "mop"),
     flops=mop_flops,
     state_bytes=lambda rows, cols: 4 * rows * cols,  # momentum

@@ -13,7 +13,7 @@ from .ns_schedule import (
     gram_is_cheaper,
     resolve_coefficients,
 )
-from .options import CoefficientSet, NSMethod, NSPrecision, ScaleMode, TPMode
+from .options import CoefficientSet, NSMethod, NSPrecision, RMSMatch, ScaleMode, TPMode
 from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout
 from .tensor_parallel import (
@@ -31,8 +31,9 @@ class Muon(OrthogonalizedOptimizer):
     Per matrix: ``M ← βM + (1 − β)G`` (Nesterov optional: ``βM + (1 − β)G`` is orthogonalised
     instead of M), ``X_0 = M / max(‖M‖_F, 1e-7)``, ``num_steps`` Newton–Schulz steps (see
     :mod:`.newton_schulz`), then ``W ← (1 − ηλ)W − η·s·X`` with ``s`` from
-    :func:`~.orthogonalized.update_scale`. Matrices of equal shape are orthogonalised together
-    in batched matmuls; the result equals the one-by-one computation.
+    :func:`~.orthogonalized.update_scale` (times √((1 − β)/(1 + β)) with ``rms_match="beta"``).
+    Matrices of equal shape are orthogonalised together in batched matmuls; the result equals
+    the one-by-one computation.
 
     Args:
         params: parameters (2-D or 3-D) or parameter-group dicts.
@@ -55,6 +56,11 @@ class Muon(OrthogonalizedOptimizer):
             matrix; default none in fp32, after step 2 in bf16 (see :mod:`.newton_schulz`).
         scale_mode: ``spectral``, ``shape`` or ``unit_rms``.
         extra_scale_factor: multiplies the scale; 0.2 with ``spectral`` matches AdamW's RMS.
+        rms_match: ``constant`` (default): the scale's extra factor is ``extra_scale_factor``;
+            ``beta``: ``extra_scale_factor·√((1 − β)/(1 + β))`` with β = ``momentum``, the
+            steady-state RMS of the EMA of unit-RMS noise (paper: Sec. 5.2, "≈ 0.2"; 0.160 at
+            β = 0.95, 0.229 at 0.9), so that with ``spectral`` and ``extra_scale_factor=1`` the
+            update RMS is that factor. It follows the group's momentum at every step.
         qkv_layout: orthogonalise Q, K and V of a fused megatron-core ``linear_qkv.weight``
             separately (put fused weights in their own parameter group with this option). Under
             tensor parallelism: the layout of the shard (``num_query_groups`` per rank).
@@ -86,6 +92,7 @@ class Muon(OrthogonalizedOptimizer):
         gram_restart: Sequence[int] | None = None,
         scale_mode: ScaleMode = "spectral",
         extra_scale_factor: float = 1.0,
+        rms_match: RMSMatch = "constant",
         qkv_layout: QKVLayout | None = None,
         tp_mode: TPMode = "duplicated",
         tp_shards: Mapping[torch.Tensor, TPShardInfo] | None = None,
@@ -103,6 +110,7 @@ class Muon(OrthogonalizedOptimizer):
             gram_restart=None if gram_restart is None else tuple(gram_restart),
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            rms_match=rms_match,
             qkv_layout=qkv_layout,
             tp_mode=tp_mode,
         )

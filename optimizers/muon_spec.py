@@ -7,20 +7,31 @@ Conventions, as in Emerging-Optimizers and megatron-core (whose ``muon_*`` field
 ``muon_extra_scale_factor``. The spectral scale gives the update RMS 1 (a full-rank m×n
 orthogonal factor has RMS 1/√max(m, n)), so ``optimizer.match_update_rms`` multiplies it by
 ``optimizer.update_rms`` (0.2: AdamW's update RMS) and one LR serves Muon and the AdamW part.
+With ``muon_rms_match=beta`` the factor is √((1 − β)/(1 + β)) from ``muon_momentum`` instead
+(paper: Sec. 5.2, "a correction factor that depends on the EMA damping factor of momentum",
+≈ 0.2; 0.160 at β = 0.95): the optimizer applies it (option ``rms_match``), and
+``optimizer.update_rms`` is not used for Muon.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from .ns_schedule import newton_schulz_flops
-from .options import CoefficientSet, NSMethod, NSPrecision, ScaleMode
+from .options import CoefficientSet, NSMethod, NSPrecision, RMSMatch, ScaleMode
 from .spec import Hyperparameter, OptimizerSpec
 
 
+def momentum_rms_factor(beta: float) -> float:
+    """√((1 − β)/(1 + β)): the RMS of an EMA ``M ← βM + (1 − β)G`` of i.i.d. unit-RMS G in
+    its steady state, the update-RMS correction factor of the paper (Sec. 5.2) for momentum β."""
+    return math.sqrt((1.0 - beta) / (1.0 + beta))
+
+
 def momentum_options(prefix: str) -> tuple[Hyperparameter, ...]:
-    """Momentum, Nesterov, scale mode and extra scale: shared by Muon and MOP."""
+    """Momentum, Nesterov, scale mode, extra scale and RMS match: shared by Muon and MOP."""
     return (
         Hyperparameter(
             key="momentum",
@@ -42,14 +53,38 @@ def momentum_options(prefix: str) -> tuple[Hyperparameter, ...]:
             default=1.0,
             gt=0.0,
             help=f"multiplies the {prefix} update scale; with optimizer.match_update_rms the "
-            "update RMS is optimizer.update_rms × this",
+            f"update RMS is optimizer.update_rms (or {prefix}_rms_match=beta's factor) × this",
             formerly=("extra_scale_factor",),
+        ),
+        Hyperparameter(
+            key="rms_match",
+            default="constant",
+            choices=RMSMatch,
+            help="update-RMS factor under optimizer.match_update_rms: constant = "
+            f"optimizer.update_rms; beta = √((1 − β)/(1 + β)) from {prefix}_momentum β "
+            "(paper Sec. 5.2; 0.16 at β = 0.95)",
         ),
     )
 
 
+def own_rms_factor(section: Any, prefix: str) -> float | None:
+    """With ``<prefix>_rms_match=beta``, the factor the optimizer applies itself (from its
+    momentum); None where the spec multiplies by ``optimizer.update_rms``."""
+    if getattr(section, f"{prefix}_rms_match") != "beta":
+        return None
+    return momentum_rms_factor(getattr(section, f"{prefix}_momentum"))
+
+
 def check_rms_matchable(section: Any, prefix: str) -> None:
-    """RMS matching assumes the spectral scale (update RMS 1 before the factor)."""
+    """RMS matching assumes the spectral scale (update RMS 1 before the factor); the β-derived
+    factor is a way of matching, so it needs matching on."""
+    if getattr(section, f"{prefix}_rms_match") == "beta" and not section.match_update_rms:
+        raise ValueError(
+            f"optimizer.{prefix}_rms_match=beta scales the update to √((1 − β)/(1 + β)) of "
+            f"optimizer.{prefix}_momentum, but optimizer.match_update_rms=false asks for the "
+            f"unscaled update: set optimizer.match_update_rms=true, or "
+            f"optimizer.{prefix}_rms_match=constant"
+        )
     mode = getattr(section, f"{prefix}_scale_mode")
     if section.match_update_rms and mode != "spectral":
         raise ValueError(
@@ -113,6 +148,7 @@ SPEC = OptimizerSpec(
         ),
     ),
     update_rms_kwarg="extra_scale_factor",
+    own_update_rms=lambda section: own_rms_factor(section, "muon"),
     check=lambda section: check_rms_matchable(section, "muon"),
     flops=muon_flops,
     state_bytes=lambda rows, cols: 4 * rows * cols,  # momentum

@@ -10,10 +10,12 @@ from typing import Literal
 
 __all__ = [
     "CoefficientSet",
+    "FactorUpdate",
     "InverseRoot",
     "NSMethod",
     "NSPrecision",
     "PolarPrecision",
+    "RMSMatch",
     "RefreshMode",
     "ScaleMode",
     "TPMode",
@@ -29,9 +31,14 @@ NSMethod = Literal["auto", "plain", "gram"]
 NSPrecision = Literal["fp32", "bf16"]
 #: Update scale of Muon/MOP: √max(m, n) (``spectral``), √max(1, m/n), or √(m/n).
 ScaleMode = Literal["spectral", "shape", "unit_rms"]
+#: Muon/MOP's update-RMS factor: ``extra_scale_factor`` alone (a constant), or times
+#: √((1 − β)/(1 + β)) from the momentum β.
+RMSMatch = Literal["constant", "beta"]
 #: Precision of MOP's SVD.
 PolarPrecision = Literal["fp32", "fp64"]
 #: KL-SOAP's eigenbasis refresh (:mod:`.eigenbasis`).
 RefreshMode = Literal["qr", "eigh", "cholesky_qr2"]
 #: KL-SOAP's S^(−p): from the eigenbasis diagonal, or coupled Newton–Schulz on the factor.
 InverseRoot = Literal["eigenbasis", "newton_schulz"]
+#: KL-SOAP's Kronecker factor update: KL-Shampoo's ``G S_R^(−p) Gᵀ/n`` or Shampoo's ``G Gᵀ``.
+FactorUpdate = Literal["kl", "shampoo"]

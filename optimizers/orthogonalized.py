@@ -9,7 +9,10 @@
    experts is E matrices, a fused QKV weight (group option ``qkv_layout``) is Q, K and V;
 3. matrices of the same shape (after turning each to rows ≤ columns) are stacked and
    orthogonalised in one batched call — one copy of each momentum, nothing else full-size;
-4. ``W ← W − η·s·O`` with the per-matrix scale ``s`` of :func:`update_scale`.
+4. ``W ← W − η·s·O`` with the per-matrix scale ``s`` of :func:`update_scale`, whose extra
+   factor is ``extra_scale_factor`` (group option ``rms_match="constant"``) or
+   ``extra_scale_factor·√((1 − β)/(1 + β))`` (``rms_match="beta"``,
+   :func:`~.muon_spec.momentum_rms_factor`).
 
 Tensor parallelism: parameters listed in ``tp_shards`` (a :class:`TPShardInfo` per shard) are
 orthogonalised according to their group's ``tp_mode`` (see
@@ -29,7 +32,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .options import ScaleMode
+from .muon_spec import momentum_rms_factor
+from .options import RMSMatch, ScaleMode
 from .qkv import QKVLayout, qkv_views
 from .tensor_parallel import (
     DistributedIteration,
@@ -168,8 +172,10 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
 
     Parameter-group options (all keyword-only in the subclasses): ``lr``, ``momentum`` (β of the
     EMA), ``nesterov``, ``weight_decay`` (λ of ``W ← (1 − ηλ)W``), ``scale_mode``,
-    ``extra_scale_factor``, ``qkv_layout`` (a :class:`~.qkv.QKVLayout` for groups holding fused
-    QKV weights, else None; under TP the layout of the shard), ``tp_mode``.
+    ``extra_scale_factor``, ``rms_match`` (``constant``: the extra factor is
+    ``extra_scale_factor``; ``beta``: times √((1 − β)/(1 + β))), ``qkv_layout`` (a
+    :class:`~.qkv.QKVLayout` for groups holding fused QKV weights, else None; under TP the layout
+    of the shard), ``tp_mode``.
 
     ``tp_shards`` maps tensor-parallel shards among the parameters to their
     :class:`TPShardInfo`; parameters not in it (or with a TP world size of 1) are whole matrices.
@@ -226,12 +232,20 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         check_range("weight_decay", group["weight_decay"], low=0.0)
         check_range("extra_scale_factor", group["extra_scale_factor"], low=0.0, low_open=True)
         check_choice("scale_mode", group["scale_mode"], ScaleMode)
+        check_choice("rms_match", group["rms_match"], RMSMatch)
         if not isinstance(group["nesterov"], bool):
             raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
         layout = group["qkv_layout"]
         if layout is not None and not isinstance(layout, QKVLayout):
             raise ValueError(f"qkv_layout must be a QKVLayout or None, got {layout!r}")
         check_tp_mode(group["tp_mode"], self.supported_tp_modes, type(self).__name__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict installs the saved groups through here: groups saved before
+        # rms_match existed scaled by extra_scale_factor alone
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("rms_match", "constant")
 
     def orthogonalize(self, x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Polar factor (approximate) of each matrix of the ``(B, m, n)`` fp32 batch, m ≤ n
@@ -293,6 +307,9 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             buffers.append(state["momentum_buffer"])
 
         lr, beta = group["lr"], group["momentum"]
+        extra = group["extra_scale_factor"]
+        if group["rms_match"] == "beta":
+            extra = extra * momentum_rms_factor(beta)
         if group["weight_decay"] != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         torch._foreach_lerp_(buffers, grads, 1.0 - beta)
@@ -337,7 +354,5 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                     ortho = self._orthogonalize_shards(x, group, split, flipped)
                 for i, slot in enumerate(chunk):
                     rows, cols = full_matrix_shape(slot, split)
-                    scale = update_scale(
-                        rows, cols, group["scale_mode"], group["extra_scale_factor"]
-                    )
+                    scale = update_scale(rows, cols, group["scale_mode"], extra)
                     slot.add_to_target(ortho[i], alpha=-lr * scale, native=native)

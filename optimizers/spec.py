@@ -85,6 +85,10 @@ def _no_check(section: Any) -> None:
     return None
 
 
+def _no_own_factor(section: Any) -> float | None:
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     """Everything outside an optimizer's code needs to know about it.
@@ -111,6 +115,9 @@ class OptimizerSpec:
             update's RMS is AdamW's (the update must then have RMS 1 with that keyword at 1:
             the sign update of Lion, the √max(m, n)-scaled polar factor of Muon and MOP).
             None: the update already has AdamW's RMS (AdamW, KL-SOAP's Adam in the eigenbasis).
+        own_update_rms: for a recipe section, the matching factor the optimizer applies itself
+            (then ``optimizer.update_rms`` is not applied to ``update_rms_kwarg``), or None
+            (Muon's and MOP's ``rms_match=beta``: √((1 − β)/(1 + β)) from their momentum).
         flops: ``(rows, cols, kwargs) -> FLOPs`` of one step of one ``rows×cols`` matrix (2 per
             multiply-add), given the optimizer's keyword hyperparameters.
         state_bytes: ``(rows, cols) -> bytes`` of fp32 optimizer state for one matrix.
@@ -130,6 +137,7 @@ class OptimizerSpec:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     pack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     update_rms_kwarg: str | None = None
+    own_update_rms: Callable[[Any], float | None] = _no_own_factor
     check: Callable[[Any], None] = _no_check
 
     def __post_init__(self) -> None:
@@ -144,10 +152,18 @@ class OptimizerSpec:
         return f"{self.name}_{hp.key}"
 
     def update_rms_factor(self, section: Any) -> float:
-        """The factor applied to ``update_rms_kwarg`` for a recipe section (1 if none)."""
+        """The update-RMS matching factor for a recipe section (1 if none): ``update_rms``, or
+        the one the optimizer applies itself (:attr:`own_update_rms`)."""
         if self.update_rms_kwarg is None or not section.match_update_rms:
             return 1.0
-        return float(section.update_rms)
+        own = self.own_update_rms(section)
+        return float(section.update_rms) if own is None else own
+
+    def _spec_rms_factor(self, section: Any) -> float:
+        """The part of :meth:`update_rms_factor` that :meth:`kwargs` multiplies in."""
+        if self.update_rms_kwarg is not None and self.own_update_rms(section) is not None:
+            return 1.0
+        return self.update_rms_factor(section)
 
     def kwargs(self, section: Any) -> dict[str, Any]:
         """Keyword hyperparameters from a recipe's optimizer section (any object carrying the
@@ -162,7 +178,7 @@ class OptimizerSpec:
             out = self.pack(out)
         if self.update_rms_kwarg is not None:
             base = out.get(self.update_rms_kwarg, 1.0)
-            out[self.update_rms_kwarg] = base * self.update_rms_factor(section)
+            out[self.update_rms_kwarg] = base * self._spec_rms_factor(section)
         return out
 
     def optimizer_class(self) -> type:

@@ -109,6 +109,9 @@ class KLSoapReference:
       ``β_t = 1 − (1 − β)/(1 − βᵗ)`` (Emerging-Optimizers' ``correct_shampoo_beta_bias``);
     * KL-Shampoo's 1/n (for L) and 1/m (for R) scales, and λ of the *other* factor in the
       eigenbasis before this step's refresh;
+    * ``factor_update="shampoo"``: SOAP's plain factors (SOAP Alg. 1),
+      ``L ← β·L + (1 − β)·G Gᵀ``, ``R ← β·R + (1 − β)·Gᵀ G``, same β_t, accumulated before the
+      refresh like the KL ones (Emerging-Optimizers' ``SOAP(use_kl_shampoo=False)``);
     * Adam in the eigenbasis: ``m ← β1·m + (1 − β1)·G'`` (β1 weighs the old moment; the KL-SOAP
       paper's listing swaps them), bias-corrected, ``ε`` added to ``√v̂`` (absolute).
 
@@ -118,6 +121,7 @@ class KLSoapReference:
 
     lr: float
     betas: tuple[float, float] = (0.9, 0.95)
+    factor_update: str = "kl"  # or "shampoo"
     shampoo_beta: float = 0.95
     correct_shampoo_beta_bias: bool = True
     eps: float = 1e-8
@@ -157,6 +161,11 @@ class KLSoapReference:
         beta = self.shampoo_beta
         if self.correct_shampoo_beta_bias:
             beta = 1 - (1 - beta) / (1 - beta**self.t)
+        if self.factor_update == "shampoo":
+            s["L"] = beta * s["L"] + (1 - beta) * g @ g.T
+            s["R"] = beta * s["R"] + (1 - beta) * g.T @ g
+            return
+        assert self.factor_update == "kl", self.factor_update
         s_r = self._inv_root(s["R"], s["QR"])
         s_l = self._inv_root(s["L"], s["QL"])
         s["L"] = beta * s["L"] + (1 - beta) / n * g @ s_r @ g.T

@@ -144,11 +144,18 @@ def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> Non
     assert drop_in.extension_name("adam") is None  # megatron-core's own Adam
 
 
+@pytest.mark.parametrize("optimizer", ["soap", "kl_soap"])
+def test_soap_use_kl_shampoo_selects_the_factor_update(optimizer: str) -> None:
+    """megatron-core's ``soap_use_kl_shampoo`` (default True) is ``kl_soap_factor_update``:
+    True -> ``kl`` (KL-Shampoo factors), False -> ``shampoo`` (SOAP's plain ``G Gᵀ``)."""
+    for use_kl, factor_update in ((True, "kl"), (False, "shampoo")):
+        config = OptimizerConfig(optimizer=optimizer, lr=1e-3, soap_use_kl_shampoo=use_kl)
+        assert drop_in.extension_config(config).kl_soap_factor_update == factor_update
+    default = drop_in.extension_config(OptimizerConfig(optimizer=optimizer, lr=1e-3))
+    assert default.kl_soap_factor_update == "kl"
+
+
 def test_what_the_layerwise_optimizer_cannot_take_is_refused() -> None:
-    with pytest.raises(ConfigError, match="soap_use_kl_shampoo=True"):
-        drop_in.extension_config(
-            OptimizerConfig(optimizer="kl_soap", lr=1e-3, soap_use_kl_shampoo=False)
-        )
     muon = OptimizerConfig(optimizer="muon")
     sharded = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True))
     with pytest.raises(ConfigError, match="use_distributed_optimizer=False"):

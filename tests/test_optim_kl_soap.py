@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.ckpt.legacy import factor_product
 from megatron_ext.optimizers import eigenbasis as eigenbasis_module
@@ -15,10 +16,13 @@ from megatron_ext.optimizers.kl_soap import KLSoap
 from megatron_ext.optimizers.kl_soap_math import (
     KLSoapConfig,
     KLSoapMatrices,
+    accumulate_kl_factors,
+    accumulate_shampoo_factors,
     adam_in_eigenbasis,
     explicit_factors,
     kl_soap_direction,
 )
+from megatron_ext.optimizers.kl_soap_spec import SPEC, kl_soap_flops
 from megatron_ext.optimizers.matrix_roots import inverse_root_newton_schulz
 
 from .optim_reference import KLSoapReference, inverse_root_eigh
@@ -38,6 +42,14 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double())).item()
 
 
+def well_conditioned(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random square matrices (``(..., k, k)``) with singular values spread evenly over [1, 2]."""
+    k = shape[-1]
+    u = torch.linalg.qr(torch.randn(*shape, generator=g, dtype=F64)).Q
+    v = torch.linalg.qr(torch.randn(*shape, generator=g, dtype=F64)).Q
+    return ((u * torch.linspace(1.0, 2.0, k, dtype=F64)) @ v.mT).float()
+
+
 # Moderate factor damping keeps fp32 and float64 on the same branch of every eigen-solve; with
 # ε = 1e-8 and rank-deficient early factors the null-space weights (1e8) make the comparison a
 # test of rounding, not of the algorithm. A fast factor EMA (the old factor weighs 0.7) and no
@@ -46,6 +58,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 CFG = dict(
     betas=(0.9, 0.95), shampoo_beta=0.7, correct_shampoo_beta_bias=False, eps=1e-8, factor_eps=1e-2
 )
+# Shampoo's factors G Gᵀ, Gᵀ G take no inverse root, so KL's factor_eps must stay at its default
+SHAMPOO = {"factor_update": "shampoo", "factor_eps": 1e-8}
 
 
 @pytest.mark.parametrize("shape", [(8, 8), (12, 6), (6, 12), (3, 6, 10)])
@@ -59,6 +73,10 @@ CFG = dict(
         {"factor_exponent": 0.5},
         {"refresh_mode": "eigh"},
         {"refresh_mode": "cholesky_qr2"},
+        SHAMPOO,
+        {**SHAMPOO, "refresh_every": 3},
+        {**SHAMPOO, "stale_refresh": True, "refresh_every": 2},
+        {**SHAMPOO, "refresh_mode": "eigh"},
     ],
 )
 def test_batched_math_matches_float64_reference(shape: tuple[int, ...], variant: dict) -> None:
@@ -66,8 +84,11 @@ def test_batched_math_matches_float64_reference(shape: tuple[int, ...], variant:
     _compare_batched_math_with_reference(shape, variant)
 
 
+@pytest.mark.parametrize("factor_update", ["kl", "shampoo"])
 @pytest.mark.parametrize("shape", [(8, 8), (2, 8, 8)])
-def test_bias_corrected_factor_ema_matches_float64_reference(shape: tuple[int, ...]) -> None:
+def test_bias_corrected_factor_ema_matches_float64_reference(
+    shape: tuple[int, ...], factor_update: str
+) -> None:
     """``correct_shampoo_beta_bias``: step 1's factors are that gradient's term alone (β_1 = 0),
     then ``β_t = 1 − (1 − β)/(1 − βᵗ)``. Square matrices only: one gradient of a rectangular
     matrix gives a rank-deficient factor whose null-space basis is arbitrary (fp32 and float64
@@ -75,12 +96,23 @@ def test_bias_corrected_factor_ema_matches_float64_reference(shape: tuple[int, .
     factor has condition number σ_max²/σ_min² (up to ~1e4 here), so its small eigenvectors
     from one fp32 power-iteration QR step are good to only ~1e-7·1e4 (measured 5e-3 in the
     update): the ``eigh`` refresh, accurate per eigenvector, isolates the EMA under test, and
-    Adam's ε = 1e-3 keeps near-zero rotated entries from turning rounding into ±1 updates."""
+    Adam's ε = 1e-3 keeps near-zero rotated entries from turning rounding into ±1 updates.
+    Shampoo's one-gradient factors ``G Gᵀ``, ``Gᵀ G`` have G's singular vectors as
+    eigenvectors (KL's S_R^(−1), from the SPD start, turns them away), so step 1's G' is
+    diagonal up to rounding and Adam's first step amplifies that rounding towards ±1 (measured
+    1.3e-3 in the update): the Shampoo case takes gradients with singular values in [1, 2]
+    (well-separated eigenvalues) and Adam ε = 1e-2, which leave the EMA (measured ≤ 1.6e-4)."""
     variant = {"correct_shampoo_beta_bias": True, "eps": 1e-3, "refresh_mode": "eigh"}
-    _compare_batched_math_with_reference(shape, variant)
+    if factor_update == "shampoo":
+        variant |= {**SHAMPOO, "eps": 1e-2}
+    _compare_batched_math_with_reference(shape, variant, conditioned=factor_update == "shampoo")
 
 
-def _compare_batched_math_with_reference(shape: tuple[int, ...], variant: dict) -> None:
+def _compare_batched_math_with_reference(
+    shape: tuple[int, ...], variant: dict, conditioned: bool = False
+) -> None:
+    """Six steps of the batched math against the float64 reference, from SPD factors; Gaussian
+    gradients, or with ``conditioned`` :func:`well_conditioned` ones."""
     batch = shape[0] if len(shape) == 3 else 1
     m, n = shape[-2:]
     cfg = KLSoapConfig(**{**CFG, **variant})
@@ -97,6 +129,7 @@ def _compare_batched_math_with_reference(shape: tuple[int, ...], variant: dict) 
             stale=cfg.stale_refresh,
             exact_root=cfg.inverse_root == "newton_schulz",
             mode="eigh" if cfg.refresh_mode == "eigh" else "qr",
+            factor_update=cfg.factor_update,
             **{**CFG, **{k: v for k, v in variant.items() if k in CFG}},
         )
         ref._init(m, n)
@@ -104,11 +137,15 @@ def _compare_batched_math_with_reference(shape: tuple[int, ...], variant: dict) 
         refs.append(ref)
     g = torch.Generator().manual_seed(11)
     for step in range(1, 7):
-        grad = torch.randn(batch, m, n, generator=g)
+        if conditioned:
+            grad = well_conditioned((batch, m, n), g)
+        else:
+            grad = torch.randn(batch, m, n, generator=g)
         delta = kl_soap_direction(grad.clone(), state, cfg, step)
         for b, ref in enumerate(refs):
             ref_delta = -ref.step(torch.zeros(m, n, dtype=F64), grad[b])
-            # fp32 through eigh/QR of factors with condition ~1e2: measured ≤ 1e-4
+            # fp32 through eigh/QR of factors with condition ~1e2: measured ≤ 1e-4 (≤ 4e-4 with
+            # Shampoo factors: paper, Eq. 4, κ(S_KL) = √κ(S_Shampoo))
             assert relative(delta[b], ref_delta) < 1e-3, (step, b)
         # the factors, held as L·Q_L and R·Q_R, are the reference's L and R: measured ≤ 2e-5
         # (≤ 2e-6 with eigh), as when L and R were stored themselves — the reference's QR has
@@ -122,20 +159,28 @@ def _compare_batched_math_with_reference(shape: tuple[int, ...], variant: dict) 
             assert relative(factor_r[b], ref.state["R"]) < tol, (step, b)
 
 
+@pytest.mark.parametrize("factor_update", ["kl", "shampoo"])
 @pytest.mark.parametrize("shape", [(10, 10), (2, 6, 6)])
-def test_optimizer_matches_reference_from_zero_state(shape: tuple[int, ...]) -> None:
+def test_optimizer_matches_reference_from_zero_state(
+    shape: tuple[int, ...], factor_update: str
+) -> None:
     """The optimizer class from a fresh state (square: the first factors are full rank).
 
     At step 1 the factors are built from G alone, so Q_L, Q_R are G's singular vectors and
     G' = Q_Lᵀ G Q_R is diagonal up to rounding; Adam's first step is sign(G'), which turns that
     rounding (1e-7 in fp32, 1e-16 in float64) into ±1 entries. A larger Adam ε (1e-3 against
-    |G'| ~ 1) damps them so the comparison measures the algorithm, not the noise.
+    |G'| ~ 1) damps them so the comparison measures the algorithm, not the noise. Shampoo's
+    first factors ``G Gᵀ`` have condition κ(G)² (~1e4 for a Gaussian 10×10 G; measured 1.1e-2
+    from fp32 eigenvectors), so that case takes gradients with singular values in [1, 2].
     """
     g = torch.Generator().manual_seed(12)
     w0 = torch.randn(shape, generator=g)
-    grads = [torch.randn(shape, generator=g) for _ in range(5)]
+    if factor_update == "shampoo":
+        grads = [well_conditioned(shape, g) for _ in range(5)]
+    else:
+        grads = [torch.randn(shape, generator=g) for _ in range(5)]
     p = torch.nn.Parameter(w0.clone())
-    cfg = {**CFG, "eps": 1e-3}
+    cfg = {**CFG, "eps": 1e-3, **(SHAMPOO if factor_update == "shampoo" else {})}
     opt = KLSoap([p], lr=0.01, weight_decay=0.1, **cfg)
     mats = [w0] if len(shape) == 2 else list(w0)
     refs = [KLSoapReference(lr=0.01, weight_decay=0.1, **cfg) for _ in mats]
@@ -147,6 +192,72 @@ def test_optimizer_matches_reference_from_zero_state(shape: tuple[int, ...]) -> 
         ws = [ref.step(w, gr) for ref, w, gr in zip(refs, ws, gs, strict=True)]
     ref_w = ws[0] if len(shape) == 2 else torch.stack(ws)
     assert relative(p.detach() - w0, ref_w - w0.double()) < 1e-3
+
+
+def test_shampoo_factors_are_the_plain_gradient_products() -> None:
+    """``factor_update="shampoo"``, explicitly: with the bias correction step 1's factors are
+    ``G₁G₁ᵀ`` and ``G₁ᵀG₁`` (no 1/n, 1/m scale, no inverse root), step 2's
+    ``β₂·L₁ + (1 − β₂)·G₂G₂ᵀ`` with ``β₂ = 1 − (1 − β)/(1 − β²)``; and they differ from the KL
+    factors of the same gradients (so the option is not ignored)."""
+    g = torch.Generator().manual_seed(15)
+    m, n, beta = 5, 7, 0.9
+    grads = [torch.randn(2, m, n, generator=g, dtype=F64).float() for _ in range(2)]
+    factors = {}
+    for mode in ("kl", "shampoo"):
+        cfg = KLSoapConfig(factor_update=mode, shampoo_beta=beta)
+        state = KLSoapMatrices.zeros(2, m, n)
+        for step, grad in enumerate(grads, start=1):
+            kl_soap_direction(grad.clone(), state, cfg, step)
+        factors[mode] = explicit_factors(state)
+    g1, g2 = (x.double() for x in grads)
+    beta2 = 1 - (1 - beta) / (1 - beta**2)
+    expected_l = beta2 * g1 @ g1.mT + (1 - beta2) * g2 @ g2.mT
+    expected_r = beta2 * g1.mT @ g1 + (1 - beta2) * g2.mT @ g2
+    assert relative(factors["shampoo"][0], expected_l) < 1e-5
+    assert relative(factors["shampoo"][1], expected_r) < 1e-5
+    assert relative(factors["kl"][0], expected_l) > 0.5
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Counts ``2·B·m·k·n`` per (b)mm / baddbmm, in-place forms included (torch's
+    FlopCounterMode skips ``baddbmm_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("bmm", "mm"):
+            self.flops += 2 * args[0].numel() * args[1].shape[-1]
+        elif name in ("baddbmm", "baddbmm_", "addmm", "addmm_"):
+            self.flops += 2 * args[1].numel() * args[2].shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("m", "n"), [(12, 20), (20, 12), (16, 16)])
+def test_factor_update_flops_are_what_the_spec_says(m: int, n: int) -> None:
+    """Counted matmul flops of each factor update, written from the algorithm: KL-Shampoo's
+    ``Q_Lᵀ G``, ``G Q_R``, ``G'`` (the cheaper order, 2mn·min(m, n)) and two updates; Shampoo's
+    ``Q_Lᵀ G``, ``G Q_R`` and two updates. The spec's step flops differ by exactly that (the
+    ownership plan reads them with the optimizer's keywords)."""
+    counted = {}
+    for mode, accumulate in (
+        ("kl", accumulate_kl_factors),
+        ("shampoo", accumulate_shampoo_factors),
+    ):
+        state = KLSoapMatrices.zeros(1, m, n)
+        with MatmulFlops() as counter:
+            accumulate(torch.randn(1, m, n), state, KLSoapConfig(factor_update=mode), 2)
+        counted[mode] = counter.flops
+    assert counted["shampoo"] == 4 * m * n * (m + n)
+    assert counted["kl"] == 4 * m * n * (m + n) + 2 * m * n * min(m, n)
+    saved = counted["kl"] - counted["shampoo"]
+    assert kl_soap_flops(m, n, "kl") - kl_soap_flops(m, n, "shampoo") == saved
+    kl_step = SPEC.flops(m, n, {"factor_update": "kl"})
+    assert kl_step == SPEC.flops(m, n, {})  # the default
+    assert kl_step - SPEC.flops(m, n, {"factor_update": "shampoo"}) == saved
+    assert SPEC.state_bytes(m, n) == 4 * (2 * m * m + 2 * n * n + 2 * m * n)  # either mode
 
 
 def test_identity_bases_give_adam_exactly() -> None:
@@ -297,6 +408,23 @@ def test_newton_schulz_inverse_root_matches_eigh(root: int) -> None:
     assert relative(fp32, ref) < 1e-3  # fp32: κ·u ≈ 1e-4
 
 
+def test_state_dict_without_factor_update_loads_as_kl() -> None:
+    """A state dict saved before ``factor_update`` existed (its groups lack the key) held
+    KL-Shampoo factors: loaded, it continues as KL (torch installs the saved groups)."""
+    g = torch.Generator().manual_seed(25)
+    params = [torch.nn.Parameter(torch.randn(6, 9, generator=g))]
+    opt = KLSoap(params, lr=0.01, **CFG)
+    for _ in range(2):
+        params[0].grad = torch.randn(6, 9, generator=g)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["factor_update"]
+    clones, fresh = _resume_alongside(opt, params, saved, g)
+    assert fresh.param_groups[0]["factor_update"] == "kl"
+    assert torch.equal(params[0], clones[0])
+
+
 def test_state_dict_round_trip_gives_identical_next_step() -> None:
     g = torch.Generator().manual_seed(22)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(6, 9), (6, 9), (2, 5, 4)]]
@@ -395,6 +523,16 @@ def test_stale_refresh_differs_from_fresh_refresh() -> None:
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"inverse_root": "newton_schulz", "factor_exponent": 0.3}, "1/r"),
         ({"refresh_every": 0}, "refresh_every"),
+        (
+            {"factor_update": "plain"},
+            r"factor_update='plain' is not valid; choose one of \['kl', 'shampoo'\]",
+        ),
+        ({"factor_update": "shampoo", "factor_exponent": 0.5}, r"factor_exponent=0.5 would be"),
+        ({"factor_update": "shampoo", "factor_eps": 1e-6}, r"factor_eps=1e-06 would be"),
+        (
+            {"factor_update": "shampoo", "inverse_root": "newton_schulz"},
+            "inverse_root='newton_schulz' would be ignored",
+        ),
     ],
 )
 def test_bad_hyperparameters_are_rejected(kwargs: dict, message: str) -> None:

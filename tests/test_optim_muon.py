@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 
 import pytest
 import torch
@@ -64,20 +65,26 @@ def assert_updates_close(
         {"nesterov": True, "weight_decay": 0.1},
         {"scale_mode": "shape", "extra_scale_factor": 0.5},
         {"scale_mode": "unit_rms", "coefficients": "quintic"},
+        {"rms_match": "beta", "momentum": 0.9, "extra_scale_factor": 1.5},
     ],
 )
 def test_muon_matches_float64_reference(shape: tuple[int, ...], options: dict) -> None:
     w0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     grads = grads_for(shape, 4)
     coefficients = options.get("coefficients", "polar_express")  # Muon's default
+    momentum = options.get("momentum", 0.95)
+    extra = options.get("extra_scale_factor", 1.0)
+    if options.get("rms_match") == "beta":  # the paper's factor, Sec. 5.2
+        extra *= math.sqrt((1 - momentum) / (1 + momentum))
     fast = run_fast(lambda p: Muon(p, lr=0.05, **options), w0, grads)
     ref = run_reference(
         lambda: MuonReference(
             lr=0.05,
+            momentum=momentum,
             nesterov=options.get("nesterov", False),
             weight_decay=options.get("weight_decay", 0.0),
             scale_mode=options.get("scale_mode", "spectral"),
-            extra=options.get("extra_scale_factor", 1.0),
+            extra=extra,
             steps=resolve_coefficients(coefficients, 5),
         ),
         w0,
@@ -172,6 +179,67 @@ def test_update_rms_with_extra_factor_is_adamw_like(shape: tuple[int, ...]) -> N
     assert 0.16 < rms_after_one_step(coefficients="quintic") < 0.185
 
 
+@pytest.mark.parametrize("optimizer", [Muon, MOP])
+def test_beta_rms_match_is_the_constant_factor_exactly(optimizer: type) -> None:
+    """``rms_match="beta"`` equals ``rms_match="constant"`` with ``extra_scale_factor`` =
+    √((1 − β)/(1 + β)), bit for bit, each parameter group with its own momentum β."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(12, 40), (40, 12), (2, 16, 16)]
+    w0 = [torch.randn(s, generator=g) for s in shapes]
+    betas = (0.95, 0.9, 0.8)  # one group per parameter
+    runs = {}
+    for mode in ("beta", "constant"):
+        params = [torch.nn.Parameter(w.clone()) for w in w0]
+        groups = [
+            {
+                "params": [p],
+                "momentum": beta,
+                "extra_scale_factor": 1.0 if mode == "beta" else math.sqrt((1 - beta) / (1 + beta)),
+            }
+            for p, beta in zip(params, betas, strict=True)
+        ]
+        opt = optimizer(groups, lr=0.05, weight_decay=0.1, rms_match=mode)
+        step_grads = torch.Generator().manual_seed(12)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=step_grads)
+            opt.step()
+        runs[mode] = params
+    for p, q in zip(runs["beta"], runs["constant"], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_beta_rms_match_gives_the_update_rms_of_the_factor() -> None:
+    """Spectral scale, ``extra_scale_factor=1``: the update RMS is √((1 − β)/(1 + β)) (0.160 at
+    β = 0.95), as it is 0.2 with the constant 0.2 (test above; polar_express: ±5%)."""
+    p = torch.nn.Parameter(torch.zeros(64, 256))
+    p.grad = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
+    Muon([p], lr=1.0, rms_match="beta").step()
+    assert p.detach().pow(2).mean().sqrt().item() == pytest.approx(0.1601, rel=0.05)
+
+
+def test_state_dict_without_rms_match_loads_as_constant() -> None:
+    """A state dict saved before ``rms_match`` existed (its groups lack the key) scaled by
+    ``extra_scale_factor`` alone: loaded, it continues so (torch installs the saved groups)."""
+    g = torch.Generator().manual_seed(13)
+    params = [torch.nn.Parameter(torch.randn(12, 30, generator=g))]
+    opt = Muon(params, lr=0.1, extra_scale_factor=0.2)
+    params[0].grad = torch.randn(12, 30, generator=g)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["rms_match"]
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = Muon(clones, lr=0.1, extra_scale_factor=0.2, rms_match="beta")
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["rms_match"] == "constant"
+    params[0].grad = torch.randn(12, 30, generator=g)
+    clones[0].grad = params[0].grad.clone()
+    opt.step()
+    fresh.step()
+    assert torch.equal(params[0], clones[0])
+
+
 def test_state_dict_round_trip_gives_identical_next_step() -> None:
     g = torch.Generator().manual_seed(6)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(12, 30), (2, 8, 8)]]
@@ -235,6 +303,10 @@ def test_matches_emerging_optimizers_muon() -> None:
         ({"momentum": 1.0}, "momentum"),
         ({"num_steps": 0}, "num_steps"),
         ({"precision": "fp16"}, "bf16"),
+        (
+            {"rms_match": "adamw"},
+            r"rms_match='adamw' is not valid; choose one of \['constant', 'beta'\]",
+        ),
     ],
 )
 def test_bad_hyperparameters_are_rejected_with_choices(kwargs: dict, message: str) -> None:

@@ -96,6 +96,27 @@ def test_renamed_options_are_refused_with_the_new_name(old: str, new: str) -> No
         ),
         ({"name": "kl_soap", "kl_soap_shampoo_beta": 1.0}, r"must be < 1"),
         ({"name": "muon", "muon_coefficient_type": "quintik"}, "did you mean 'quintic'"),
+        (
+            {"name": "kl_soap", "kl_soap_factor_update": "plain"},
+            "optimizer.kl_soap_factor_update='plain' is not one of kl, shampoo",
+        ),
+        (
+            {
+                "name": "kl_soap",
+                "kl_soap_factor_update": "shampoo",
+                "kl_soap_inverse_root": "newton_schulz",
+            },
+            "optimizer.kl_soap_inverse_root='newton_schulz' would be ignored",
+        ),
+        (
+            {"name": "kl_soap", "kl_soap_factor_update": "shampoo", "kl_soap_factor_eps": 1e-10},
+            "optimizer.kl_soap_factor_eps=1e-10 would be ignored",
+        ),
+        (
+            {"name": "muon", "muon_rms_match": "beta", "match_update_rms": False},
+            "optimizer.muon_rms_match=beta .* optimizer.match_update_rms=false",
+        ),
+        ({"name": "mop", "mop_rms_match": "adamw"}, "mop_rms_match='adamw' is not one of"),
     ],
 )
 def test_bad_options_fail_validation(section: dict, message: str) -> None:
@@ -117,11 +138,11 @@ def test_validation_does_not_import_torch() -> None:
 
 
 # ----------------------------------------------------------------------------- one LR for all
-def _update_rms(name: str, match: bool, steps: int = 60) -> float:
-    """RMS of W_{t} − W_{t−1} divided by lr, on i.i.d. Gaussian gradients, after ``steps``."""
-    cfg = recipe_from_dict(
-        {"optimizer": {"name": name, "lr": 1e-3, "weight_decay": 0.0, "match_update_rms": match}}
-    ).optimizer
+def _update_rms(name: str, match: bool, steps: int = 60, **fields: object) -> float:
+    """RMS of W_{t} − W_{t−1} divided by lr, on i.i.d. Gaussian gradients, after ``steps``
+    (``fields``: more of the recipe's optimizer section)."""
+    section = {"name": name, "lr": 1e-3, "weight_decay": 0.0, "match_update_rms": match}
+    cfg = recipe_from_dict({"optimizer": {**section, **fields}}).optimizer
     p = torch.nn.Parameter(torch.zeros(48, 96))
     opt = build_optimizer(name, [p], SPECS[name].kwargs(cfg))
     g = torch.Generator().manual_seed(0)
@@ -152,6 +173,42 @@ def test_update_rms_note_names_the_factor() -> None:
         "update-RMS matching on (target 0.2): lion update x 0.2 (RMS-match factor 0.2); "
         "adamw unscaled (its update already has AdamW's RMS)"
     )
+    beta = recipe_from_dict({"optimizer": {"name": "muon", "muon_rms_match": "beta"}}).optimizer
+    assert update_rms_note(beta) == (
+        "update-RMS matching on (target 0.2): muon update x 0.160128 (RMS-match factor 0.1601 = "
+        "√((1 − β)/(1 + β)) of its momentum β); adamw unscaled (its update already has AdamW's "
+        "RMS)"
+    )
+
+
+@pytest.mark.parametrize("name", ["muon", "mop"])
+def test_beta_rms_match_takes_the_factor_from_the_momentum_not_update_rms(name: str) -> None:
+    """``<name>_rms_match=beta``: the optimizer gets ``rms_match="beta"`` and the extra scale
+    factor unmultiplied (it applies √((1 − β)/(1 + β)) itself, from its momentum), whatever
+    ``optimizer.update_rms`` is; ``constant`` multiplies by ``update_rms`` as before."""
+    section = {"name": name, f"{name}_momentum": 0.9, f"{name}_extra_scale_factor": 1.5}
+    beta = recipe_from_dict(
+        {"optimizer": {**section, f"{name}_rms_match": "beta", "update_rms": 0.3}}
+    ).optimizer
+    beta.check()
+    kwargs = SPECS[name].kwargs(beta)
+    assert (kwargs["rms_match"], kwargs["extra_scale_factor"]) == ("beta", 1.5)
+    assert SPECS[name].update_rms_factor(beta) == pytest.approx((0.1 / 1.9) ** 0.5, rel=1e-12)
+    constant = recipe_from_dict({"optimizer": {**section, "update_rms": 0.3}}).optimizer
+    kwargs = SPECS[name].kwargs(constant)
+    assert kwargs["rms_match"] == "constant"
+    assert kwargs["extra_scale_factor"] == pytest.approx(1.5 * 0.3)
+
+
+def test_beta_rms_match_at_adamws_beta1_gives_adamws_update_rms() -> None:
+    """The paper's argument (Sec. 5.2): on noise an EMA with β has RMS √((1 − β)/(1 + β)) of the
+    gradient's, which is AdamW's update RMS for β = β1 (0.229 at 0.9). Muon with
+    ``muon_rms_match=beta`` and its momentum at AdamW's β1 moves the weights as AdamW does:
+    measured Muon 0.229, AdamW 0.225."""
+    adamw = _update_rms("adamw", match=True)
+    muon = _update_rms("muon", match=True, muon_rms_match="beta", muon_momentum=0.9)
+    assert muon == pytest.approx((0.1 / 1.9) ** 0.5, rel=0.05)
+    assert muon == pytest.approx(adamw, rel=0.1)
 
 
 # ----------------------------------------------------------------------------- a new optimizer

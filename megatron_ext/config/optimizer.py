@@ -10,7 +10,8 @@ One learning rate: with ``match_update_rms`` (default) every optimizer's update 
 AdamW's update RMS (``update_rms``, 0.2), as the Muon/SOAP literature matches Muon to AdamW
 (Liu et al., 2025, "Muon is scalable"): Muon and MOP multiply their spectrally scaled polar
 factor (RMS 1) by it, Lion its sign update (RMS 1); AdamW and KL-SOAP (Adam in a rotated basis)
-have that RMS already.
+have that RMS already. ``muon_rms_match=beta`` (``mop_rms_match``) takes the paper's
+√((1 − β)/(1 + β)) from the momentum β instead of ``update_rms`` (paper: Sec. 5.2).
 
 No torch import (the launcher validates recipes before any process starts).
 """
@@ -116,6 +117,12 @@ def update_rms_note(cfg: Any) -> str:
         factor = opt.update_rms_factor(cfg)
         if opt.update_rms_kwarg is None:
             parts.append(f"{name} unscaled (its update already has AdamW's RMS)")
+        elif cfg.match_update_rms and opt.own_update_rms(cfg) is not None:
+            total = opt.kwargs(cfg)[opt.update_rms_kwarg] * factor  # the optimizer applies it
+            parts.append(
+                f"{name} update x {total:g} (RMS-match factor {factor:.4g} = √((1 − β)/(1 + β)) "
+                "of its momentum β)"
+            )
         else:
             total = opt.kwargs(cfg)[opt.update_rms_kwarg]
             parts.append(f"{name} update x {total:g} (RMS-match factor {factor:g})")

@@ -6,7 +6,7 @@
 
 Same signature as megatron-core 0.19's (a test compares them). For ``config.optimizer`` in
 ``adam``/``sgd`` it returns what megatron-core returns (it calls it). For ``muon``,
-``kl_soap`` (and Megatron-LM's ``soap``: KL-Shampoo factors, the converter's reading too),
+``kl_soap`` (and Megatron-LM's ``soap``, the converter's reading too),
 ``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
 (each hidden matrix updated by the data-parallel rank that owns it, AdamW on embeddings, output
 layer, norms and biases) behind megatron-ext's ``MegatronOptimizer`` adapter
@@ -19,7 +19,8 @@ megatron-core's ``OptimizerConfig`` maps onto megatron-ext's ``optimizer:`` sect
 ``adam_beta1/2``, ``adam_eps``, ``clip_grad``), ``muon_*`` (for MOP too: MOP is Muon with the
 exact polar factor), ``muon_tp_mode`` -> ``tp_mode``, ``lion_beta1/2``,
 ``soap_shampoo_beta`` -> ``kl_soap_shampoo_beta``, ``soap_precondition_frequency`` ->
-``kl_soap_refresh_every``. **Extra fields**: any attribute set on the config instance under a
+``kl_soap_refresh_every``, ``soap_use_kl_shampoo`` True/False -> ``kl_soap_factor_update``
+``kl``/``shampoo``. **Extra fields**: any attribute set on the config instance under a
 megatron-ext field name (``config.kl_soap_factor_eps = 1e-10``, ``config.update_rms = 0.2``,
 ``config.muon_ns_method = "gram"``) is taken as is; any other extra attribute is an error.
 Fields megatron-ext cannot honour (``muon_split_qkv``: the layer-wise Muon orthogonalises a
@@ -151,11 +152,8 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
         raw[ours] = getattr(config, theirs)
     for theirs, (ours, table) in _TRANSLATED.get(name, {}).items():
         raw[ours] = translate(table, getattr(config, theirs), theirs)
-    if name == "kl_soap" and not config.soap_use_kl_shampoo:
-        raise ConfigError(
-            "optimizer=kl_soap with soap_use_kl_shampoo=False: megatron-ext's KL-SOAP always "
-            "uses KL-Shampoo factors; set soap_use_kl_shampoo=True"
-        )
+    if name == "kl_soap":
+        raw["kl_soap_factor_update"] = "kl" if config.soap_use_kl_shampoo else "shampoo"
     if name == "muon" and config.muon_scalar_optimizer != "adam":
         raise ConfigError(
             f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: megatron-ext trains the "
