@@ -204,3 +204,14 @@ def test_the_plan_imports_no_torch() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode in (0, 1), proc.stderr
     assert "plan: qwen3_30b_a3b on 4 x 8" in proc.stdout
+
+
+def test_a_dipaco_recipe_is_planned_as_its_outer_round(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_ext.planner.outer import plan_outer
+
+    assert main(["plan", "dipaco_tiny", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    expected = plan_outer("dipaco_tiny").as_dict()
+    assert figures == expected and figures["totals"]["store_bytes"] == 33_085_440
+    assert main(["plan", "dipaco_tiny"]) == 0
+    assert "(33,085,440 B)" in capsys.readouterr().out

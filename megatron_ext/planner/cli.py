@@ -64,10 +64,24 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def plan_main(args: argparse.Namespace) -> int:
+    from megatron_ext.config.load import read_recipe
+
+    if read_recipe(args.recipe, args.overrides).trainer == "dipaco":
+        return _plan_dipaco(args)
     cluster = cluster_from_args(args, args.nodes)
     plan = plan_recipe(args.recipe, args.overrides, cluster, mfu=args.mfu)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _plan_dipaco(args: argparse.Namespace) -> int:
+    """A DiPaCo recipe: the bytes one outer round moves through the store (its workers'
+    path copies, the outer executors' reads and writes), per module, phase and worker."""
+    from megatron_ext.planner.outer import format_outer, plan_outer
+
+    figures = plan_outer(args.recipe, args.overrides)
+    print(json.dumps(figures.as_dict(), indent=2) if args.json else format_outer(figures))
+    return 0
 
 
 #: The ``megatron_ext.commands`` entry point ``plan`` (setup.py).
@@ -79,8 +93,9 @@ COMMAND = Command(
     "rank, the parameters, gradients, masters, optimizer state, activations, the largest "
     "transient and the peak against the GPU's memory; the bytes each collective moves per "
     "step; the step time at an assumed MFU; the layer-wise plan's balance beside megatron-core's "
-    "layer-wise optimizer and ZeRO-1. Exit 0 when it fits, 1 when it does not (the first change "
-    "that fits is printed), 2 for bad input.",
+    "layer-wise optimizer and ZeRO-1. A DiPaCo recipe: the bytes of one outer round per module, "
+    "phase and worker. Exit 0 when it fits, 1 when it does not (the first change that fits is "
+    "printed), 2 for bad input.",
     add_arguments=_arguments,
     run=plan_main,
 )
