@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_ext.bench._soma_inference import D_EMBED, body_numel, width_for_total
 from megatron_ext.bench.paper import _soma_measure as meas
 from megatron_ext.bench.paper import _soma_train as tr
-from megatron_ext.bench.paper.soma import (
-    SCALES,
-    _compute_matched_updates,
-    wide_width_at_total,
-)
+from megatron_ext.bench.paper.soma import SCALES, _compute_matched_updates
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +29,7 @@ def test_monolith_and_soma_n2_are_equal_size_wide_controls_at_equal_compute():
     about the same total size; Eq. 21: N·F_N·s_N = F_1·s_1 at equal T, n_pert, B."""
     full = SCALES["full"]["scale"]
     w1 = SCALES["full"]["mono_width"]
-    w2 = wide_width_at_total(full, 2, full.layout(w1).numel)
+    w2 = width_for_total(2, full.layout(w1).numel, 2, d_embed=full.d_embed, wide_only=True)
     assert w1 != full.d_embed and w2 != full.d_embed
     d_e, v = full.d_embed, 256
     count = lambda n, d: n * (32 * d * d + 5 * d + 2 * d_e * d + v * d_e)  # noqa: E731 Table 2
@@ -87,13 +84,22 @@ def test_summed_and_independent_arms_share_start_data_and_probes(monkeypatch):
 
 
 def test_variance_and_throughput_arms_are_at_equal_total_size():
-    """Fig. 10 / Table 12: the sharded and the monolithic arm hold about the same parameters."""
-    for n1, nn, total in ((1, 4, meas.narrow_numel(16, 1)), (8, 64, 8 * meas.narrow_numel(128, 2))):
-        blocks = 1 if total < 10_000 else 2
+    """Fig. 10: 1 vs N narrow bodies (d_E = d) of about equal total parameters; Table 12: the
+    many-small arm at width d_E = 32 (shared E), the few-large arm wide (own head each) at the
+    width nearest the same total."""
+    for n1, nn, blocks in ((1, 4, 1), (1, 8, 2)):
+        total = body_numel(64, blocks, None)
         for n in (n1, nn):
-            d = meas.width_at_total(n, total, blocks)
-            assert abs(n * meas.narrow_numel(d, blocks) / total - 1) < 0.2, (n, d)
-    windows = tr.corpus(SC).windows
+            d = width_for_total(n, total, blocks, d_embed=None)
+            assert abs(n * (blocks * (2 * d + 16 * d * d) + d) / total - 1) < 0.15, (n, d)
+    windows, test = tr.corpus(SC).windows, tr.corpus(SC).test[:4]
+    tp = meas.throughput(
+        (2, 8), 1, windows, test, route_bytes=SC.route_bytes, score_bytes=SC.score_bytes,
+        rounds=1, seed=0,
+    )  # fmt: skip
+    assert tp["8"]["width"] == D_EMBED and tp["2"]["width"] != D_EMBED
+    assert abs(tp["2"]["params"] / tp["8"]["params"] - 1) < 0.05
+    assert tp["2"]["params"] == 2 * body_numel(tp["2"]["width"], 1)  # own head counted
     r = meas.sharded_variance(1, 8, 1, windows, batch=2, seq=16, n_pert=2, repeats=4, seed=0)
     assert r["measured"] > 0 and r["predicted"] > 0
 

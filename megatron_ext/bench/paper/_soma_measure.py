@@ -10,15 +10,7 @@ from typing import Any
 
 import numpy as np
 
-
-def narrow_numel(d: int, blocks: int) -> int:
-    """Body parameters of a narrow expert of width d (d_E = d): D·(2d + 16d²) + d."""
-    return blocks * (2 * d + 16 * d * d) + d
-
-
-def width_at_total(n: int, total: int, blocks: int) -> int:
-    """The narrow width d whose N·body is nearest ``total`` (ties to the smaller d)."""
-    return min(range(2, 2049), key=lambda d: (abs(n * narrow_numel(d, blocks) - total), d))
+from megatron_ext.bench._soma_inference import D_EMBED, body_numel, width_for_total
 
 
 def sharded_variance(
@@ -81,13 +73,16 @@ def summed_vs_independent_ratio(
 
 
 def throughput(
-    n_values: tuple[int, int], total: int, blocks: int, windows: np.ndarray, test: np.ndarray,
+    n_values: tuple[int, int], blocks: int, windows: np.ndarray, test: np.ndarray,
     *, route_bytes: int, score_bytes: int, rounds: int, seed: int,
 ) -> dict[str, Any]:  # fmt: skip
     """Routed top-min(4, N) inference tokens/s (routing included, fastest of ``rounds``
-    round-robin rounds) of N = n_values[0] and n_values[1] narrow-body ensembles of about
-    ``total`` body parameters each (paper Table 12: N = 8 vs N = 256 at ~8.44M), untrained
-    bodies of ``seed`` (speed does not depend on training), routers fit on ``windows``."""
+    round-robin rounds) of N = n_values[0] and n_values[1] ensembles of about the same total
+    parameters, the paper's Table 12 pairing: the larger N at width d_E = 32 (narrow, one shared
+    E, like N = 256), the smaller N wide (own head each, like N = 8 at width 181) at the width
+    nearest that total (:func:`~megatron_ext.bench._soma_inference.width_for_total`).
+    Untrained bodies of ``seed`` (speed does not depend on training); routers fit on
+    ``windows``."""
     import torch
 
     from megatron_ext.soma.data import window_texts
@@ -95,11 +90,13 @@ def throughput(
     from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
     from megatron_ext.soma.router import RouterConfig, fit_router
 
+    big = n_values[1]
+    total = big * body_numel(D_EMBED, blocks)
     texts = window_texts(windows)
     runs = {}
     for n in n_values:
-        d = width_at_total(n, total, blocks)
-        shape = ExpertShape(256, d, d, blocks)
+        d = D_EMBED if n == big else width_for_total(n, total, blocks, wide_only=True)
+        shape = ExpertShape(256, D_EMBED, d, blocks)
         gen = torch.Generator().manual_seed(seed)
         router, _ = fit_router(texts, RouterConfig(n, svd_dim=32, seed=seed))
         experts = [init_body(shape, gen) for _ in range(n)]
@@ -112,6 +109,7 @@ def throughput(
             )
             best[n] = max(best[n], r["tokens_per_s"])
     return {
-        str(n): {"tokens_per_s": best[n], "width": runs[n][4], "params": n * narrow_numel(
-            runs[n][4], blocks)} for n in n_values
+        str(n): {"tokens_per_s": best[n], "width": runs[n][4],
+                 "params": n * body_numel(runs[n][4], blocks)}
+        for n in n_values
     }  # fmt: skip

@@ -30,6 +30,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_ext.bench._soma_inference import body_numel, width_for_total
 from megatron_ext.bench.paper._soma_train import Scale
 
 PAPER = "soma-scaling-zero-order-pretraining.txt"
@@ -54,7 +55,7 @@ SCALES: dict[str, dict[str, Any]] = {
                        corpus_bytes=120_000),
         "n_sweep": (1, 2, 8), "width": 8, "mono_width": 16, "summed_n": 4,
         "summed_updates": 4, "var_total_n": (1, 4), "var_width": 16, "var_repeats": 12,
-        "tp_n": (2, 16), "tp_total_width": 16, "tp_rounds": 1, "tp_windows": 16,
+        "tp_n": (2, 16), "tp_rounds": 1, "tp_windows": 16,
     },
     "full": {
         "scale": Scale(d_embed=32, blocks=2, n_pert=8, batch=4, seq=128, window_bytes=513,
@@ -62,7 +63,7 @@ SCALES: dict[str, dict[str, Any]] = {
                        corpus_bytes=1_500_000, test_fraction=0.1),
         "n_sweep": (1, 2, 4, 8), "width": 32, "mono_width": 64, "summed_n": 4,
         "summed_updates": 40, "var_total_n": (1, 8), "var_width": 64, "var_repeats": 24,
-        "tp_n": (8, 64), "tp_total_width": 128, "tp_rounds": 3, "tp_windows": 64,
+        "tp_n": (8, 64), "tp_rounds": 3, "tp_windows": 64,
     },
 }  # fmt: skip
 
@@ -74,13 +75,6 @@ def _compute_matched_updates(sc: Scale, w_mono: int, w_soma: int, n: int) -> int
 
     f1, fn = flops(w_mono, sc.d_embed, sc.blocks), flops(w_soma, sc.d_embed, sc.blocks)
     return max(1, round(sc.updates * f1 / (n * fn)))
-
-
-def wide_width_at_total(sc: Scale, n: int, total: int) -> int:
-    """The wide-control width (d != d_E, own head, Table 2's count
-    N·(32d² + 5d + 2·d_E·d + V·d_E) at D = 2) whose N experts are nearest ``total`` parameters."""
-    widths = [d for d in range(2, 1025) if d != sc.d_embed]
-    return min(widths, key=lambda d: (abs(n * sc.layout(d).numel - total), d))
 
 
 def _run_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -95,7 +89,7 @@ def _run_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     big = ens[max(ens)]
     out["k_sweep"] = {str(k): tr.test_loss(big, k) for k in range(1, big.n + 1)}
     w1 = cfg["mono_width"]
-    w2 = wide_width_at_total(sc, 2, sc.layout(w1).numel)
+    w2 = width_for_total(2, sc.layout(w1).numel, sc.blocks, d_embed=sc.d_embed, wide_only=True)
     mono = tr.ensemble(sc, 1, w1, seed)
     s2 = _compute_matched_updates(sc, w1, w2, 2)
     soma2 = tr.ensemble(sc, 2, w2, seed, updates=s2)
@@ -118,10 +112,10 @@ def _run_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     windows = tr.corpus(sc).windows
     kw = dict(batch=sc.batch, seq=sc.seq, n_pert=sc.n_pert, repeats=cfg["var_repeats"], seed=seed)
     n1, nn = cfg["var_total_n"]
-    total = n1 * meas.narrow_numel(cfg["var_width"], sc.blocks)
+    total = n1 * body_numel(cfg["var_width"], sc.blocks, None)  # narrow: d_E = d
     out["variance"] = {
         str(n): meas.sharded_variance(
-            n, meas.width_at_total(n, total, sc.blocks), sc.blocks, windows, **kw
+            n, width_for_total(n, total, sc.blocks, d_embed=None), sc.blocks, windows, **kw
         )
         for n in (n1, nn)
     }
@@ -130,9 +124,8 @@ def _run_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     )
     test = tr.corpus(sc).test[: cfg["tp_windows"]]
     out["throughput"] = meas.throughput(
-        cfg["tp_n"], cfg["tp_n"][0] * meas.narrow_numel(cfg["tp_total_width"], sc.blocks),
-        sc.blocks, windows, test, route_bytes=sc.route_bytes, score_bytes=sc.score_bytes,
-        rounds=cfg["tp_rounds"], seed=seed,
+        cfg["tp_n"], sc.blocks, windows, test, route_bytes=sc.route_bytes,
+        score_bytes=sc.score_bytes, rounds=cfg["tp_rounds"], seed=seed,
     )  # fmt: skip
     return out
 
