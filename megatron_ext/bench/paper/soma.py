@@ -20,8 +20,10 @@ scored by the routed top-k evaluation (route on the first ``route_bytes``, score
 Sizes: ``quick`` (tiny widths, a few updates: the shape of every comparison, no evidence) and
 ``full`` (d_E = 32, D = 2, n_pert = 8, B = 4, T = 128, 513-byte windows routed on 128 bytes and
 scored on 384 -- the stdlib docstrings hold too few documents of 1,025 bytes for a test set --;
-N sweep 1, 2, 4, 8 at width 32, 80 updates per expert after a 60-update seed run; sized to
-finish in about 30 min on a 2-core CPU, see :data:`SCALES`).
+N sweep 1, 2, 4, 8 at width 32, 70 updates per expert after a 60-update seed run; variance at
+fixed weights on B = 2, T = 64, n_pert = 4, 16 repeats; inference N = 8 (wide) vs N = 64 (width
+32) at ~2.1M parameters; estimated 25-30 min for 2 seeds on the loaded 2-core host from measured
+per-update and per-measurement times, see :data:`SCALES`).
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ SCALES: dict[str, dict[str, Any]] = {
                        corpus_bytes=120_000),
         "n_sweep": (1, 2, 8), "width": 8, "mono_width": 16, "summed_n": 4,
         "summed_updates": 4, "var_total_n": (1, 4), "var_width": 16, "var_repeats": 12,
+        "var_batch": 2, "var_seq": 16, "var_n_pert": 4,
         "tp_n": (2, 16), "tp_rounds": 1, "tp_windows": 16,
     },
     "full": {
         "scale": Scale(d_embed=32, blocks=2, n_pert=8, batch=4, seq=128, window_bytes=513,
-                       route_bytes=128, score_bytes=384, seed_updates=60, updates=80,
+                       route_bytes=128, score_bytes=384, seed_updates=60, updates=70,
                        corpus_bytes=1_500_000, test_fraction=0.1),
         "n_sweep": (1, 2, 4, 8), "width": 32, "mono_width": 64, "summed_n": 4,
-        "summed_updates": 40, "var_total_n": (1, 8), "var_width": 64, "var_repeats": 24,
-        "tp_n": (8, 64), "tp_rounds": 3, "tp_windows": 64,
+        "summed_updates": 35, "var_total_n": (1, 8), "var_width": 64, "var_repeats": 16,
+        "var_batch": 2, "var_seq": 64, "var_n_pert": 4,
+        "tp_n": (8, 64), "tp_rounds": 2, "tp_windows": 64,
     },
 }  # fmt: skip
 
@@ -110,7 +114,10 @@ def _run_seed(cfg: dict[str, Any], seed: int) -> dict[str, Any]:
     out["loss_mode"] = {m: tr.test_loss(e) for m, e in arms.items()}
     out["loss_mode"]["start"] = tr.test_loss(start)
     windows = tr.corpus(sc).windows
-    kw = dict(batch=sc.batch, seq=sc.seq, n_pert=sc.n_pert, repeats=cfg["var_repeats"], seed=seed)
+    kw = dict(
+        batch=cfg["var_batch"], seq=cfg["var_seq"], n_pert=cfg["var_n_pert"],
+        repeats=cfg["var_repeats"], seed=seed,
+    )  # fmt: skip
     n1, nn = cfg["var_total_n"]
     total = n1 * body_numel(cfg["var_width"], sc.blocks, None)  # narrow: d_E = d
     out["variance"] = {
