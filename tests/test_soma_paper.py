@@ -238,10 +238,20 @@ def test_ddpp_splits_batches_as_well_as_directions(monkeypatch):
     """A = 2 accumulation batches over 2 ranks: each rank draws and scores ONE batch with all
     its directions (old: both ranks scored both batches, half the directions each), and each
     rank's update equals the one-rank update bit for bit."""
-    ctx1, ref, shard = _wide_setup(accumulation=2)
-    ctx1.layout = BodyLayout.from_shape(ExpertShape(d_embed=8, d_model=8, num_blocks=1))
-    ref.theta = init_body(ctx1.layout.shape, torch.Generator().manual_seed(2))
-    ref.adam, ref.head_adam = ZOAdam(ref.theta.numel()), None
+    narrow = ExpertShape(d_embed=8, d_model=8, num_blocks=1)
+    cfg = SomaConfig(
+        d_embed=8, d_model=8, num_blocks=1, n_pert=4, batch_size=3, seq_length=16,
+        accumulation=2, weight_decay=1e-4,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    windows = np.random.default_rng(0).integers(0, 256, size=(10, 33), dtype=np.uint8)
+    ctx1 = UpdateContext(
+        cfg, BodyLayout.from_shape(narrow), init_embedding(narrow, gen), windows, 3,
+        DirectionSplit(8),
+    )  # fmt: skip
+    theta = init_body(narrow, gen)
+    ref = ExpertState(0, theta, ZOAdam(theta.numel()), PlateauHalving(1e-2, 1e-2))
+    shard = ExpertShard(0, np.arange(10), np.array([], dtype=np.int64))
     drawn: list[tuple[int, int]] = []
     real_batch = update_mod._batch
 
