@@ -78,3 +78,34 @@ def run_quick(study: str, tmp: Path) -> tuple[dict[str, Any], str, Path]:
 def test_study_quick_run(study: str, tmp_path: Path) -> None:
     report, stdout, out = run_quick(study, tmp_path)
     check_report(study, report, stdout, out)
+
+
+def _check_soma(report: dict[str, Any], stdout: str, out: Path) -> None:
+    """SOMA's claims are computed from its arms: the N sweep's ends, monolith − SOMA N=2 at about
+    equal size (Table 2's count) with compute-matched updates, summed − independent from one
+    start, a k sweep over 1..N; every loss a finite nats/byte figure."""
+    claims = {c["id"]: c for c in report["claims"]}
+    for i, seed in enumerate(report["seeds"]):
+        a = report["arms"][str(seed)]
+        ns = sorted(a["n_sweep"], key=int)
+        assert claims["scaling.more_experts_fixed_width"]["values"][i] == pytest.approx(
+            a["n_sweep"][ns[0]] - a["n_sweep"][ns[-1]]
+        )
+        mono, soma = a["monolith"], a["soma_n2"]
+        assert claims["compute.soma_n2_beats_monolith"]["values"][i] == pytest.approx(
+            mono["test_loss"] - soma["test_loss"]
+        )
+        assert abs(soma["params"] / mono["params"] - 1) < 0.1
+        # equal arithmetic compute (Eq. 21), up to rounding to whole updates
+        work = 2 * soma["flops_per_token"] * soma["updates"]
+        assert abs(work - mono["flops_per_token"] * mono["updates"]) <= soma["flops_per_token"]
+        lm = a["loss_mode"]
+        assert claims["mechanism.independent_beats_summed"]["values"][i] == pytest.approx(
+            lm["summed"] - lm["independent"]
+        )
+        assert list(a["k_sweep"]) == [str(k) for k in range(1, int(ns[-1]) + 1)]
+        losses = [*a["n_sweep"].values(), *a["k_sweep"].values(), *lm.values()]
+        assert all(0 < x < 10 for x in losses), losses
+
+
+STUDY_CHECKS["soma"] = _check_soma

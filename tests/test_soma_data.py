@@ -15,7 +15,7 @@ from megatron_ext.soma.data import (
     check_expert_count,
     expert_shards,
     sample_batch,
-    split_holdout,
+    split_documents,
     window_texts,
 )
 
@@ -73,17 +73,32 @@ def test_window_texts_drop_split_characters():
     assert window_texts(windows[:, 4:]) == ["b"]  # tail of 日 dropped
 
 
-def test_split_holdout_partition():
-    pool, test = split_holdout(1000, 0.01, seed=3)
-    assert len(test) == 10 and len(pool) == 990
-    assert np.array_equal(np.sort(np.concatenate([pool, test])), np.arange(1000))
-    again = split_holdout(1000, 0.01, seed=3)
-    assert np.array_equal(pool, again[0]) and np.array_equal(test, again[1])
-    assert not np.array_equal(test, split_holdout(1000, 0.01, seed=4)[1])
-    assert len(split_holdout(40, 0.01, seed=0)[1]) == 1  # at least one test window
-    assert len(split_holdout(40, 0.0, seed=0)[1]) == 0
-    with pytest.raises(ConfigError):
-        split_holdout(10, 1.0, seed=0)
+def test_split_documents_partition(jsonl_corpus):
+    """The held-out documents' first windows are the test set, the others joined are the
+    training stream; the choice is keyed by the seed; bad fractions are refused."""
+    split = split_documents([jsonl_corpus], 0.25, seed=3, window_bytes=64)
+    held = split.test_documents.tolist()
+    n_test = round(len(DOCS) * 0.25)
+    long_docs = [i for i in range(len(DOCS)) if len(DOCS[i].encode()) >= 64]
+    assert set(held) <= set(long_docs) and held == sorted(held)
+    assert set(held) <= set(split.held_out.tolist()) and len(split.held_out) == 5
+    kept = [d.encode() for i, d in enumerate(DOCS) if i not in set(split.held_out.tolist())]
+    # every held-out document is absent from the training stream (n_test chosen, the long
+    # ones give a window)
+    again = split_documents([jsonl_corpus], 0.25, seed=3, window_bytes=64)
+    assert np.array_equal(again.test, split.test)
+    stream = b"\n\n".join(kept)
+    assert split.train.windows.tobytes() == stream[: len(stream) // 64 * 64]
+    assert len(kept) == len(DOCS) - n_test
+    for row, i in zip(split.test, held, strict=True):
+        assert row.tobytes() == DOCS[i].encode()[:64]
+    other = split_documents([jsonl_corpus], 0.25, seed=4, window_bytes=64)
+    assert not np.array_equal(other.test_documents, split.test_documents)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ConfigError, match="test_fraction"):
+            split_documents([jsonl_corpus], bad, seed=0)
+    with pytest.raises(ConfigError, match="holds a whole"):
+        split_documents([jsonl_corpus], 0.05, seed=0, window_bytes=10**5)
 
 
 def test_expert_shards_partition_pool():

@@ -49,9 +49,8 @@ def reference_forward(
         in_proj, out_proj, head = take(d, e), take(e, d), take(v, e)
     assert offset == theta.numel()
 
-    x = emb[tokens]
-    if wide:
-        x = x @ in_proj.T
+    # the wide expert's own head is its tied input embedding (paper: App. C)
+    x = head[tokens] @ in_proj.T if wide else emb[tokens]
     for blk in blocks:
         lstm = torch.nn.LSTM(d, d, bias=False, batch_first=True, dtype=theta.dtype)
         # functional_call keeps theta's slices as the LSTM weights, so autograd reaches theta.

@@ -136,7 +136,7 @@ def test_fso_is_silent_and_ddpp_is_bit_identical(tmp_path, corpus):
         calls = [json.loads(Path(f"{counts}.{r}").read_text()) for r in range(2)]
         if mode == "fso":
             assert calls == [[], []], calls
-        else:  # the counter does see traffic: one scalar all-gather per expert and batch,
+        else:  # the counter does see traffic: one scalar all-gather per expert and update,
             # and one all-reduce of an integer per update (the ranks' stop decision)
             assert all(c and set(c) == {"all_gather", "all_reduce"} for c in calls), calls
         # Each validation check is written once, by the rank that writes the expert's file:

@@ -75,7 +75,7 @@ def make(loss_mode: str) -> tuple[UpdateContext, list[ExpertState], list[ExpertS
         emb=init_embedding(shape, gen),
         windows=windows,
         seed=11,
-        split=DirectionSplit(cfg.n_pert),
+        split=DirectionSplit(cfg.n_pert * cfg.accumulation),
     )
     states, shards = [], []
     for e, eps in ((0, 1e-2), (1, 3e-3)):  # different ε per expert, as after plateau halvings

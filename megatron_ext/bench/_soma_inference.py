@@ -29,17 +29,28 @@ PAPER_RATIO = 9.19  # SOMA paper: N=256 vs N=8 tokens/s at similar total size, t
 D_EMBED = 32
 
 
-def body_numel(d_model: int, blocks: int, d_embed: int = D_EMBED) -> int:
-    """Parameters of one expert body of width ``d_model``."""
+def body_numel(d_model: int, blocks: int, d_embed: int | None = D_EMBED) -> int:
+    """Parameters of one expert of width ``d_model`` (a wide one's own head included);
+    ``d_embed=None``: a narrow expert, d_E = d_model (its shared E not counted)."""
     from megatron_ext.soma.layout import BodyLayout, ExpertShape
 
-    shape = ExpertShape(d_embed=d_embed, d_model=d_model, num_blocks=blocks)
+    e = d_model if d_embed is None else d_embed
+    shape = ExpertShape(d_embed=e, d_model=d_model, num_blocks=blocks)
     return BodyLayout.from_shape(shape).numel
 
 
-def width_for_total(n: int, total: int, blocks: int, max_width: int = 1024) -> int:
-    """The width d whose N·body_numel(d) is nearest ``total`` (ties to the smaller d)."""
-    return min(range(1, max_width + 1), key=lambda d: (abs(n * body_numel(d, blocks) - total), d))
+def width_for_total(
+    n: int,
+    total: int,
+    blocks: int,
+    max_width: int = 1024,
+    d_embed: int | None = D_EMBED,
+    wide_only: bool = False,
+) -> int:
+    """The width d whose N·body_numel(d, blocks, d_embed) is nearest ``total`` (ties to the
+    smaller d); ``wide_only``: d != d_embed (the paper's wide controls, own head each)."""
+    widths = [d for d in range(1, max_width + 1) if not (wide_only and d == d_embed)]
+    return min(widths, key=lambda d: (abs(n * body_numel(d, blocks, d_embed) - total), d))
 
 
 def _configs(args: Any) -> dict[str, list[tuple[int, int]]]:

@@ -61,9 +61,8 @@ def torch_nn_loss_loop(thetas: Any, emb: Any, tokens: Any, layout: Any, module: 
     losses = []
     for theta in thetas:
         load_body(module, theta, layout)
-        x = emb[inputs]
-        if layout.shape.wide:
-            x = module.in_proj(x)
+        # a wide expert's own head is its tied input embedding
+        x = module.in_proj(module.head.weight[inputs]) if layout.shape.wide else emb[inputs]
         for blk in module.blocks:
             x = x + blk.lstm(blk.norm1(x))[0]
             x = x + blk.fc2(F.gelu(blk.fc1(blk.norm2(x))))

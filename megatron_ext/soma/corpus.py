@@ -1,9 +1,9 @@
 """The corpus a SOMA run sees: windows, the held-out test windows, the router and the shards.
 
 Rank 0 fits the router once (tf-idf → SVD → balanced spherical k-means over the training pool)
-and saves it with the cluster assignment; every other rank loads both. Windows, the test hold-out
-and the per-expert 99/1 splits are deterministic functions of the recipe, so every rank rebuilds
-the same ones without communication.
+and saves it with the cluster assignment; every other rank loads both. The held-out test
+documents, the training windows and the per-expert 99/1 splits are deterministic functions of
+the recipe, so every rank rebuilds the same ones without communication.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from megatron_ext.atomic import atomic_path
 from megatron_ext.config.schema import Recipe
 from megatron_ext.soma.data import (
     ExpertShard,
-    build_windows,
     check_expert_count,
     expert_shards,
-    split_holdout,
+    split_documents,
     window_texts,
 )
 from megatron_ext.soma.recipe import SomaConfig
@@ -31,8 +30,10 @@ from megatron_ext.soma.router import Router, RouterConfig, fit_router
 
 @dataclass
 class SomaCorpus:
-    """``windows``: (n, window_bytes) uint8. ``test``: indices of the held-out windows.
-    ``seed_shard``: the whole training pool (N = 1). ``shards[e]``: expert e's train/val."""
+    """``windows``: (n, window_bytes) uint8 training-stream windows (held-out documents excluded).
+    ``test``: (n_test, window_bytes) uint8, one window per held-out document (paper: Table 1 /
+    App. L). ``seed_shard``: the whole training pool (N = 1). ``shards[e]``: expert e's
+    train/val."""
 
     windows: np.ndarray
     test: np.ndarray
@@ -54,8 +55,9 @@ def prepare_corpus(
 ) -> SomaCorpus:
     """Windows, hold-out, router (fit by rank 0 when missing, then loaded everywhere), shards."""
     s, seed = recipe.section(SomaConfig), recipe.seed
-    ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
-    pool, test = split_holdout(len(ws.windows), s.test_fraction, seed)
+    split = split_documents(recipe.data.source, s.test_fraction, seed, s.window_bytes)
+    ws, test = split.train, split.test
+    pool = np.arange(len(ws.windows), dtype=np.int64)
     check_expert_count(s.num_experts, len(pool))  # before spending time on a fit
     path, assign_path = router_path(recipe), _assignment_path(recipe)
     if rank == 0 and not (path.is_file() and assign_path.is_file()):
@@ -98,9 +100,8 @@ def prepare_corpus(
 
 
 def test_windows(recipe: Recipe) -> tuple[np.ndarray, Router]:
-    """The held-out windows (n_test, window_bytes) and the saved router, for evaluation: a
-    missing router artifact is an error here (evaluation never fits one)."""
+    """The held-out documents' windows (n_test, window_bytes) and the saved router, for
+    evaluation: a missing router artifact is an error here (evaluation never fits one)."""
     s = recipe.section(SomaConfig)
-    ws = build_windows(recipe.data.source, window_bytes=s.window_bytes)
-    _, test = split_holdout(len(ws.windows), s.test_fraction, recipe.seed)
-    return ws.windows[test], Router.load(router_path(recipe))
+    split = split_documents(recipe.data.source, s.test_fraction, recipe.seed, s.window_bytes)
+    return split.test, Router.load(router_path(recipe))

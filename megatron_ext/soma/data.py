@@ -1,11 +1,11 @@
-"""SOMA's data: fixed-size byte windows of a local corpus, split into held-out test windows and
-one training/validation shard per expert, and batches of random crops drawn from a
-counter-based RNG.
+"""SOMA's data: held-out test documents, fixed-size byte windows of the other documents, one
+training/validation shard per expert, and batches of random crops drawn from a counter-based
+RNG.
 
-    ws = build_windows(["python-stdlib"])                  # (n, 1025) uint8
-    pool, test = split_holdout(len(ws.windows), 0.01, seed=0)
-    router, assignment = fit_router(window_texts(ws.windows[pool]), RouterConfig(n_clusters=8))
-    shards = expert_shards(assignment, pool, 8)            # 99/1 train/val per expert
+    split = split_documents(["python-stdlib"], 0.01, seed=0)   # test: one window per held-out doc
+    pool = np.arange(len(split.train))
+    router, assignment = fit_router(window_texts(split.train.windows), RouterConfig(n_clusters=8))
+    shards = expert_shards(assignment, pool, 8)                # 99/1 train/val per expert
     batch = sample_batch(ws.windows, shards[e].train, 16, 1024, key=(seed, e, update))
 
 Every random choice is a pure function of a key (a seed plus counters), never of how many
@@ -29,8 +29,8 @@ DOC_SEPARATOR = b"\n\n"
 # Smallest expert shard: 8 training windows (8 KiB of text) + 1 validation window. Below that an
 # expert memorises a few passages instead of modelling its cluster.
 MIN_EXPERT_WINDOWS = 9
-# Stream ids: keep the holdout permutation and the shard permutations independent of each
-# other even when they share a seed.
+# Stream ids: keep the held-out document permutation and the shard permutations independent of
+# each other even when they share a seed.
 _HOLDOUT_STREAM = 0
 _SHARD_STREAM = 1
 
@@ -116,22 +116,69 @@ def _split_count(n: int, fraction: float) -> int:
     return max(count, 1) if fraction > 0 else count
 
 
-def split_holdout(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Split window indices ``0..n-1`` into (train pool, global test set), both sorted int64.
+@dataclass
+class DocumentSplit:
+    """A corpus split by DOCUMENT (paper: Table 1 / App. L: the test set is held-out documents,
+    each contributing one window within its boundaries).
 
-    The test set holds round(n * test_fraction) windows (at least 1 when the fraction is
-    positive), chosen by a permutation keyed by ``seed``. Raises ``ConfigError`` when the
-    fraction is outside [0, 1) or leaves no training window.
-    """
-    if not 0.0 <= test_fraction < 1.0:
-        raise ConfigError(f"test_fraction={test_fraction} must be in [0, 1)")
-    n_test = _split_count(n, test_fraction)
-    if n_test >= n:
+    ``train``: windows of the training stream (the kept documents only, joined);
+    ``test``: (n_test, window_bytes) uint8, the first ``window_bytes`` bytes of each held-out
+    document long enough to hold one, in corpus order; ``test_documents``: their indices among
+    the corpus's documents; ``held_out``: every held-out document's index (a shorter one gives
+    no test window but is still kept out of training)."""
+
+    train: WindowSet
+    test: np.ndarray
+    test_documents: np.ndarray
+    held_out: np.ndarray
+
+
+def split_documents(
+    inputs: Sequence[str],
+    test_fraction: float,
+    seed: int,
+    window_bytes: int = WINDOW_BYTES,
+    max_bytes: int | None = None,
+) -> DocumentSplit:
+    """Hold out round(n_docs · test_fraction) whole documents (at least 1), chosen by a
+    permutation keyed by ``seed``; the others form the training stream (joined as
+    :func:`build_windows` does, capped at ``max_bytes`` UTF-8 bytes of the corpus read). No byte
+    of a held-out document reaches a training window. Raises ``ConfigError`` when the fraction
+    is outside (0, 1), or when no held-out document holds a whole window."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"test_fraction={test_fraction} must be in (0, 1)")
+    docs: list[bytes] = []
+    total = 0
+    for doc in iter_documents(inputs):
+        docs.append(doc.encode("utf-8"))
+        total += len(docs[-1]) + len(DOC_SEPARATOR)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    n_test = _split_count(len(docs), test_fraction)
+    if n_test >= len(docs):
         raise ConfigError(
-            f"a test fraction of {test_fraction} of {n} windows leaves no training window"
+            f"a test fraction of {test_fraction} of {len(docs)} documents leaves no training "
+            "document"
         )
-    order = _permutation(n, (seed, _HOLDOUT_STREAM))
-    return np.sort(order[n_test:]).astype(np.int64), np.sort(order[:n_test]).astype(np.int64)
+    held = np.sort(_permutation(len(docs), (seed, _HOLDOUT_STREAM))[:n_test]).astype(np.int64)
+    held_set = set(held.tolist())
+    long_enough = [i for i in held.tolist() if len(docs[i]) >= window_bytes]
+    if not long_enough:
+        raise ConfigError(
+            f"none of the {n_test} held-out documents holds a whole {window_bytes}-byte window: "
+            "raise soma.test_fraction, use smaller windows or longer documents"
+        )
+    test = np.stack([np.frombuffer(docs[i][:window_bytes], dtype=np.uint8) for i in long_enough])
+    stream = DOC_SEPARATOR.join(d for i, d in enumerate(docs) if i not in held_set)
+    n = len(stream) // window_bytes
+    if n == 0:
+        raise ConfigError(
+            f"the training documents hold {len(stream):,} bytes, less than one "
+            f"{window_bytes:,}-byte window"
+        )
+    flat = np.frombuffer(stream, dtype=np.uint8, count=n * window_bytes)
+    train = WindowSet(flat.reshape(n, window_bytes).copy(), window_bytes)
+    return DocumentSplit(train, test.copy(), np.asarray(long_enough, dtype=np.int64), held)
 
 
 @dataclass
@@ -177,7 +224,7 @@ def expert_shards(
     """One shard per expert: the pool windows of its cluster, split train/validation.
 
     ``assignment``: (n_pool,) cluster id of each pool window; ``pool_indices``: (n_pool,) the
-    windows' indices in the full window array (as returned by :func:`split_holdout`).
+    windows' indices in the full window array.
     Validation takes round(size * val_fraction) windows of each cluster, at least 1, chosen by a
     permutation keyed by (seed, expert). Raises ``ConfigError`` naming N, the pool size and the
     largest supported N (:func:`check_expert_count`) when N balanced clusters would be too

@@ -262,13 +262,23 @@ def hidden_chunks(
         run = functools.partial(run, d_model=d)
     state = [(theta.new_zeros(p, b, width), theta.new_zeros(p, b, width)) for _ in blocks]
 
-    # Time-major (1 or P, T, B, d_E): shared tokens stay one copy, broadcast by the matmuls.
+    # Time-major (1 or P, T, B): shared tokens stay one copy, broadcast by the matmuls.
     per_body = inputs.dim() == 3
-    emb_tm = emb.to(theta.dtype)[inputs.transpose(-1, -2) if per_body else inputs.T[None]]
+    tok_tm = inputs.transpose(-1, -2) if per_body else inputs.T[None]
+    if shape.wide:
+        # A wide body embeds with its OWN head, tied input/output within the expert (paper:
+        # App. C "heads are tied between input and output within an expert"); ``emb`` is not
+        # read. Gathered per chunk: (P, tc, B, d_E), never the whole window at once.
+        table, body_rows = w["head"], torch.arange(p, device=theta.device)[:, None, None]
+    else:
+        emb_tm = emb.to(theta.dtype)[tok_tm]  # (1 or P, T, B, d_E)
     for t0 in range(0, t_len, steps):
         tc = min(steps, t_len - t0)
-        # (1, tc·B, d) while it is the same for every body (block 0 without in_proj): the
-        # first norm is then computed once and broadcast by the matmul.
-        x = emb_tm[:, t0 : t0 + tc].reshape(emb_tm.shape[0], tc * b, e)
+        if shape.wide:
+            x = table[body_rows, tok_tm[:, t0 : t0 + tc]].reshape(p, tc * b, e)
+        else:
+            # (1, tc·B, d) while it is the same for every body (block 0 without in_proj): the
+            # first norm is then computed once and broadcast by the matmul.
+            x = emb_tm[:, t0 : t0 + tc].reshape(emb_tm.shape[0], tc * b, e)
         hid, state = run(x, blocks, state, in_proj_t, out_proj_t, gain)
         yield t0, hid.view(p, tc, b, e)

@@ -4,8 +4,13 @@ and their initialisation.
 A body is ONE flat vector (float, ``numel`` long): block by block ``norm1.gain``, ``lstm.w_ih``
 (4d, d), ``lstm.w_hh`` (4d, d), ``norm2.gain``, ``mlp.fc1`` (4d, d), ``mlp.fc2`` (d, 4d), then
 ``final_norm.gain`` and, for a wide body (d != d_E), ``in_proj``, ``out_proj`` and ``head``
-(:class:`BodyLayout`). Probes, Adam moments and checkpoints all use this order;
-:mod:`.model` evaluates bodies.
+(:class:`BodyLayout`). Checkpoints use this order; :mod:`.model` evaluates bodies.
+
+The wide ``head`` (V, d_E) is the expert's own tied embedding/decoder (the paper's wide
+N = 1, 2, 8 controls, App. C / App. I "Fixed-parameter SOMA recipes"): it embeds the inputs AND
+decodes the hidden state, is updated by the decoder-path delta rule (App. E, Eq. 7) and is
+never SPSA-perturbed. It is the last tensor, so the perturbed coordinates are the prefix
+``theta[:spsa_numel]`` (probes and Adam moments cover only it).
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class BodyLayout:
     Per block ``b``: ``blocks.b.norm1.gain (d)``, ``blocks.b.lstm.w_ih (4d, d)``,
     ``blocks.b.lstm.w_hh (4d, d)``, ``blocks.b.norm2.gain (d)``, ``blocks.b.mlp.fc1 (4d, d)``,
     ``blocks.b.mlp.fc2 (d, 4d)``; then ``final_norm.gain (d)``; when ``d != d_E`` also
-    ``in_proj (d, d_E)``, ``out_proj (d_E, d)`` and ``head (V, d_E)``. LSTM rows are in
+    ``in_proj (d, d_E)``, ``out_proj (d_E, d)`` and ``head (V, d_E)`` (the expert's tied
+    embedding/decoder, outside the SPSA prefix: :attr:`spsa_numel`). LSTM rows are in
     torch.nn.LSTM's gate order i, f, g, o.
     """
 
@@ -100,6 +106,12 @@ class BodyLayout:
     def numel(self) -> int:
         last = self.entries[-1]
         return last.offset + last.numel
+
+    @property
+    def spsa_numel(self) -> int:
+        """Coordinates SPSA perturbs: the prefix before a wide body's ``head`` (all of a narrow
+        body, whose decoder is the shared E outside the vector)."""
+        return self.entry("head").offset if self.shape.wide else self.numel
 
     @property
     def gain_mask(self) -> torch.Tensor:

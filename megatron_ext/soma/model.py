@@ -3,7 +3,9 @@ perturbed copies at once.
 
 Architecture (one expert, width ``d = d_model``, ``D = num_blocks``, vocabulary ``V``)::
 
-    x = E[tokens]                        (B, T, d_E)      E: the shared tied embedding (V, d_E)
+    x = E[tokens]                        (B, T, d_E)      E: the shared tied embedding (V, d_E),
+                                                          or a wide body's own head W
+
     x = x @ in_projᵀ                     (B, T, d)        only when d != d_E
     D times:
         x = x + LSTM(norm1(x))           bias-free, zero initial state per window, gates i, f, g, o
@@ -11,6 +13,7 @@ Architecture (one expert, width ``d = d_model``, ``D = num_blocks``, vocabulary 
     h = final_norm(x)                    (B, T, d)
     h = h @ out_projᵀ                    (B, T, d_E)      only when d != d_E
     logits = h @ Wᵀ                      (B, T, V)        W = E (tied), or the expert's own head
+                                                          (tied to its input embedding)
 
 Every norm is a LayerNorm with a gain and no bias (ε = 1e-5). With ``d == d_E`` the body has
 exactly ``D·(2d + 16d²) + d`` parameters (32,928 at d = 32, D = 2).
@@ -69,6 +72,8 @@ def body_hidden(
 
     Each of the ``P`` bodies sees the same tokens, or with (P, B, T) tokens each body its own
     batch (routed inference: experts side by side); every window starts from a zero LSTM state.
+    A wide body embeds with its own head (its tied embedding/decoder), so ``emb`` is read only
+    for narrow bodies.
     Differentiable when ``theta`` or ``emb`` requires grad (and grad mode is on)."""
     check_inputs(theta, emb, tokens, layout)
     tokens = tokens.long()

@@ -23,9 +23,11 @@ __all__ = ["SomaConfig", "check_soma"]
 class SomaConfig:
     """SOMA: N byte-level LSTM experts trained by zero-order SPSA on tf-idf clusters.
 
-    The corpus comes from ``data.source`` (nothing is downloaded), cut into windows of
-    ``window_bytes``; ``test_fraction`` of them is held out for the routed evaluation, the rest is
-    clustered into ``num_experts`` shards (each split ``1 - val_fraction`` / ``val_fraction``).
+    The corpus comes from ``data.source`` (nothing is downloaded); ``test_fraction`` of its
+    DOCUMENTS is held out whole for the routed evaluation (one ``window_bytes`` window each, the
+    paper's document-level test set), the other documents are cut into windows of
+    ``window_bytes`` and clustered into ``num_experts`` shards (each split
+    ``1 - val_fraction`` / ``val_fraction``).
     """
 
     num_experts: int = spec(4, ge=1, help="N experts = N tf-idf clusters")
@@ -43,6 +45,9 @@ class SomaConfig:
     plateau_patience: int = spec(1000, ge=1, help="updates without improvement before halving")
     plateau_min_delta: float = spec(1e-8, ge=0.0, help="validation-loss improvement that counts")
     seed_updates: int = spec(200, ge=0, help="updates of the seed run (N = 1, E learned)")
+    seed_lr: float | None = spec(
+        None, gt=0.0, help="initial Adam lr of the seed run's body (paper: 0.0025); None = lr"
+    )
     head_lr: float = spec(1e-2, gt=0.0, help="seed run: Adam lr of the tied head E (delta rule)")
     expert_updates: int = spec(400, ge=0, help="updates per expert after the seed run")
     eval_interval: int = spec(50, ge=1, help="validation loss (plateau check) every k updates")
@@ -60,7 +65,7 @@ class SomaConfig:
     route_bytes: int = spec(256, ge=1, help="evaluation routes on this prefix of a window")
     score_bytes: int = spec(768, ge=1, help="evaluation scores this many targets after it")
     eval_topk: int | None = spec(None, ge=1, help="experts averaged per window; None = min(4, N)")
-    test_fraction: float = spec(0.01, gt=0.0, le=0.5, help="windows held out for evaluation")
+    test_fraction: float = spec(0.01, gt=0.0, le=0.5, help="documents held out for evaluation")
     val_fraction: float = spec(0.01, gt=0.0, le=0.5, help="per-expert validation share")
     router: str = spec("", help="router artifact path; '' = <run_dir>/router.pkl (fit if missing)")
     router_svd_dim: int = spec(128, ge=2)
@@ -90,7 +95,9 @@ def check_soma(recipe: Recipe, world_size: int | None) -> None:
             f"soma.seq_length={s.seq_length} exceeds the {s.window_bytes - 1} targets of a "
             f"soma.window_bytes={s.window_bytes} window"
         )
-    for name in ("lr", "eps"):
+    for name in ("lr", "eps", "seed_lr"):
+        if getattr(s, name) is None:
+            continue
         if getattr(s, name) < s.lr_floor:
             raise ConfigError(f"soma.{name}={getattr(s, name)} is below soma.lr_floor={s.lr_floor}")
     if s.loss_mode == "summed" and s.distribution == "ddpp":

@@ -36,7 +36,7 @@ def evaluate_run(recipe: Recipe, corpus: SomaCorpus, emb: torch.Tensor, k: int) 
         ExpertShape(d_embed=s.d_embed, d_model=s.d_model, num_blocks=s.num_blocks)
     )
     experts = load_experts(run_dir, s.num_experts)
-    test = corpus.windows[corpus.test]
+    test = corpus.test
     with torch.inference_mode():
         mix = routed_eval(
             test, corpus.router, experts, emb, layout, k, s.route_bytes, s.score_bytes

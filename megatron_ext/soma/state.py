@@ -20,7 +20,7 @@ from megatron_ext.atomic import atomic_path
 from megatron_ext.errors import ConfigError
 from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: Adam over the SPSA prefix only; a wide expert's head Adam
 SEED_EXPERT = -1  # the seed run's id in probe/data keys and file names
 
 
@@ -28,8 +28,10 @@ SEED_EXPERT = -1  # the seed run's id in probe/data keys and file names
 class ExpertState:
     """Everything one expert's next update depends on.
 
-    ``theta``: (numel,) fp32 body. ``history``: one dict per validation check
-    (``update``, ``val_loss`` in nats/byte, ``train_loss``, ``lr``, ``eps``).
+    ``theta``: (numel,) fp32 body. ``adam``: moments of the SPSA prefix
+    ``theta[:layout.spsa_numel]``. ``head_adam``: a wide expert's delta-rule Adam of its own
+    head (None for a narrow one). ``history``: one dict per validation check (``update``,
+    ``val_loss`` in nats/byte, ``train_loss``, ``lr``, ``eps``).
     """
 
     expert: int
@@ -38,6 +40,7 @@ class ExpertState:
     plateau: PlateauHalving
     update: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    head_adam: ZOAdam | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +51,7 @@ class ExpertState:
             "plateau": self.plateau.state_dict(),
             "update": self.update,
             "history": list(self.history),
+            "head_adam": None if self.head_adam is None else self.head_adam.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -66,6 +70,12 @@ class ExpertState:
         self.plateau.load_state_dict(sd["plateau"])
         self.update = int(sd["update"])
         self.history = list(sd["history"])
+        if (sd["head_adam"] is None) != (self.head_adam is None):
+            raise ConfigError(
+                f"expert {self.expert}: checkpoint and recipe disagree on a wide head"
+            )
+        if self.head_adam is not None:
+            self.head_adam.load_state_dict(sd["head_adam"])
 
 
 def expert_path(run_dir: Path, expert: int) -> Path:

@@ -4,10 +4,11 @@ Readable top to bottom:
 
 1. :func:`prepare_corpus` — windows, test hold-out, router (fit once), per-expert shards;
 2. seed run (N = 1): the body by SPSA, the tied embedding E by the exact decoder-path delta rule;
-   its probe directions are split over all ranks (DDPP), so every rank ends with the same E;
+   its (batch, direction) units are split over all ranks (DDPP), so every rank ends with the same E;
 3. experts: each copies the seed body, E frozen. ``fso``: expert e lives on rank e mod world and
    a rank never communicates while training; ``ddpp``: every rank works on every expert, holding
-   a block of its directions, and the ranks exchange only scalar loss differences;
+   a block of its accumulation batches and directions (paper: App. H.2), and the ranks exchange
+   only scalar loss differences;
 4. rank 0 evaluates the routed mixture on the held-out windows and writes ``summary.json``,
    ``soma/curves.csv`` and ``soma/curves.png``.
 
@@ -63,15 +64,20 @@ def expert_shape(recipe: Recipe) -> ExpertShape:
 
 
 def new_state(recipe: Recipe, expert: int, theta: torch.Tensor) -> ExpertState:
+    """A fresh state; the seed run starts at ``soma.seed_lr`` (paper: App. D, 0.0025), the
+    experts at ``soma.lr``."""
     s = recipe.section(SomaConfig)
+    seed_lr = s.seed_lr if s.seed_lr is not None else s.lr
     plateau = PlateauHalving(
-        lr=s.lr,
+        lr=seed_lr if expert == SEED_EXPERT else s.lr,
         eps=s.eps,
         patience=s.plateau_patience,
         min_delta=s.plateau_min_delta,
         floor=s.lr_floor,
     )
-    return ExpertState(expert, theta.clone(), ZOAdam(theta.numel()), plateau)
+    layout = BodyLayout.from_shape(expert_shape(recipe))
+    head = ZOAdam(theta.numel() - layout.spsa_numel) if layout.shape.wide else None
+    return ExpertState(expert, theta.clone(), ZOAdam(layout.spsa_numel), plateau, head_adam=head)
 
 
 def fso_experts(num_experts: int, rank: int, world: int) -> list[int]:
@@ -121,7 +127,7 @@ def train_phase(
     t0, tokens = time.perf_counter(), 0
     for u in range(start.pop(), total_updates):
         losses = spsa_update(ctx, states, shards)
-        tokens += 2 * len(ctx.split.local()) * s.batch_size * s.seq_length * s.accumulation
+        tokens += 2 * len(ctx.split.local()) * s.batch_size * s.seq_length  # units: (batch, dir)
         if on_update is not None:
             on_update(u)
         if (u + 1) % s.eval_interval == 0 or u + 1 == total_updates:
@@ -213,11 +219,10 @@ def _seed_run(
             path,
         )
 
-    tied = shape.d_model == shape.d_embed
-
     def head_step(u: int) -> None:
-        if tied:  # a wide body has its own SPSA-trained head; E stays as initialised
-            head_update(ctx, state, corpus.seed_shard, head_adam, u)
+        # narrow: the shared tied E; wide: the seed body's own tied head (E is not read)
+        adam = state.head_adam if shape.wide else head_adam
+        head_update(ctx, state, corpus.seed_shard, adam, u)
 
     train_phase(
         recipe,
@@ -261,6 +266,12 @@ def _expert_run(
     # at one counter resumes on its own.
     for u in sorted({st.update for st in states}):
         group = [i for i, st in enumerate(states) if st.update == u]
+
+        def heads(update: int, group: list[int] = group) -> None:
+            """Wide experts: each its own head by the delta rule (paper: App. E, last para.)."""
+            for i in group:
+                head_update(ctx, states[i], shards[i], states[i].head_adam, update)
+
         train_phase(
             recipe,
             ctx,
@@ -271,6 +282,7 @@ def _expert_run(
             log,
             writer,
             stop,
+            on_update=heads if expert_shape(recipe).wide else None,
         )
 
 
@@ -322,7 +334,7 @@ def _train(
         emb=torch.zeros(shape.vocab, shape.d_embed),
         windows=corpus.windows,
         seed=recipe.seed,
-        split=DirectionSplit(s.n_pert, rank, world),
+        split=DirectionSplit(s.n_pert * s.accumulation, rank, world),  # (batch, direction) units
     )
     if rank == 0:
         log.info(
@@ -333,7 +345,7 @@ def _train(
     _seed_run(recipe, corpus, ctx, rank, log, stop)
     barrier()
     if s.distribution == "fso":
-        ctx.split = DirectionSplit(s.n_pert)  # no communication while training
+        ctx.split = DirectionSplit(s.n_pert * s.accumulation)  # no communication while training
         experts = fso_experts(s.num_experts, rank, world)
     else:
         experts = list(range(s.num_experts))

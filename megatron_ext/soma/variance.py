@@ -67,6 +67,17 @@ def _group_differences(
     return torch.stack(out)
 
 
+def _narrow_only(layout: BodyLayout) -> None:
+    """The estimators here perturb every coordinate of the body vector; a wide body's head is
+    never perturbed in training (it is updated by the delta rule), so measuring it here would
+    measure another estimator."""
+    if layout.shape.wide:
+        raise ValueError(
+            "variance measurements need a narrow body (d_model == d_embed): a wide body's head "
+            "is not SPSA-perturbed in training"
+        )
+
+
 def _groups(repeats: int, n_pert: int) -> Iterator[range]:
     """Repeats in groups whose perturbed bodies fit one batched forward."""
     if n_pert < 1 or repeats < 1:
@@ -92,6 +103,7 @@ def estimator_samples(
 
     Repeat ``r`` uses the probes of update ``r`` (batch 0, directions ``0..n_pert-1``) of
     ``expert``; the bodies of many repeats share one batched forward."""
+    _narrow_only(layout)
     mask = layout.gain_mask.to(theta.device)
     out = theta.new_empty(repeats, layout.numel)
     for reps in _groups(repeats, n_pert):
@@ -149,6 +161,7 @@ def summed_vs_independent(
     gradient; ``predicted_*`` are the small-ε values, ``*_rel_se`` the measurements' relative
     standard errors (:func:`relative_standard_error`), ``ratio`` = summed / independent.
     """
+    _narrow_only(layout)
     n_exp = thetas.shape[0]
     if tokens.dim() != 3 or tokens.shape[0] != n_exp:
         raise ValueError(f"tokens must be (N={n_exp}, B, T+1), got {tuple(tokens.shape)}")
