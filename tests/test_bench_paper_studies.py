@@ -43,7 +43,7 @@ def check_report(study: str, report: dict[str, Any], stdout: str, out: Path) -> 
         assert (out / plot).stat().st_size > 5_000, plot
     page = (out / f"paper_{study}.md").read_text()
     assert all(f"| {c['claim']} |" in page for c in report["claims"])
-    assert f"[{study}] --quick" in stdout
+    assert "[paper] --quick: --size quick" in stdout
     if study in STUDY_CHECKS:
         STUDY_CHECKS[study](report, stdout, out)
 
