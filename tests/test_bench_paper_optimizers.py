@@ -20,6 +20,7 @@ import random
 import pytest
 
 from megatron_ext.bench.paper._optimizers_arms import (
+    CLAIM_SWEEP_ARMS,
     GRAD_SPIKE_RISE,
     LOSS_SPIKE_RISE,
     MULTS,
@@ -47,7 +48,12 @@ def test_every_arm_consumes_the_same_tokens_on_the_same_schedule(size: str) -> N
     scale = SCALES[size]
     tokens = scale.base_steps * scale.base_batch * scale.seq_length  # the 1× run's
     all_arms = arms(scale)
-    assert len(all_arms) == len(OPTIMIZERS) * (1 + 2 * (len(MULTS) - 1)) + 4
+    sweep = [a.name for a in all_arms if a.name.startswith("sweep.")]
+    if scale.grid == "all":  # 1× once, 2× and 4× with and without the ramp, per optimizer
+        assert len(sweep) == len(OPTIMIZERS) * (1 + 2 * (len(MULTS) - 1)) == 20
+    else:  # quick: the arms a claim reads
+        assert set(sweep) == CLAIM_SWEEP_ARMS and len(sweep) == 12
+    assert len(all_arms) == len(sweep) + 4
     for arm in all_arms:
         recipe, sched = _schedule(size, arm)
         assert sched.total_tokens == tokens, arm.name
@@ -81,9 +87,10 @@ def test_const_arms_keep_one_batch_and_the_baseline_lr(size: str) -> None:
 def test_ramp_arms_double_from_the_baseline_batch_with_sqrt_b_lr(size: str) -> None:
     scale = SCALES[size]
     ramp_arms = [a for a in arms(scale) if a.ramp]
-    assert {(a.optimizer, a.mult) for a in ramp_arms} == {
-        (o, k) for o in OPTIMIZERS for k in (2, 4)
-    }
+    if scale.grid == "all":
+        assert {(a.optimizer, a.mult) for a in ramp_arms} == {
+            (o, k) for o in OPTIMIZERS for k in (2, 4)
+        }
     for arm in ramp_arms:
         recipe, sched = _schedule(size, arm)
         k, b1, every = arm.mult, scale.base_batch, scale.ramp_double_every
@@ -130,6 +137,11 @@ def test_stability_arms_set_the_refresh_and_factors_the_paper_compares() -> None
         recipe, _ = _schedule("quick", arm)
         assert arm.optimizer == "kl_soap" and arm.mult == scale.spike_mult
         assert recipe.optimizer.lr == pytest.approx(scale.lr * scale.spike_lr_mult)
+    # KL-SOAP at the spike setting is the sweep's 4× run when the setting is 4× at 1× LR: one run
+    same = arm_overrides(scale, stab["stab.kl_soap_qr"], 1) == arm_overrides(
+        scale, next(a for a in arms(scale) if a.name == "sweep.kl_soap.4x.const"), 1
+    )
+    assert same == (scale.spike_mult == 4 and scale.spike_lr_mult == 1)
     want = {  # refresh_every, stale_refresh, factor_update, refresh_mode
         "stab.soap_stale": (10, True, "shampoo", "qr"),
         "stab.soap_per_step": (1, False, "shampoo", "qr"),

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "CLAIM_SWEEP_ARMS",
     "GRAD_SPIKE_RISE",
     "LOSS_SPIKE_RISE",
     "OPTIMIZERS",
@@ -109,6 +110,7 @@ class Scale:
     spike_lr_mult: float  # the stability arms' LR, × lr
     nproc: int  # ranks per run (gloo)
     jobs: int  # runs at a time
+    grid: Literal["all", "claims"] = "all"  # claims: only the arms a claim reads (quick)
     final_frac: float = 0.1  # the final loss: mean over the steps of the last 10% of tokens
     notes: tuple[str, ...] = field(default=())
 
@@ -147,6 +149,7 @@ SCALES: dict[str, Scale] = {
         spike_lr_mult=1.0,
         nproc=1,
         jobs=2,
+        grid="claims",
     ),
     "full": Scale(
         name="full",
@@ -195,14 +198,33 @@ STABILITY = {
         "optimizer.kl_soap_stale_refresh=true",
     ),
     "soap_per_step": ("optimizer.kl_soap_factor_update=shampoo",),
-    "kl_soap_qr": ("optimizer.kl_soap_factor_update=kl", "optimizer.kl_soap_refresh_mode=qr"),
+    # the defaults (KL factors, QR refresh): the same run as sweep.kl_soap.4x.const when the
+    # spike setting is 4× at 1× LR, and then run once (optimizers._run_all)
+    "kl_soap_qr": (),
     "kl_soap_eigh": ("optimizer.kl_soap_factor_update=kl", "optimizer.kl_soap_refresh_mode=eigh"),
 }
 
 
+#: the sweep arms a claim reads (``grid="claims"``); the others only fill the plot
+CLAIM_SWEEP_ARMS = frozenset(
+    [f"sweep.{o}.1x" for o in OPTIMIZERS]
+    + [f"sweep.{o}.4x.const" for o in OPTIMIZERS]
+    + [f"sweep.{o}.4x.ramp" for o in ("adamw", "muon", "kl_soap")]
+    + ["sweep.muon.2x.ramp"]
+)
+
+
 def arms(scale: Scale) -> list[Arm]:
     """Every arm of the study: the batch sweep (the 1× run serves both ramp modes: there is no
-    ramp to 1×), then the stability arms."""
+    ramp to 1×; ``grid="claims"``: only :data:`CLAIM_SWEEP_ARMS`), then the stability arms."""
+    return [
+        a
+        for a in _all_arms(scale)
+        if scale.grid == "all" or not a.name.startswith("sweep.") or a.name in CLAIM_SWEEP_ARMS
+    ]
+
+
+def _all_arms(scale: Scale) -> list[Arm]:
     out = []
     for opt in OPTIMIZERS:
         out.append(Arm(f"sweep.{opt}.1x", opt, 1))

@@ -45,16 +45,17 @@ def plot_sweep(results: Results, scale: Scale, seeds: list[int], path: Path) -> 
         strict=True,
     ):
         for opt in OPTIMIZERS:
+            ks = [k for k in MULTS if _sweep_arm(opt, k, mode) in results]  # quick: claims' arms
             vals = [
-                [results[_sweep_arm(opt, k, mode)][str(s)]["final_loss"] for s in seeds]
-                for k in MULTS
+                [results[_sweep_arm(opt, k, mode)][str(s)]["final_loss"] for s in seeds] for k in ks
             ]
             mean = [statistics.fmean(v) for v in vals]
             err = [
                 [m - min(v) for m, v in zip(mean, vals, strict=True)],
                 [max(v) - m for m, v in zip(mean, vals, strict=True)],
             ]
-            ax.errorbar(batches, mean, yerr=err, marker="o", capsize=3, label=LABELS[opt])
+            xs = [k * scale.base_batch for k in ks]
+            ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=LABELS[opt])
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [f"{k}× ({b})" for k, b in zip(MULTS, batches, strict=True)])
         ax.set_xlabel("global batch (sequences), equal tokens")

@@ -27,8 +27,10 @@ Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
   320 steps at 1× = 328 K tokens per run; 23 runs per seed, two at a time, one rank each.
   Estimated 35–40 min for 2 seeds on an unloaded 2-core machine (timed short runs; see the
   report's settings).
-- ``quick``: a 1-layer d = 32 model, seq 32, 32 steps of 4 sequences (4 K tokens): every arm and
-  claim, in about a minute; its figures are no evidence either way.
+- ``quick``: a 1-layer d = 32 model, seq 32, 32 steps of 4 sequences (4 K tokens), only the arms
+  a claim reads (16 arms, 15 runs per seed): every claim, its figures no evidence either way.
+  Its time is the launcher's start-up (~8 CPU-seconds per run: torch and megatron-core imports in
+  three processes), not training: QUICK_TIME below.
 
 Every claim's quantity is signed so that the paper's claim is Q > 0 (or Q ≈ 0 for the eigh/QR
 loss); verdicts come from the seed spread (:mod:`.claims`). Claims that do not reproduce here
@@ -98,30 +100,42 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
 
 def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, Any]]:
     """Every arm × seed through the launcher, ``scale.jobs`` at a time; the results by arm and
-    seed. The two refresh arms of a seed are queued side by side, so their step times are taken
-    under the same load."""
+    seed. Arms whose overrides are identical (KL-SOAP at the spike setting and in the sweep) are
+    one run, reported under each name. A seed's stability arms are queued side by side, so the
+    QR and eigh step times are taken under similar load."""
     from megatron_ext.bench.common import launch_run
 
-    todo = [(arm, seed) for seed in seeds for arm in arms(scale)]
+    runs: dict[tuple[str, ...], tuple[Arm, int]] = {}  # overrides -> the first arm that has them
+    names: dict[tuple[str, ...], list[tuple[str, int]]] = {}
+    for seed in seeds:
+        for arm in arms(scale):
+            key = tuple(arm_overrides(scale, arm, seed))
+            runs.setdefault(key, (arm, seed))
+            names.setdefault(key, []).append((arm.name, seed))
 
-    def one(item: tuple[Arm, int]) -> tuple[str, int, dict[str, Any]]:
-        arm, seed = item
+    def one(key: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, Any]]:
+        arm, seed = runs[key]
         run_dir = out / "runs" / arm.name / f"seed{seed}"
-        launch_run(RECIPE, arm_overrides(scale, arm, seed), run_dir, f"{arm.name} seed {seed}")
+        launch_run(RECIPE, list(key), run_dir, f"{arm.name} seed {seed}")
         result = summarize_run(run_dir, scale)
+        also = [n for n, _ in names[key] if n != arm.name]
         print(
             f"[optimizers] {arm.name} seed {seed}: final loss {result['final_loss']:.4f}, "
             f"{result['steps']} steps, {result['tokens']:,} tokens, spikes "
-            f"loss {result['loss_spikes']} / grad {result['grad_spikes']}",
+            f"loss {result['loss_spikes']} / grad {result['grad_spikes']}"
+            + (f" (also {', '.join(also)})" if also else ""),
             flush=True,
         )
-        return arm.name, seed, result
+        return key, result
 
     results: dict[str, dict[str, Any]] = {}
     with ThreadPoolExecutor(max_workers=scale.jobs) as pool:
-        for name, seed, result in pool.map(one, todo):
-            results.setdefault(name, {})[str(seed)] = result
-    return results
+        for key, result in pool.map(one, list(runs)):
+            for name, seed in names[key]:
+                results.setdefault(name, {})[str(seed)] = result
+    # in the order of arms(), whatever order the runs finished in
+    order = [a.name for a in arms(scale)]
+    return {name: results[name] for name in order}
 
 
 def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
@@ -129,7 +143,8 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
     from megatron_ext.bench.paper._optimizers_plots import plot_all
 
     scale = SCALES[size]
-    n_runs = len(arms(scale)) * len(seeds)
+    n_arms = len(arms(scale))
+    n_runs = len({tuple(arm_overrides(scale, a, 1)) for a in arms(scale)}) * len(seeds)
     if size == "quick":
         print(
             f"[optimizers] --quick: tiny settings ({scale.num_layers} layer, "
@@ -142,7 +157,7 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
     start = time.perf_counter()
     results = _run_all(scale, seeds, out)
     wall = time.perf_counter() - start
-    settings = {**scale.settings(), "runs": n_runs, "wall_s": round(wall, 1)}
+    settings = {**scale.settings(), "arms": n_arms, "runs": n_runs, "wall_s": round(wall, 1)}
     plots = plot_all(results, scale, seeds, out)
     notes = [
         f"Spikes: {SPIKE_DEFINITION}.",
@@ -151,8 +166,9 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
         "Batch sweep 'const': the k× batch from the first step at the 1× LR (Fig. 7 used no "
         "ramp; its LR at 2×/4× is not stated). 'ramp': doubling from the 1× batch every "
         f"{scale.ramp_double_every} steps, warmup tied to the ramp, η ∝ √B at every stage.",
-        "Scale: a ~1 M-parameter dense GPT on ~0.5 MB of English prose, not the paper's 0.6–72 B "
-        "models on trillions of tokens; the stability arms (b)–(d) run at "
+        f"Scale: a {scale.num_layers}-layer d={scale.hidden_size} dense GPT on ~0.5 MB of English "
+        "prose, not the paper's 0.6–72 B models on trillions of tokens; the stability arms "
+        "(b)–(d) run at "
         f"{scale.spike_mult}× the baseline batch and {scale.spike_lr_mult:g}× its LR, set before "
         "any run and not tuned.",
         "Step times (d) were taken while the other runs of the study (and, on a shared machine, "
