@@ -23,14 +23,18 @@ initialisation and the data order):
 Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
 
 - ``full``: the recipe's demo GPT (4 layers, d = 128, 4 heads / 2 KV groups, SwiGLU 384,
-  1.0 M parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
-  320 steps at 1× = 328 K tokens per run; 23 runs per seed, two at a time, one rank each.
-  Estimated 35–40 min for 2 seeds on an unloaded 2-core machine (timed short runs; see the
-  report's settings).
-- ``quick``: a 1-layer d = 32 model, seq 32, 32 steps of 4 sequences (4 K tokens), only the arms
-  a claim reads (16 arms, 15 runs per seed): every claim, its figures no evidence either way.
-  Its time is the launcher's start-up (~8 CPU-seconds per run: torch and megatron-core imports in
-  three processes), not training: QUICK_TIME below.
+  886 K parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
+  320 steps at 1× = 328 K tokens per run; 24 arms, 23 runs per seed (KL-SOAP at the spike
+  setting is the sweep's 4× run), two at a time, one rank and one thread each. Estimated ~30 min
+  for 2 seeds on an unloaded 2-core machine, from runs timed here on the loaded machine:
+  forward/backward ~0.14 s per 1 K tokens on one thread (44 s per run at equal tokens), KL-SOAP's
+  step 0.26–0.30 s (835 steps over its five sweep arms), the launcher's start-up ~9 CPU-s per
+  run. A wider model (d = 192: ~2× the compute per token) would not fit the 40 min.
+- ``quick``: a 1-layer d = 32 model (34 K parameters), seq 32, 32 steps of 4 sequences (4 K
+  tokens), only the arms a claim reads (16 arms, 15 runs per seed): every claim, its figures no
+  evidence either way. Its time is the launcher's start-up (~9 CPU-s per run: torch and
+  megatron-core imported in three processes), not training: 282 CPU-s in all, i.e. ~2.4 min on
+  two free cores (measured: 8 min 45 s wall on this shared machine at load average 13–18).
 
 Every claim's quantity is signed so that the paper's claim is Q > 0 (or Q ≈ 0 for the eigh/QR
 loss); verdicts come from the seed spread (:mod:`.claims`). Claims that do not reproduce here
