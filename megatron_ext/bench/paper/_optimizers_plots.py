@@ -76,9 +76,10 @@ def plot_pair(
     seeds: list[int],
     path: Path,
     title: str,
+    show_time: bool = False,
 ) -> None:
     """Loss (top) and gradient norm (bottom) vs tokens of two arms, every seed, spike onsets
-    marked with crosses."""
+    marked with crosses; ``show_time``: each run's median optimizer-step time in its label."""
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
@@ -87,7 +88,8 @@ def plot_pair(
         for i, s in enumerate(seeds):
             r = results[arm][str(s)]
             c = r["curve"]
-            tag = f"{label} ({r['loss_spikes']} loss / {r['grad_spikes']} grad spikes, seed {s})"
+            tag = f"{label} ({r['loss_spikes']} loss / {r['grad_spikes']} grad spikes, seed {s}"
+            tag += f", {r['optimizer_s'] * 1e3:.0f} ms/optimizer step)" if show_time else ")"
             style = "-" if i == 0 else ":"
             top.plot(c["tokens"], c["loss"], style, lw=0.9, color=color, label=tag)
             bottom.plot(c["tokens"], c["grad_norm"], style, lw=0.9, color=color)
@@ -143,6 +145,7 @@ def plot_all(results: Results, scale: Scale, seeds: list[int], out: Path) -> lis
         seeds,
         out / "optimizers_refresh.png",
         f"KL-SOAP, eigh vs QR refresh, {setting} (Alg. 2)",
+        show_time=True,
     )
     return [
         "optimizers_batch_sweep.png",
