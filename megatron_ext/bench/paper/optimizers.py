@@ -179,4 +179,14 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
         "other jobs) used the cores: read them as same-run ratios.",
         *scale.notes,
     ]
+    if scale.spike_mult == 4 and scale.spike_lr_mult == 1:
+        notes.append(
+            "stab.kl_soap_qr and sweep.kl_soap.4x.const have identical settings: one run per seed, "
+            "reported under both names."
+        )
+    if scale.grid == "claims":
+        notes.append(
+            "This size runs only the sweep arms a claim reads (1× and 4× of every optimizer, 4× "
+            "ramp of AdamW, Muon and KL-SOAP, 2× ramp of Muon); the plot shows those points."
+        )
     return StudyResult(claims(results, seeds), settings, results, plots, notes)
