@@ -1,20 +1,28 @@
 """OLMoE's q/k RMSNorm over the whole projection (all heads together), not per head.
 
 megatron-core calls a spec's ``q_layernorm``/``k_layernorm`` on [sq, b, heads, head_dim] (heads
-on this tensor-parallel rank). These modules normalise over (heads, head_dim) with one weight of
-``heads * head_dim`` per rank; under tensor parallelism the mean square is summed over every TP
-shard (an all-reduce), so a TP=2 run computes what TP=1 does. The weight is split on dim 0 in
-checkpoints, like the projection it follows.
+on this tensor-parallel rank). These modules normalise over (heads, head_dim) of the whole
+projection: under tensor parallelism the mean square is summed over every TP shard with an
+all-reduce whose backward is an all-reduce too (each rank's partial sum reaches every rank's
+output), so a TP=2 run computes what TP=1 does, forward and backward.
+
+The weight is the whole vector (``heads * head_dim`` of the whole projection) on every TP rank,
+a TP duplicate like megatron-core's own q/k norms, and each rank applies the slice of its heads.
+That is the layout megatron-core assumes for a parameter named ``q_layernorm``/``k_layernorm``:
+its ``finalize_model_grads`` sums their gradients over the TP group (by name, whatever the
+parameter's tensor-parallel marks), which for a whole vector gives every rank the whole gradient
+(each rank contributes the slice of its heads, zeros elsewhere), and its gradient norm, clipping
+and checkpoints then count the weight once, as a replicated parameter. A weight split over TP
+ranks would instead get its halves added together by that sum.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 class _ProjectionRMSNorm(MegatronModule):
@@ -26,28 +34,25 @@ class _ProjectionRMSNorm(MegatronModule):
         super().__init__(config=config)
         total = getattr(config, self.total_heads_field) or config.num_attention_heads
         tp = config.tensor_model_parallel_size
-        self.local_width = total // tp * hidden_size
-        self.full_width = total * hidden_size
+        self.local_width = total // tp * hidden_size  # channels of this rank's heads
+        self.full_width = total * hidden_size  # channels of the whole projection
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(self.local_width))
+        self.weight = torch.nn.Parameter(torch.ones(self.full_width))
         self.weight.sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [sq, b, heads/tp, head_dim] -> the same shape, normalised over the projection."""
         shape = x.shape
         flat = x.reshape(*shape[:-2], -1).float()
         square_sum = flat.pow(2).sum(-1, keepdim=True)
+        weight = self.weight
         if self.config.tensor_model_parallel_size > 1:
-            square_sum = square_sum.clone()
-            dist.all_reduce(square_sum, group=parallel_state.get_tensor_model_parallel_group())
+            group = parallel_state.get_tensor_model_parallel_group()
+            square_sum = dist_fn.all_reduce(square_sum, group=group)
+            start = parallel_state.get_tensor_model_parallel_rank() * self.local_width
+            weight = weight[start : start + self.local_width]
         normed = flat * torch.rsqrt(square_sum / self.full_width + self.eps)
-        return (normed.to(x.dtype) * self.weight).reshape(shape)
-
-    def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
-    ) -> dict:
-        """The weight split on dim 0 across tensor-parallel ranks."""
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
+        return (normed.to(x.dtype) * weight).reshape(shape)
 
 
 class ProjectionQNorm(_ProjectionRMSNorm):

@@ -13,9 +13,10 @@ What megatron-core does, and this module follows:
   output layer.
 - Tensor parallelism (TP ranks ``tp``) splits the output rows of column-parallel linears (qkv,
   fc1, the word embedding and the output layer, biases too) and the input columns of
-  row-parallel ones (proj, fc2; their bias is whole). Norms, the router, a shared expert's gate
-  and position embeddings are whole on every rank. Experts split over the expert
-  tensor-parallel group, which megatron-core sizes like the TP group.
+  row-parallel ones (proj, fc2; their bias is whole). Norms (OLMoE's projection q/k norms
+  too), the router, a shared expert's gate and position embeddings are whole on every rank.
+  Experts split over the expert tensor-parallel group, which megatron-core sizes like the TP
+  group.
 - An expert linear is marked ``allreduce=False`` only with expert parallelism (EP > 1); at
   EP=1 its gradients are all-reduced like any dense weight's.
 - The router's expert bias (``moe_router_enable_expert_bias``) is a buffer, not a parameter.
@@ -160,9 +161,9 @@ def _attention(prefix: str, d: _Dims) -> list[PlannedParam]:
         layer_norm = m.normalization == "LayerNorm"
         params += _norm(f"{prefix}.q_layernorm", kv, layer_norm)
         params += _norm(f"{prefix}.k_layernorm", kv, layer_norm)
-    elif m.qk_layernorm:  # megatron_ext.megatron.qk_norm: this rank's heads, RMSNorm
-        params += _norm(f"{prefix}.q_layernorm", q_width // d.tp, False)
-        params += _norm(f"{prefix}.k_layernorm", kv_width // d.tp, False)
+    elif m.qk_layernorm:  # megatron_ext.megatron.qk_norm: RMSNorm, whole projection per rank
+        params += _norm(f"{prefix}.q_layernorm", q_width, False)
+        params += _norm(f"{prefix}.k_layernorm", kv_width, False)
     return params
 
 
