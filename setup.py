@@ -123,6 +123,7 @@ setup(
                 "dipaco",
                 "layerwise",
                 "optimizers",
+                "paper",
                 "plan",
                 "precision",
                 "ramp",

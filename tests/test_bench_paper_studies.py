@@ -109,3 +109,72 @@ def _check_soma(report: dict[str, Any], stdout: str, out: Path) -> None:
 
 
 STUDY_CHECKS["soma"] = _check_soma
+
+
+def _spike_count(values: list[float], rise: float, window: int = 20) -> int:
+    """The report's spike definition, written out again: onsets of runs of steps whose value is
+    above (1 + rise) × the median of the ``window`` steps before (or not finite)."""
+    import statistics
+
+    count, before = 0, False
+    for t in range(window, len(values)):
+        prev = sorted(values[t - window : t])
+        flagged = values[t] != values[t] or values[t] > (1 + rise) * statistics.median(prev)
+        count += flagged and not before
+        before = flagged
+    return count
+
+
+def check_optimizers(report: dict[str, Any], stdout: str, out: Path) -> None:
+    """The SOAP/Muon study: equal tokens on every run, the ramp arms ramp and scale the LR,
+    spike counts and final losses are what the curves give, claims are the arms' differences."""
+    import math
+    import statistics
+
+    s, arms = report["settings"], report["arms"]
+    tokens = s["base_steps"] * s["base_batch"] * s["seq_length"]
+    assert s["tokens"] == tokens and "median of the 20 steps" in s["spike_definition"]
+    assert s["arms"] == len(arms) == 16  # quick: the arms the claims read
+    if s["spike_mult"] == 4 and s["spike_lr_mult"] == 1:  # one run under two names
+        assert arms["stab.kl_soap_qr"] == arms["sweep.kl_soap.4x.const"]
+        assert s["runs"] == (len(arms) - 1) * len(report["seeds"])
+    for name, per_seed in arms.items():
+        assert set(per_seed) == {str(x) for x in report["seeds"]}, name
+        for seed, r in per_seed.items():
+            c = r["curve"]
+            assert r["tokens"] == c["tokens"][-1] == tokens, (name, seed)  # equal tokens
+            assert r["steps"] == len(c["loss"]), (name, seed)
+            for key, rise in (("loss", 0.05), ("grad_norm", 1.0)):
+                n = r["loss_spikes" if key == "loss" else "grad_spikes"]
+                assert isinstance(n, int) and n == _spike_count(c[key], rise) >= 0, (name, key)
+            tail = [v for t, v in zip(c["tokens"], c["loss"], strict=True) if t > tokens * 0.9]
+            assert math.isclose(r["final_loss"], statistics.fmean(tail)), name
+            batches = c["global_batch"]
+            sweep = name.startswith("sweep.")
+            mult = int(name.split(".")[2].rstrip("x")) if sweep else s["spike_mult"]
+            assert batches[-1] == mult * s["base_batch"], name
+            if name.endswith(".ramp"):  # doubling from 1×, the peak LR √k × the 1× LR
+                assert batches[0] == s["base_batch"] and batches == sorted(batches), name
+                assert math.isclose(max(c["lr"]), s["lr"] * math.sqrt(mult), rel_tol=1e-9)
+            else:
+                assert set(batches) == {mult * s["base_batch"]}, name
+                peak = s["lr"] * (s["spike_lr_mult"] if name.startswith("stab.") else 1)
+                assert math.isclose(max(c["lr"]), peak, rel_tol=1e-9), name
+    claims = {c["id"]: c for c in report["claims"]}
+
+    def loss(arm: str, seed: int) -> float:
+        return arms[arm][str(seed)]["final_loss"]
+
+    for i, seed in enumerate(report["seeds"]):
+        rise = {
+            o: loss(f"sweep.{o}.4x.const", seed) - loss(f"sweep.{o}.1x", seed)
+            for o in ("adamw", "muon")
+        }
+        q = claims["batch.adamw_rises_more_than_muon"]["values"][i]
+        assert math.isclose(q, rise["adamw"] - rise["muon"], abs_tol=1e-12)
+        stale, fresh = arms["stab.soap_stale"][str(seed)], arms["stab.soap_per_step"][str(seed)]
+        q = claims["stale.per_step_fewer_loss_spikes"]["values"][i]
+        assert q == stale["loss_spikes"] - fresh["loss_spikes"]
+
+
+STUDY_CHECKS["optimizers"] = check_optimizers

@@ -137,10 +137,15 @@ def _in_source() -> set[tuple[str, str, str]]:
         for attr, value in vars(importlib.import_module(module)).items():
             if isinstance(value, Command):
                 found.add(("megatron_ext.commands", value.name, f"{module}:{attr}"))
-    for path in sorted((ROOT / "megatron_ext" / "bench").glob("*.py")):
-        module = importlib.import_module(f"megatron_ext.bench.{path.stem}")
-        if not path.stem.startswith("_") and all(hasattr(module, a) for a in INTERFACE):
-            found.add(("megatron_ext.benchmarks", path.stem, module.__name__))
+    bench = ROOT / "megatron_ext" / "bench"
+    # a benchmark is a module (bench/NAME.py) or a package (bench/NAME/__init__.py)
+    names = [p.stem for p in bench.glob("*.py")] + [
+        p.parent.name for p in bench.glob("*/__init__.py")
+    ]
+    for name in sorted(names):
+        module = importlib.import_module(f"megatron_ext.bench.{name}")
+        if not name.startswith("_") and all(hasattr(module, a) for a in INTERFACE):
+            found.add(("megatron_ext.benchmarks", name, module.__name__))
     for path in sorted((ROOT / "optimizers").glob("*_spec.py")):
         module = f"megatron_ext.optimizers.{path.stem}"
         spec = getattr(importlib.import_module(module), "SPEC", None)

@@ -185,6 +185,13 @@ def check_plan(report: dict[str, Any], out: str, folder: Path) -> None:
     assert (folder / "plan_balance.png").stat().st_size > 10_000
 
 
+def check_paper(report: dict[str, Any], out: str, folder: Path) -> None:
+    """The benchmark's EXAMPLE runs the ``optimizers`` study: its report and figure checks."""
+    from tests.test_bench_paper_studies import check_report
+
+    check_report("optimizers", report, out, folder)
+
+
 #: benchmark name -> the check of its quick run's JSON and output
 BENCH_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {
     "optimizers": check_optimizers,
@@ -195,6 +202,7 @@ BENCH_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {
     "ramp": check_ramp,
     "dipaco": check_dipaco,
     "plan": check_plan,
+    "paper": check_paper,
 }
 
 
