@@ -77,7 +77,8 @@ class KLSoap(torch.optim.Optimizer):
         refresh_every: refresh period F in steps (default 1; 10 with ``stale_refresh``).
         refresh_mode: ``qr``, ``eigh`` or ``cholesky_qr2``.
         inverse_root: ``eigenbasis`` or ``newton_schulz`` (see :mod:`.kl_soap_math`).
-        root_iters: coupled Newton–Schulz iterations for ``inverse_root="newton_schulz"``.
+        root_iters: most Newton–Schulz iterations for ``inverse_root="newton_schulz"`` (p = 1
+            stops once converged; other roots run all of them).
         root_damping: their damping relative to the factor's Frobenius norm (see
             :mod:`.kl_soap_math`).
         stale_refresh: ablation: reference SOAP's stale refresh (see :mod:`.kl_soap_math`).

@@ -162,7 +162,8 @@ SPEC = OptimizerSpec(
             key="root_iters",
             default=25,
             ge=1,
-            help="Newton–Schulz iterations of kl_soap_inverse_root=newton_schulz",
+            help="most Newton–Schulz iterations of kl_soap_inverse_root=newton_schulz (p = 1 stops "
+            "once converged; other roots run all)",
         ),
         Hyperparameter(
             key="root_damping",

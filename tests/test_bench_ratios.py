@@ -29,3 +29,9 @@ def test_headline_muon_ratio_only_counts_modes_at_equal_or_lower_error():
 def test_without_emerging_optimizers_there_is_no_headline_ratio():
     ratios = _ratios({"muon_quintic": _entry(1.0, 0.164)})
     assert ratios["muon_vs_emerging"] is None and ratios["muon_vs_emerging_mode"] is None
+
+
+def test_newton_schulz_root_mode_is_reported_against_the_eigenbasis_mode():
+    ratios = _ratios({"kl_soap_qr": _entry(2.0, None), "kl_soap_ns_root": _entry(3.0, None)})
+    assert ratios["kl_soap_ns_root_vs_eigenbasis"] == 1.5
+    assert _ratios({"kl_soap_qr": _entry(2.0, None)})["kl_soap_ns_root_vs_eigenbasis"] is None

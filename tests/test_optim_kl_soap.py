@@ -70,6 +70,7 @@ SHAMPOO = {"factor_update": "shampoo", "factor_eps": 1e-8}
         {"refresh_every": 3},
         {"stale_refresh": True, "refresh_every": 2},
         {"inverse_root": "newton_schulz", "root_iters": 40},
+        {"inverse_root": "newton_schulz", "root_iters": 40, "factor_exponent": 0.5},
         {"factor_exponent": 0.5},
         {"refresh_mode": "eigh"},
         {"refresh_mode": "cholesky_qr2"},

@@ -365,6 +365,8 @@ def _ratios(results: dict[str, dict[str, Any]]) -> dict[str, float | str | None]
         "muon_plain_vs_emerging": ratio("muon_quintic_plain", "emerging_muon"),
         "kl_soap_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap"),
         "kl_soap_state_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap", "state_bytes"),
+        # the Newton–Schulz inverse root against the eigenbasis one (both refresh by qr)
+        "kl_soap_ns_root_vs_eigenbasis": ratio("kl_soap_ns_root", "kl_soap_qr"),
     }
 
 
