@@ -73,10 +73,11 @@ def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     paths = layout.num_paths
     split, feats = ctx.split(), ctx.features()
     _, dataset = ctx.corpus
-    r, max_tokens = d.route_tokens, ctx.recipe.training.seq_length + 1
+    r = d.route_tokens
     eval_length = eval_tokens(ctx.recipe)  # the paper's 2,048 (+ 1) where the recipe says so
     lengths = [int(n) for n in document_batch(dataset, split["eval"], eval_length).lengths]
-    router_lengths = [int(n) for n in document_batch(dataset, split["router"], max_tokens).lengths]
+    router_docs = document_batch(dataset, split["router"], eval_length)
+    router_lengths = [int(n) for n in router_docs.lengths]
     finals = [
         load_tensors(ctx.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
     ]

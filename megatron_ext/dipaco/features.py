@@ -2,8 +2,9 @@
 
 - prefix features: over each document's first ``route_tokens`` tokens (train, router and
   evaluation documents); the prefix is never scored;
-- evaluation documents are read to ``dipaco.eval_seq_length`` tokens (the paper's 2,048), the
-  others to ``training.seq_length``;
+- evaluation and router documents are read to ``dipaco.eval_seq_length`` tokens (the paper's
+  2,048), training documents to ``training.seq_length`` (prefix features are the same either
+  way: the model is causal);
 - chunk features (evaluation and router documents, for each W of ``eval_every_tokens``):
   chunk 0 is the prefix, chunk i >= 1 the tokens ``[R + (i-1)W, R + iW)``; chunk i's features
   choose the path for chunk i + 1, so a chunk never routes itself. Stored flat, with each
@@ -50,7 +51,8 @@ def base_features(ctx: TaskContext, split: dict[str, np.ndarray]) -> dict[str, n
     out: dict[str, np.ndarray] = {}
     for name in ("train", "router", "eval"):
         ctx.check_lease()
-        length = eval_tokens(ctx.recipe) if name == "eval" else max_tokens
+        # the W-routers learn on router-document chunks as far as the evaluation reads
+        length = eval_tokens(ctx.recipe) if name != "train" else max_tokens
         docs = document_batch(dataset, split[name], length)
         out[name] = pm.prefix_features(docs, r).numpy()
         if name == "train":

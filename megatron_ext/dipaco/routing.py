@@ -1,7 +1,8 @@
 """Coarse routing: documents to paths from features of their prefix (base model hidden states).
 
 - Generative: product k-means (paper: Sec. 7.3 / Table 5, the multi-level baseline). The
-  centred features are split into L contiguous sub-vectors, one per level; level l's sub-vectors
+  centred features are split into contiguous sub-vectors, one per level with K_l > 1 (a level of
+  one module chooses nothing and gets no columns); level l's sub-vectors
   (unit-normalised) get their own balanced spherical k-means with k = K_l
   (:mod:`megatron_ext.data.clustering`, the one k-means of every router), whose cluster e is
   module (l, e). Path p = (e_0, ..., e_{L-1}) is the product of its modules' clusters; a
@@ -100,9 +101,12 @@ def fit_generative(
     x = np.asarray(features, dtype=np.float64)
     n, h = x.shape
     ks = [int(k) for k in modules_per_level]
-    if h < len(ks):
-        raise ValueError(f"{h} feature columns cannot be split over {len(ks)} levels")
-    segments = np.array([0, *np.cumsum([len(c) for c in np.array_split(np.arange(h), len(ks))])])
+    # the columns go to the levels that choose (K_l > 1); a level of one module gets none
+    choosing = [level for level, k in enumerate(ks) if k > 1] or [0]
+    if h < len(choosing):
+        raise ValueError(f"{h} feature columns cannot be split over {len(choosing)} levels")
+    widths = dict(zip(choosing, map(len, np.array_split(np.arange(h), len(choosing)))))
+    segments = np.array([0, *np.cumsum([widths.get(level, 0) for level in range(len(ks))])])
     mean = x.mean(0)
     unit = _unit_segments(x - mean, segments)
     num_paths = math.prod(ks)

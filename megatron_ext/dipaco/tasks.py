@@ -213,7 +213,7 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
         return {}
     parts, out = split_by_level(pm.state(), ctx.layout), ctx.out(lease)
     for level in range(ctx.layout.num_levels):
-        save_tensors(out / f"l{level}.pt", parts[level])
+        save_tensors(out / f"l{level}.pt", parts.get(level, {}))  # {}: a level of no parts
     # the path-specific parts are modules used by one path (P = 1): they take the outer step
     # too, here, on the worker (weight √1 · 1 = 1; paper: Sec. 2.6.1, "empirically it improves
     # convergence"); their momentum stays with the path like the parts themselves
@@ -322,7 +322,7 @@ def final(ctx: TaskContext, lease: Lease, path: int) -> dict[str, Any]:
     split = ctx.split()
     out = ctx.out(lease)
     for name in ("eval", "router"):
-        length = eval_tokens(ctx.recipe) if name == "eval" else None
+        length = eval_tokens(ctx.recipe)  # router chunks train the W-routers
         losses = _path_losses(ctx, best, path, split[name], length)
         save_tensors(out / f"{name}_losses.pt", {"losses": losses})
     return {"path": path, "val": history, "best_version": best}

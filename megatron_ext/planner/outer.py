@@ -36,7 +36,9 @@ or ``auto`` without TE). ``auto`` is planned as Transformer Engine, as the GPT p
 DiLoCo: this trainer's DiLoCo is ``dipaco.modules_per_level: [1]``, one module holding every
 shared part and one path (P = prod K_l = 1): its outer step reads one path copy. The paper's
 DiLoCo baseline, P workers on P shards sharing every parameter, is not a configuration of this
-trainer (a module shared by every path needs K_l = 1 at every level, hence P = 1).
+trainer's layouts with parts at every level; it is a level of no parts (``dipaco.level_parts:
+["", ...]``, :mod:`megatron_ext.dipaco.layout`): K_0 empty modules that move 0 bytes, and one
+module holding every part read by all P = K_0 paths.
 """
 
 from __future__ import annotations
@@ -341,7 +343,7 @@ def _elements_by_level(
     params: Sequence[PlannedParam], layout: PathLayout, precision: str, te: bool
 ) -> dict[int | None, dict[str, int]]:
     """Elements by stored dtype of each level's module (None: the path-specific parts)."""
-    out: dict[int | None, dict[str, int]] = {}
+    out: dict[int | None, dict[str, int]] = {level: {} for level in range(layout.num_levels)}
     for p in params:
         level = out.setdefault(layout.param_level(p.name), {})
         dtype = stored_dtype(p.name, precision, te)
