@@ -5,7 +5,7 @@ written here as flag lists, their shell variables resolved as the script's defau
 them) and what Megatron-LM makes of them, written by hand from its ``arguments.py`` and
 ``training.py``: the recipe fields, the step count and the learning rate at chosen steps
 (against megatron-core's ``OptimizerParamScheduler``), or Megatron-LM's own refusal, or the
-model-changing flag that makes the converter refuse. The README's table of these scripts is
+model-changing flag that makes the converter refuse. The table of these scripts in docs/megatron-lm.md is
 this file's cases.
 """
 

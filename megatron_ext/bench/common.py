@@ -149,3 +149,36 @@ def _field(recipe: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
+
+
+def machine() -> dict[str, Any]:
+    """The machine a benchmark ran on, for its report: CPU model, cores, torch's thread count and
+    the GPU (``None`` without CUDA)."""
+    import os
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+    }
+
+
+def command_line() -> str:
+    """This process's command line as a user types it (``megatron-ext bench ...``)."""
+    import shlex
+
+    return shlex.join(["megatron-ext", *sys.argv[1:]])

@@ -105,7 +105,9 @@ def fit_generative(
     choosing = [level for level, k in enumerate(ks) if k > 1] or [0]
     if h < len(choosing):
         raise ValueError(f"{h} feature columns cannot be split over {len(choosing)} levels")
-    widths = dict(zip(choosing, map(len, np.array_split(np.arange(h), len(choosing)))))
+    widths = dict(
+        zip(choosing, map(len, np.array_split(np.arange(h), len(choosing))), strict=True)
+    )
     segments = np.array([0, *np.cumsum([widths.get(level, 0) for level in range(len(ks))])])
     mean = x.mean(0)
     unit = _unit_segments(x - mean, segments)

@@ -114,7 +114,7 @@ def _fmt_time(seconds: float) -> str:
 
 
 def format_line(r: StepRecord, total_steps: int) -> str:
-    """The log line (README, "Reading the log line")."""
+    """The log line (docs/cluster.md, "Reading the log line")."""
     width = len(str(total_steps))
     return (
         f"step {r.step:>{width}}/{total_steps} | tokens {_fmt_count(r.consumed_tokens)}"

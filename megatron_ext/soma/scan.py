@@ -38,7 +38,7 @@ FUSED_MODES: tuple[FusedMode, ...] = ("auto", "on", "off", "native")
 AUTO_FUSED: dict[str, bool] = {"cpu": False, "cuda": False}
 # Where "auto" runs the C kernels. CPU float32, any width: yes -- ``megatron-ext bench soma`` on
 # this project's 2-core host: 3.0-3.1x the torch.nn loop where eager is 1.2-1.4x; batched_loss
-# native/eager 1.2-3.4x over widths 4-128 (padded to whole vectors); figures in the README.
+# native/eager 1.2-3.4x over widths 4-128 (padded to whole vectors); figures in docs/soma.md.
 AUTO_NATIVE = True
 # Compiled shapes kept per process: one per (bodies, batch, chunk length), a few per run.
 RECOMPILE_LIMIT = 64

@@ -1,5 +1,5 @@
-"""The arms of ``megatron-ext bench paper dipaco``: each a DiPaCo-trainer run (the real tasks, claimed
-from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process) built as
+"""The arms of ``megatron-ext bench paper dipaco``: each a DiPaCo-trainer run (the real tasks,
+claimed from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process) built as
 the paper defines its baselines, and the evaluations the claims read.
 
 Every arm of one seed starts from the same dense base model (the first arm trains it, the others

@@ -1,4 +1,4 @@
-"""``megatron-ext bench paper dipaco``: the DiPaCo paper's comparisons, with its baselines, on a CPU.
+"""``megatron-ext bench paper dipaco``: the DiPaCo paper's comparisons with its baselines, on a CPU.
 
 The arms (:mod:`._dipaco_arms`) are runs of the DiPaCo trainer on the Python Language Reference
 (SentencePiece tokens), every arm of a seed from the same dense base model, at equal steps per

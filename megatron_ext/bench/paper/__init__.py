@@ -1,0 +1,103 @@
+"""``megatron-ext bench paper STUDY``: a paper's own comparisons, with the paper's baselines, run
+here and judged claim by claim.
+
+Studies (one module each, ``megatron_ext.bench.paper.<study>``):
+
+- ``optimizers``: the SOAP/Muon paper (``soap-muon-and-beyond.txt``): large-batch AdamW vs Muon vs
+  KL-SOAP (and MOP) with and without the ramp, stale vs per-step eigenbasis refresh, KL vs plain
+  Shampoo factors, eigh vs QR refresh;
+- ``dipaco``: the DiPaCo paper (``dipaco-distributed-path-composition.txt``);
+- ``soma``: the SOMA paper (``soma-scaling-zero-order-pretraining.txt``).
+
+A study module defines ``PAPER`` (the paper's file), ``TITLE``, ``SIZES`` (the names of its
+scales: ``quick`` and ``full``) and ``run_study(size, seeds, out) -> StudyResult``
+(:mod:`.report`). Each comparison becomes a :class:`~.claims.Claim`: the paper's figure, ours per
+seed, and a verdict decided by the seed spread (:func:`~.claims.verdict`). The report is written
+to ``OUT/paper_<study>.{json,md}`` beside the study's PNGs. ``--quick`` runs every comparison on
+tiny settings (minutes) with the same JSON shape; its figures are no evidence either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+from megatron_ext.errors import ConfigError
+
+DESCRIPTION = (
+    "a paper's comparisons (optimizers, dipaco, soma) with its baselines: claims + verdicts"
+)
+#: study name -> its module (imported when run: module top levels stay torch-free)
+STUDIES = {
+    "optimizers": "megatron_ext.bench.paper.optimizers",
+    "dipaco": "megatron_ext.bench.paper.dipaco",
+    "soma": "megatron_ext.bench.paper.soma",
+}
+QUICK = {"size": "quick"}
+EXAMPLE = "megatron-ext bench paper optimizers --quick"
+#: the JSON report's top-level keys (:func:`.report.payload`)
+JSON_KEYS = (
+    "study",
+    "paper",
+    "size",
+    "seeds",
+    "settings",
+    "command",
+    "date",
+    "machine",
+    "verdict_rule",
+    "claims",
+    "arms",
+    "plots",
+    "notes",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study", choices=list(STUDIES), help="which paper's comparisons")
+    p.add_argument(
+        "--size",
+        choices=("full", "quick"),
+        default="full",
+        help="full: the largest scale this machine finishes in the study's budget (see the "
+        "study's docstring); quick: tiny settings, every comparison (--quick)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=2, help="seeds per arm (>= 2: the verdicts use the spread)"
+    )
+    p.add_argument("--out", default=None, help="run folder (default runs/bench_paper/STUDY)")
+    p.add_argument("--json", default=None, help="also write the JSON here")
+
+
+def study_module(name: str) -> ModuleType:
+    """The module of study ``name`` (``ConfigError`` naming the known ones)."""
+    if name not in STUDIES:
+        raise ConfigError(f"unknown study {name!r}; known: {', '.join(STUDIES)}")
+    return importlib.import_module(STUDIES[name])
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ext.atomic import atomic_path
+    from megatron_ext.bench.common import command_line, machine, write_json
+    from megatron_ext.bench.paper.report import markdown, payload
+
+    if args.seeds < 2:
+        raise ConfigError(
+            f"--seeds must be >= 2 (a verdict is decided by the seed spread), got {args.seeds}"
+        )
+    module = study_module(args.study)
+    out = Path(args.out or f"runs/bench_paper/{args.study}")
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(1, args.seeds + 1))
+    result = module.run_study(args.size, seeds, out)
+    report = payload(args.study, module.PAPER, result, seeds, args.size, machine(), command_line())
+    page = markdown(report, module.TITLE)
+    print(page)
+    with atomic_path(out / f"paper_{args.study}.md") as tmp:
+        tmp.write_text(page)
+    print(f"wrote {out / f'paper_{args.study}.md'}")
+    for path in filter(None, (str(out / f"paper_{args.study}.json"), args.json)):
+        write_json(report, path)
+    return 0
