@@ -105,9 +105,7 @@ def fit_generative(
     choosing = [level for level, k in enumerate(ks) if k > 1] or [0]
     if h < len(choosing):
         raise ValueError(f"{h} feature columns cannot be split over {len(choosing)} levels")
-    widths = dict(
-        zip(choosing, map(len, np.array_split(np.arange(h), len(choosing))), strict=True)
-    )
+    widths = dict(zip(choosing, map(len, np.array_split(np.arange(h), len(choosing))), strict=True))
     segments = np.array([0, *np.cumsum([widths.get(level, 0) for level in range(len(ks))])])
     mean = x.mean(0)
     unit = _unit_segments(x - mean, segments)
@@ -116,6 +114,8 @@ def fit_generative(
     # digit of level l in path p: (p // stride_l) % K_l, level 0 most significant (layout)
     strides = [math.prod(ks[level + 1 :]) for level in range(len(ks))]
     for level, (k, (a, b)) in enumerate(zip(ks, itertools.pairwise(segments), strict=True)):
+        if k == 1:  # one module: every document's digit is 0, nothing to cluster
+            continue
         result = balanced_spherical_kmeans(unit[:, a:b], k, max_iter=max_iter, seed=seed + level)
         digits = (np.arange(num_paths) // strides[level]) % k
         weights[:, a:b] = result.centroids[digits]

@@ -142,7 +142,9 @@ def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
         scores = router.scores(feats["train"])
         scores[np.arange(len(first)), first] = np.inf  # the balanced choice comes first
         routes = np.argsort(-scores, axis=1, kind="stable")[:, : d.train_overlap]
+        routes, filled = _fill_empty_products(routes, router.scores(feats["train"]))
     else:
+        filled = []
         feats = ctx.features()
         losses = np.stack(
             [
@@ -157,14 +159,13 @@ def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
     previous = ctx.shards(phase - 1) if phase > 0 else None
     # every path's early-stopping slice is drawn once, at phase 0, and kept through every
     # re-shard, so the losses early stopping compares are on the same documents (paper:
-    # Sec. 2.7); no path trains on any path's slice (top-2 shards overlap)
+    # Sec. 2.7); a path never trains on its own slice
     if phase == 0:
         vals = [shard_split(s, d.val_fraction, seed, p, 0)[1] for p, s in enumerate(docs)]
     else:
         phase0 = ctx.shards(0)
         vals = [phase0[f"val_{p}"] for p in range(layout.num_paths)]
-    held = np.concatenate(vals)
-    docs = [np.setdiff1d(s, held) for s in docs]
+    docs = [np.setdiff1d(s, v) for s, v in zip(docs, vals, strict=True)]
     kept = [p for p, s in enumerate(docs) if len(s) == 0]
     if kept and previous is None:
         raise ConfigError(f"paths {kept} got empty shards; add text or use fewer paths")
@@ -177,7 +178,33 @@ def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
         tokens.append(int(dataset.sequence_lengths[train_docs].sum()))
     save_arrays(out / "shards.npz", **arrays)
     save_arrays(out / "router.npz", **router.to_arrays())
-    return {"phase": phase, "kind": router.kind, "shard_tokens": tokens, "kept": kept}
+    result = {"phase": phase, "kind": router.kind, "shard_tokens": tokens, "kept": kept}
+    return {**result, "filled": filled}
+
+
+_MIN_FILL = 8  # documents at least: a few may be other paths' early-stopping slices
+
+
+def _fill_empty_products(routes: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Product k-means leaves a path empty when no document is in all its modules' clusters
+    at once (the levels' clusters are correlated). Such a path also gets the documents that
+    score highest for it, as many as the smallest non-empty path has (at least 8), so every path
+    trains on
+    the documents nearest its modules. ``routes`` (n, k), ``scores`` (n, P); returns (routes
+    with one more column per filled path, -1 where a document gains nothing; the paths
+    filled)."""
+    num_paths = scores.shape[1]
+    counts = np.bincount(routes.ravel(), minlength=num_paths)
+    empty = [int(p) for p in np.flatnonzero(counts == 0)]
+    if not empty:
+        return routes, []
+    take = max(int(counts[counts > 0].min()), _MIN_FILL)
+    columns = [routes]
+    for p in empty:
+        column = np.full((len(routes), 1), -1, dtype=routes.dtype)
+        column[np.argsort(-scores[:, p], kind="stable")[:take], 0] = p
+        columns.append(column)
+    return np.concatenate(columns, axis=1), empty
 
 
 def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, Any]:

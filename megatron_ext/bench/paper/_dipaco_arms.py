@@ -1,6 +1,6 @@
 """The arms of ``megatron-ext bench paper dipaco``: each a DiPaCo-trainer run (the real tasks,
-claimed from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process) built as
-the paper defines its baselines, and the evaluations the claims read.
+claimed from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process)
+built as the paper defines its baselines, and the evaluations the claims read.
 
 Every arm of one seed starts from the same dense base model (the first arm trains it, the others
 read its ``model.pt`` through ``dipaco.base_checkpoint``) and the same document split; every path
@@ -73,14 +73,14 @@ SIZES: dict[str, list[str]] = {
         "training.seq_length=32",
         "training.micro_batch_size=4",
         "training.global_batch_size=4",
-        "training.steps=4",
+        "training.steps=2",
         "training.lr_warmup_steps=1",
-        "dipaco.tau=2",
+        "dipaco.tau=1",
         "dipaco.phases=2",
         "dipaco.route_tokens=8",
         "dipaco.eval_every_tokens=[64,32,16]",
         "dipaco.eval_seq_length=136",
-        "dipaco.eval_documents=12",
+        "dipaco.eval_documents=8",
         "dipaco.tokenizer_vocab_size=400",
     ],
     "full": [
@@ -102,7 +102,7 @@ SIZES: dict[str, list[str]] = {
     ],
 }
 #: documents of the Python Language Reference each size trains on
-CORPUS = {"quick": 300, "full": 1200}
+CORPUS = {"quick": 600, "full": 1200}
 
 
 def arm_overrides(

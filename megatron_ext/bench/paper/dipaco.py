@@ -7,7 +7,7 @@ routing prefix (never scored), read to ``dipaco.eval_seq_length`` tokens. Each c
 :class:`~megatron_ext.bench.paper.claims.Claim` whose quantity is a perplexity difference signed
 so that the paper's claim is Q > 0.
 
-Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 2, 12 evaluation documents: every
+Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 8 evaluation documents: every
 comparison, in about a minute; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
 vocabulary 1,024, sequence 96, batch 8, a 200-step base, 6 phases of τ = 20 = 120 steps per
 path, 1,200 documents, 128 evaluation documents of up to 208 tokens: the largest this 2-core
