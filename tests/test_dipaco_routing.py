@@ -118,3 +118,31 @@ def test_generative_routing_is_a_product_of_one_kmeans_per_level() -> None:
     assert (top == path).mean() > 0.97  # the balanced choice is the nearest but for a few
     again = Router.from_arrays(router.to_arrays())
     np.testing.assert_array_equal(again.route(x, 2), router.route(x, 2))
+
+
+def test_a_level_of_one_module_takes_no_feature_columns() -> None:
+    """(4, 1) routes as flat (4,): the one-module level chooses nothing (DiLoCo's data level)."""
+    x, _, _ = product_features()
+    flat, flat_path = fit_generative(x, (4,), max_iter=50, seed=0)
+    split, split_path = fit_generative(x, (4, 1), max_iter=50, seed=0)
+    assert split.segments.tolist() == [0, 8, 8]
+    np.testing.assert_array_equal(split_path, flat_path)
+    np.testing.assert_array_equal(split.route(x, 2), flat.route(x, 2))
+    one, one_path = fit_generative(x, (1,), max_iter=50, seed=0)  # the dense arm: one path
+    assert (one_path == 0).all() and (one.route(x, 1) == 0).all()
+
+
+def test_an_empty_product_path_gets_its_top_scoring_documents() -> None:
+    from megatron_ext.dipaco.tasks import _fill_empty_products
+
+    rng = np.random.default_rng(4)
+    scores = rng.standard_normal((40, 4))
+    routes = np.argsort(-scores[:, :3], axis=1)[:, :2]  # path 3 never chosen
+    filled, empty = _fill_empty_products(routes, scores)
+    assert empty == [3] and filled.shape == (40, 3)
+    np.testing.assert_array_equal(filled[:, :2], routes)
+    take = max(int(np.bincount(routes.ravel(), minlength=4)[:3].min()), 8)
+    got = np.flatnonzero(filled[:, 2] == 3)
+    np.testing.assert_array_equal(np.sort(got), np.sort(np.argsort(-scores[:, 3])[:take]))
+    same, none = _fill_empty_products(filled[:, :2], scores[:, :3])
+    assert none == [] and same.shape == (40, 2)
