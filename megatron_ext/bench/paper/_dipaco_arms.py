@@ -81,6 +81,7 @@ SIZES: dict[str, list[str]] = {
         "dipaco.eval_every_tokens=[64,32,16]",
         "dipaco.eval_seq_length=136",
         "dipaco.eval_documents=8",
+        "dipaco.router_fraction=0.05",
         "dipaco.tokenizer_vocab_size=400",
     ],
     "full": [
@@ -98,11 +99,12 @@ SIZES: dict[str, list[str]] = {
         "dipaco.eval_every_tokens=[64,32,16]",
         "dipaco.eval_seq_length=208",
         "dipaco.eval_documents=128",
+        "dipaco.router_fraction=0.1",
         "dipaco.tokenizer_vocab_size=1024",
     ],
 }
 #: documents of the Python Language Reference each size trains on
-CORPUS = {"quick": 600, "full": 1200}
+CORPUS = {"quick": 400, "full": 1200}
 
 
 def arm_overrides(
