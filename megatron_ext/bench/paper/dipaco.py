@@ -56,6 +56,17 @@ ORDER = (
 
 
 def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    # one thread: the arms are tiny matrices, where threads only wait on each other (and on
+    # the other processes of a shared machine)
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        return _run_study(size, seeds, out)
+
+
+def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
     from megatron_ext.bench.paper import _dipaco_arms as A
     from megatron_ext.config import load_recipe
     from megatron_ext.convert.parity import init_single_process
