@@ -129,5 +129,11 @@ def test_full_sync_aggregates_module_gradients_every_step(diloco_run) -> None:
         for n, t in ctx.base_part(m.level).items():
             g = sum(tokens[p] / total * grads[p][n] for p in users)
             want = t.double() - lr * g / (g.abs() + 1e-8)
-            torch.testing.assert_close(modules[m][n].double(), want, rtol=0, atol=lr * 1e-3)
+            got = modules[m][n].double()
+            # where |g| is near Adam's eps (1e-8) the float32 sum's rounding changes g/(|g|+eps)
+            # by O(1): compare there only that the step is within lr
+            sure = g.abs() > 1e-6
+            torch.testing.assert_close(got[sure], want[sure], rtol=0, atol=lr * 1e-3)
+            assert float((got - t.double()).abs().max()) <= lr * (1 + 1e-3)
+            assert sure.any(), n  # (embedding rows of unseen tokens have g = 0 and stay)
     assert math.isfinite(lr) and not own[0]  # no path-specific parts in this layout

@@ -8,12 +8,13 @@ routing prefix (never scored), read to ``dipaco.eval_seq_length`` tokens. Each c
 so that the paper's claim is Q > 0.
 
 Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 8 evaluation documents: every
-comparison, in about a minute; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
+comparison; 3 min 41 s for 2 seeds on this 2-core machine at a load average of ~20, imports and
+the tokenizer included; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
 vocabulary 1,024, sequence 96, batch 8, a 200-step base, 6 phases of τ = 20 = 120 steps per
-path, 1,200 documents, 128 evaluation documents of up to 208 tokens: the largest this 2-core
-machine finishes in about 30 minutes for 2 seeds). The paper's scale (150M-parameter paths, 256
-paths, 64K steps on C4) is 5-6 orders of magnitude away: a claim that does not reproduce here is
-reported as such.
+path, 1,200 documents, 128 evaluation documents of up to 208 tokens: about 14,000 path steps
+for 2 seeds, estimated at 25-30 minutes on this 2-core machine unloaded; not yet run). The
+paper's scale (150M-parameter paths, 256 paths, 64K steps on C4) is 5-6 orders of magnitude away:
+a claim that does not reproduce here is reported as such.
 """
 
 from __future__ import annotations
