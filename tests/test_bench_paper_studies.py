@@ -23,8 +23,27 @@ from megatron_ext.bench.paper.claims import VERDICTS, verdict
 #: the study the benchmark's EXAMPLE runs (smoke-run by tests/test_smoke.py)
 EXAMPLE_STUDY = shlex.split(EXAMPLE)[3]
 
+
+def check_dipaco(report: dict[str, Any], stdout: str, out: Path) -> None:
+    """The figures hold what they measure: DiLoCo's 4 workers and the dense arm share every
+    parameter, so re-routing cannot change their perplexity (exactly); the early-stopping
+    perplexity recomputed by the study equals the trainer's own once-per-sequence figure;
+    every arm ran for every seed."""
+    arms, seeds = report["arms"], [str(s) for s in report["seeds"]]
+    for arm in ("diloco", "dense"):
+        for s in seeds:
+            figures = arms[arm][s]
+            assert figures["once"] == figures["w64"] == figures["w16"], (arm, s)
+    for s in seeds:
+        assert arms["early_stopping"][s]["on"] == pytest.approx(
+            arms["dipaco_2x2"][s]["once"], rel=1e-6
+        )
+        assert all(s in figures for figures in arms.values())
+    assert "[dipaco] seed" in stdout and report["settings"]["size"] == "quick"
+
+
 #: study -> a check of its quick run's figures (report, stdout, run folder)
-STUDY_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {}
+STUDY_CHECKS: dict[str, Callable[[dict[str, Any], str, Path], None]] = {"dipaco": check_dipaco}
 
 
 def check_report(study: str, report: dict[str, Any], stdout: str, out: Path) -> None:

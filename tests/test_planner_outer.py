@@ -15,7 +15,8 @@ equal the measured bytes exactly, in phase 1 and (writes, path copies) in phase 
   layer tied to the embedding, fp32.
 
 Anything else a phase's train or outer task moves is ``state.pt`` (the path's own state, whose
-path-specific parameters are predicted too); a new file would fail the test.
+path-specific parameters and their outer momentum are predicted too); a new file would fail the
+test.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from megatron_ext.planner.outer import OuterFigures, format_outer, plan_outer
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = [
-    "dipaco.reshard_every=0",  # no score/route tasks between the phases
+    "dipaco.reshards=0",  # no score/route tasks between the phases
     "training.steps=2",
     "dipaco.tau=1",
     "model.transformer_impl=local",  # what the CPU builds, said to the planner
@@ -242,6 +243,10 @@ def test_one_phase_moves_exactly_the_predicted_bytes(runs: dict[str, Run], case:
     assert {(a.file, a.op) for a in rest} == {("state.pt", "read"), ("state.pt", "write")}
     assert len(rest) == 2 * f.num_paths
     assert {a.parts["specific"] for a in rest} == {f.worker.path_specific_bytes}
+    # the path-specific parts take their outer step on the worker: their momentum travels
+    # with them (written by phase 0 and 1, read by phase 1)
+    momentum = {a.parts["specific_momentum"] for a in rest}
+    assert momentum == {f.worker.path_specific_momentum_bytes}
     # one worker: its train task writes its path's modules and reads their versions
     for p in range(f.num_paths):
         mine = [a for a in run.accesses if a.task == train_id(1, p)]

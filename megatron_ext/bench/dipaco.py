@@ -23,9 +23,8 @@ SQLite queue) is trained first; then
   max |Δθ| of the final modules against the clean run; and the whole job killed mid-phase and
   relaunched (``faults.job_killed_mid_phase``): tasks re-leased, done tasks claimed again (0),
   max |Δθ| against the clean run;
-- ``trends`` (``--trends``): the paper's comparisons at this small scale, printed, not asserted:
-  routing every W tokens vs once per sequence, discriminative vs generative routing, DiPaCo vs
-  flat MoE at equal paths, DiLoCo vs fully synchronous training.
+The paper's own comparisons, with its baselines, are ``megatron-ext bench paper dipaco``
+(:mod:`megatron_ext.bench.paper.dipaco`).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from megatron_ext.bench.common import write_json
 
 DESCRIPTION = (
     "DiPaCo: bytes per outer step vs DDP, outer-step time split, queue latency on SQLite and "
-    "PostgreSQL, fault figures, the paper's trends at small scale (figures + JSON)"
+    "PostgreSQL, fault figures (figures + JSON)"
 )
 RECIPE = "dipaco_tiny"
 OWN_EMBEDDING = (
@@ -51,7 +50,7 @@ OWN_EMBEDDING = (
 
 QUICK = {"clients": [1, 2], "tasks": 20, "sizes": [100_000], "paths": [1, 4]}
 EXAMPLE = "megatron-ext bench dipaco --quick --json runs/bench_dipaco.json"
-#: the JSON's top-level keys (``faults`` with ``--faults``, ``trends`` with ``--trends``)
+#: the JSON's top-level keys (``faults`` with ``--faults``)
 JSON_KEYS = (
     "tau",
     "paths",
@@ -70,7 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 4_000_000])
     parser.add_argument("--paths", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--faults", action="store_true", help="also run the fault scenario")
-    parser.add_argument("--trends", action="store_true", help="also run the paper's comparisons")
     parser.add_argument("--workdir", default="", help="keep the runs here (default: temporary)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
 
@@ -82,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         report = _measure(args, work)
-    print(json.dumps({k: v for k, v in report.items() if k != "trends_runs"}, indent=2))
+    print(json.dumps(report, indent=2))
     write_json(report, args.json)
     return 0
 
@@ -125,8 +123,6 @@ def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     report["queue"] = _queue(args, work)
     if args.faults:
         report["faults"] = _faults(data, work, recipe, wall)
-    if args.trends:
-        report["trends"] = _trends(data, work, recipe)
     return report
 
 
@@ -248,38 +244,4 @@ def _stopped_job(data: Path, work: Path, clean) -> dict[str, Any]:
         f"{out['done_tasks_claimed_again']} done tasks claimed again, {out['wall_s']:.1f} s "
         f"wall, max |dtheta| vs clean {out['max_abs_dtheta_vs_clean']}"
     )
-    return out
-
-
-def _trends(data: Path, work: Path, clean) -> dict[str, Any]:
-    from megatron_ext.dipaco.measure import small_overrides, small_run
-
-    base = json.loads((Path(clean.run_dir) / "summary.json").read_text())["perplexity"]
-    variants = {
-        "generative": ["dipaco.routing=generative"],
-        "flat_moe_4": ["dipaco.modules_per_level=[4]", "dipaco.level_parts=[]"],
-        "diloco_1path": [
-            "dipaco.modules_per_level=[1]",
-            "dipaco.level_parts=[]",
-            "dipaco.train_overlap=1",
-        ],
-        "synchronous_1path": [
-            "dipaco.modules_per_level=[1]",
-            "dipaco.level_parts=[]",
-            "dipaco.train_overlap=1",
-            "dipaco.outer_lr=1.0",
-            "dipaco.outer_momentum=0.0",
-        ],
-    }
-    out = {"dipaco_2x2_discriminative": base}
-    for name, extra in variants.items():
-        overrides = [*small_overrides(data, work / f"trend_{name}"), *extra]
-        try:
-            small_run(RECIPE, overrides)
-        except RuntimeError as exc:  # a figure is missing, the others stand
-            print(f"trend {name}: run failed: {str(exc)[-500:]}")
-            continue
-        out[name] = json.loads((work / f"trend_{name}" / "summary.json").read_text())["perplexity"]
-    for name, ppl in out.items():
-        print(f"trend {name:<28} " + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items()))
     return out

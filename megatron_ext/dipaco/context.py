@@ -126,13 +126,13 @@ class TaskContext:
         saved = load_tensors(self.done(outer_id(version - 1, module)) / "module.pt")
         return saved["params"], saved["momentum"]
 
-    def path_state(self, version: int, path: int) -> tuple[dict, dict | None]:
-        """(path-specific parameters, inner optimizer state or None) of ``path`` at
-        ``version`` (after ``version`` phases)."""
+    def path_state(self, version: int, path: int) -> tuple[dict, dict | None, dict | None]:
+        """(path-specific parameters, inner optimizer state or None, their outer momentum or
+        None) of ``path`` at ``version`` (after ``version`` phases)."""
         if version == 0:
-            return self.base_part(None), None
+            return self.base_part(None), None, None
         saved = load_tensors(self.done(train_id(version - 1, path)) / "state.pt")
-        return saved["specific"], saved["optimizer"]
+        return saved["specific"], saved["optimizer"], saved["specific_momentum"] or None
 
     def composition(self, version: int, path: int) -> list[dict[str, torch.Tensor]]:
         """Every part of ``path`` at ``version``: its modules, then its own parameters."""

@@ -30,6 +30,7 @@ from megatron_ext.dipaco.data import document_batch
 from megatron_ext.dipaco.features import chunk_spans
 from megatron_ext.dipaco.plan import final_id, route_id, shard_phase, train_id
 from megatron_ext.dipaco.queue import Lease
+from megatron_ext.dipaco.recipe import eval_tokens
 from megatron_ext.dipaco.routing import Router, fit_discriminative
 from megatron_ext.dipaco.store import assign_params, load_tensors
 from megatron_ext.run.metrics import MetricsLogger
@@ -72,9 +73,11 @@ def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     paths = layout.num_paths
     split, feats = ctx.split(), ctx.features()
     _, dataset = ctx.corpus
-    r, max_tokens = d.route_tokens, ctx.recipe.training.seq_length + 1
-    lengths = [int(n) for n in document_batch(dataset, split["eval"], max_tokens).lengths]
-    router_lengths = [int(n) for n in document_batch(dataset, split["router"], max_tokens).lengths]
+    r = d.route_tokens
+    eval_length = eval_tokens(ctx.recipe)  # the paper's 2,048 (+ 1) where the recipe says so
+    lengths = [int(n) for n in document_batch(dataset, split["eval"], eval_length).lengths]
+    router_docs = document_batch(dataset, split["router"], eval_length)
+    router_lengths = [int(n) for n in router_docs.lengths]
     finals = [
         load_tensors(ctx.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
     ]
@@ -85,7 +88,7 @@ def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
     # the base model
     pm = ctx.path_model
     assign_params(pm.model, *ctx.composition(0, 0))
-    base_losses = pm.token_losses(document_batch(dataset, split["eval"], max_tokens))
+    base_losses = pm.token_losses(document_batch(dataset, split["eval"], eval_length))
     once_spans = [[(0, min(r, n)), (min(r, n), n)] for n in lengths]
     results["base"] = _mean(routed_loss([base_losses], [[0] for _ in lengths], once_spans))
     # once per sequence: the last training router on the prefix

@@ -2,6 +2,9 @@
 
 - prefix features: over each document's first ``route_tokens`` tokens (train, router and
   evaluation documents); the prefix is never scored;
+- evaluation and router documents are read to ``dipaco.eval_seq_length`` tokens (the paper's
+  2,048), training documents to ``training.seq_length`` (prefix features are the same either
+  way: the model is causal);
 - chunk features (evaluation and router documents, for each W of ``eval_every_tokens``):
   chunk 0 is the prefix, chunk i >= 1 the tokens ``[R + (i-1)W, R + iW)``; chunk i's features
   choose the path for chunk i + 1, so a chunk never routes itself. Stored flat, with each
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_ext.dipaco.data import document_batch
+from megatron_ext.dipaco.recipe import eval_tokens
 from megatron_ext.dipaco.store import assign_params
 
 if TYPE_CHECKING:
@@ -47,7 +51,9 @@ def base_features(ctx: TaskContext, split: dict[str, np.ndarray]) -> dict[str, n
     out: dict[str, np.ndarray] = {}
     for name in ("train", "router", "eval"):
         ctx.check_lease()
-        docs = document_batch(dataset, split[name], max_tokens)
+        # the W-routers learn on router-document chunks as far as the evaluation reads
+        length = eval_tokens(ctx.recipe) if name != "train" else max_tokens
+        docs = document_batch(dataset, split[name], length)
         out[name] = pm.prefix_features(docs, r).numpy()
         if name == "train":
             continue

@@ -12,6 +12,10 @@ most significant): with K = (2, 3), path 4 = (1, 1). Module (l, e) is used by P 
 A part list is text: whitespace/comma separated tokens, each a block index (``3``), an inclusive
 block range (``1-4``) or a part name (``embedding``, ``final_layernorm``, ``output_layer``).
 
+A level may hold no parts (``dipaco.level_parts: ["", "embedding 0-3 ..."]``): its K_l modules
+are empty and only split the data, so with every part in a K = 1 level the P = K_0 paths share
+all parameters -- DiLoCo with P workers on P shards (the paper's Table 1 baseline).
+
 No torch import: the recipe check builds a layout before any process starts.
 """
 
@@ -160,9 +164,8 @@ class PathLayout:
                 f"{', '.join(missing)} of the model (num_layers={num_layers}) is in no level and "
                 f"not path-specific: add it to dipaco.level_parts or dipaco.path_specific"
             )
-        for i, parts in enumerate(self.level_parts):
-            if not parts:
-                raise ConfigError(f"dipaco.level_parts[{i}] is empty: a level needs parts")
+        if not any(self.level_parts):
+            raise ConfigError("every dipaco.level_parts entry is empty: a level needs parts")
 
     @property
     def num_levels(self) -> int:

@@ -48,9 +48,10 @@ def final_id(path: int) -> str:
 def reshard_phases(recipe: Recipe) -> list[int]:
     """Phases that start from a discriminative re-shard (made after the phase before)."""
     d = recipe.section(DipacoConfig)
-    if d.routing != "discriminative" or d.reshard_every == 0:
+    if d.routing != "discriminative" or d.reshards == 0:
         return []
-    return [t for t in range(1, d.phases) if t % d.reshard_every == 0]
+    # k = 1..R at round(k·T / (R + 1)): one re-shard halfway, R = T - 1 before every phase
+    return sorted({round(k * d.phases / (d.reshards + 1)) for k in range(1, d.reshards + 1)})
 
 
 def shard_phase(recipe: Recipe, phase: int) -> int:

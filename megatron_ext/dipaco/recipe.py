@@ -24,7 +24,7 @@ from megatron_ext.schedules.plan import lr_schedule
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
 
-__all__ = ["DipacoConfig", "check_dipaco", "path_layout", "queue_url"]
+__all__ = ["DipacoConfig", "check_dipaco", "eval_tokens", "path_layout", "queue_url"]
 
 
 @dataclass
@@ -33,7 +33,7 @@ class DipacoConfig:
 
     Phase t: every path trains ``tau`` inner steps from the current versions of its modules;
     then every module (l, e) takes one outer step over the paths that use it; the paths are
-    re-routed (discriminatively) every ``reshard_every`` phases.
+    re-routed (discriminatively) ``reshards`` times, evenly spaced (the paper: once).
     """
 
     # levels x modules (see megatron_ext.dipaco.layout for the part syntax)
@@ -63,12 +63,18 @@ class DipacoConfig:
     # routing
     routing: Literal["generative", "discriminative"] = spec(
         "discriminative",
-        help="generative: balanced k-means (k = P) on prefix features; discriminative: then "
+        help="generative: product k-means (one balanced k-means of K_l per level) on prefix "
+        "features; discriminative: then "
         "logistic regression on each router document's best path, with a frequency bias",
     )
     route_tokens: int = spec(32, ge=1, help="documents are routed on this prefix (never scored)")
     train_overlap: int = spec(2, ge=1, help="each training document goes to its top-k paths")
-    reshard_every: int = spec(1, ge=0, help="discriminative re-shard every k phases; 0 = never")
+    reshards: int = spec(
+        1,
+        ge=0,
+        help="discriminative re-shards, evenly spaced over the phases (the paper: one, "
+        "Sec. 2.4.2); 0 = never",
+    )
     router_fraction: float = spec(0.1, gt=0.0, lt=0.5, help="documents held out to fit routers")
     router_max_iter: int = spec(200, ge=1, help="logistic regression iterations")
     kmeans_max_iter: int = spec(50, ge=1)
@@ -77,6 +83,12 @@ class DipacoConfig:
     val_fraction: float = spec(0.05, gt=0.0, lt=0.5, help="each shard's early-stopping slice")
     eval_every_tokens: list[int] = spec([16, 64], help="W: re-route every W tokens at eval")
     eval_documents: int = spec(256, ge=1, help="held-out documents scored at most")
+    eval_seq_length: int = spec(
+        0,
+        ge=0,
+        help="tokens of each evaluation document scored (its first ones); 0 = "
+        "training.seq_length (the paper: 2,048 at evaluation, 1,024 in training, Sec. 4)",
+    )
     tokenizer_vocab_size: int = spec(
         1024, ge=260, help="SentencePiece vocabulary when data.tokenizer_model must be trained"
     )
@@ -111,6 +123,13 @@ def path_layout(recipe: Recipe) -> PathLayout:
         recipe.model.num_layers,
         tied_output=not recipe.model.untie_embeddings_and_output_weights,
     )
+
+
+def eval_tokens(recipe: Recipe) -> int:
+    """Tokens read of each evaluation document: ``dipaco.eval_seq_length`` (else
+    ``training.seq_length``) + 1, its last scored as a target only."""
+    d = recipe.section(DipacoConfig)
+    return (d.eval_seq_length or recipe.training.seq_length) + 1
 
 
 def queue_url(recipe: Recipe) -> QueueURL:
@@ -152,6 +171,11 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
             "trainer=dipaco trains each path on one rank: set parallel.tensor/pipeline/context/"
             "expert_model_parallel_size to 1 (a rank is one worker)"
         )
+    if d.routing == "discriminative" and d.reshards > d.phases - 1:
+        raise ConfigError(
+            f"dipaco.reshards={d.reshards}: {d.phases} phases leave room for at most "
+            f"{d.phases - 1} re-shards (one before each phase after the first)"
+        )
     if d.train_overlap > layout.num_paths:
         raise ConfigError(
             f"dipaco.train_overlap={d.train_overlap} exceeds the {layout.num_paths} paths"
@@ -160,6 +184,17 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
         raise ConfigError(
             f"dipaco.route_tokens={d.route_tokens} must be below training.seq_length="
             f"{t.seq_length}: the tokens after the prefix are the ones scored"
+        )
+    if d.eval_seq_length and d.eval_seq_length <= d.route_tokens:
+        raise ConfigError(
+            f"dipaco.eval_seq_length={d.eval_seq_length} must exceed dipaco.route_tokens="
+            f"{d.route_tokens}: the tokens after the prefix are the ones scored"
+        )
+    if d.eval_seq_length > t.seq_length and m.position_embedding_type == "learned_absolute":
+        raise ConfigError(
+            f"dipaco.eval_seq_length={d.eval_seq_length} exceeds training.seq_length="
+            f"{t.seq_length}, which learned absolute positions cannot: use "
+            f"model.position_embedding_type=rope or a shorter dipaco.eval_seq_length"
         )
     if not d.eval_every_tokens or any(w < 1 for w in d.eval_every_tokens):
         raise ConfigError(

@@ -1,8 +1,14 @@
 """Coarse routing: documents to paths from features of their prefix (base model hidden states).
 
-- Generative: balanced spherical k-means with k = P (:mod:`megatron_ext.data.clustering`, the
-  same k-means as SOMA's router) on the centred, unit-normalised features; a document's score
-  for path p is its cosine similarity to centroid p.
+- Generative: product k-means (paper: Sec. 7.3 / Table 5, the multi-level baseline). The
+  centred features are split into contiguous sub-vectors, one per level with K_l > 1 (a level of
+  one module chooses nothing and gets no columns); level l's sub-vectors
+  (unit-normalised) get their own balanced spherical k-means with k = K_l
+  (:mod:`megatron_ext.data.clustering`, the one k-means of every router), whose cluster e is
+  module (l, e). Path p = (e_0, ..., e_{L-1}) is the product of its modules' clusters; a
+  document's score for p is the sum over levels of its sub-vector's cosine similarity to
+  centroid (l, e_l). So the paths that share a module share that level's cluster, and which
+  documents a module sees follows cluster similarity. With one level it is flat k-means, k = P.
 - Discriminative: every path scores every router document; its target is the path with the
   lowest loss; a multinomial logistic regression (scikit-learn) on the standardised features
   predicts it; then a per-path bias (:func:`fit_frequency_bias`) makes the predicted path
@@ -15,6 +21,9 @@ top-2 overlapping shards for training, top-1 at evaluation.
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,9 +38,12 @@ _NEVER = -1e9  # the bias of a path that no router document prefers
 
 @dataclass
 class Router:
-    """``mean``/``scale``: (h,) feature standardisation. Generative: ``weights`` (P, h) unit
-    centroids, ``intercept`` and ``bias`` zero. Discriminative: ``weights`` (P, h) regression
-    coefficients, ``intercept`` (P,), ``bias`` (P,) the frequency correction."""
+    """``mean``/``scale``: (h,) feature standardisation. Generative: ``weights`` (P, h), row p
+    the unit centroids of p's modules side by side (level l's in columns ``segments[l] ..
+    segments[l+1]``), ``intercept`` and ``bias`` zero. Discriminative: ``weights`` (P, h)
+    regression coefficients, ``intercept`` (P,), ``bias`` (P,) the frequency correction.
+    ``segments``: (L + 1,) column bounds of the sub-vectors each normalised on its own
+    (generative; discriminative: [0, h], unused)."""
 
     kind: str
     mean: np.ndarray
@@ -39,6 +51,7 @@ class Router:
     weights: np.ndarray
     intercept: np.ndarray
     bias: np.ndarray
+    segments: np.ndarray
 
     @property
     def num_paths(self) -> int:
@@ -48,7 +61,7 @@ class Router:
         """(n, P) float64 scores of (n, h) features (higher = better path)."""
         x = (np.asarray(features, dtype=np.float64) - self.mean) / self.scale
         if self.kind == "generative":
-            x = unit_rows(x, fallback=np.zeros_like(x))
+            x = _unit_segments(x, self.segments)
         z = x @ self.weights.T + self.intercept
         return z + self.bias if with_bias else z
 
@@ -60,30 +73,56 @@ class Router:
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {
             "kind": np.array(self.kind),
-            **{k: getattr(self, k) for k in ("mean", "scale", "weights", "intercept", "bias")},
+            **{k: getattr(self, k) for k in _ARRAYS},
         }
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Router:
-        return cls(
-            str(arrays["kind"]),
-            *(np.asarray(arrays[k]) for k in ("mean", "scale", "weights", "intercept", "bias")),
-        )
+        return cls(str(arrays["kind"]), *(np.asarray(arrays[k]) for k in _ARRAYS))
+
+
+_ARRAYS = ("mean", "scale", "weights", "intercept", "bias", "segments")
+
+
+def _unit_segments(x: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """(n, h) rows with each column segment scaled to unit norm (zero segments stay zero)."""
+    out = np.empty_like(x)
+    for a, b in itertools.pairwise(segments.tolist()):
+        out[:, a:b] = unit_rows(x[:, a:b], fallback=np.zeros_like(x[:, a:b]))
+    return out
 
 
 def fit_generative(
-    features: np.ndarray, num_paths: int, *, max_iter: int, seed: int
+    features: np.ndarray, modules_per_level: Sequence[int], *, max_iter: int, seed: int
 ) -> tuple[Router, np.ndarray]:
-    """Balanced k-means (k = P) of (n, h) features; returns (router, (n,) balanced path of each
-    fitting document: every path gets floor(n/P) or ceil(n/P) of them)."""
+    """Product k-means of (n, h) features over the levels' K_l (see the module docstring);
+    returns (router, (n,) path of each fitting document: the product of its balanced cluster at
+    each level, so every module (l, e) gets floor(n/K_l) or ceil(n/K_l) of them)."""
     x = np.asarray(features, dtype=np.float64)
+    n, h = x.shape
+    ks = [int(k) for k in modules_per_level]
+    # the columns go to the levels that choose (K_l > 1); a level of one module gets none
+    choosing = [level for level, k in enumerate(ks) if k > 1] or [0]
+    if h < len(choosing):
+        raise ValueError(f"{h} feature columns cannot be split over {len(choosing)} levels")
+    widths = dict(zip(choosing, map(len, np.array_split(np.arange(h), len(choosing))), strict=True))
+    segments = np.array([0, *np.cumsum([widths.get(level, 0) for level in range(len(ks))])])
     mean = x.mean(0)
-    result = balanced_spherical_kmeans(
-        unit_rows(x - mean, fallback=np.zeros_like(x)), num_paths, max_iter=max_iter, seed=seed
-    )
-    p, h = result.centroids.shape
-    router = Router("generative", mean, np.ones(h), result.centroids, np.zeros(p), np.zeros(p))
-    return router, result.assignment
+    unit = _unit_segments(x - mean, segments)
+    num_paths = math.prod(ks)
+    weights, path = np.zeros((num_paths, h)), np.zeros(n, dtype=np.int64)
+    # digit of level l in path p: (p // stride_l) % K_l, level 0 most significant (layout)
+    strides = [math.prod(ks[level + 1 :]) for level in range(len(ks))]
+    for level, (k, (a, b)) in enumerate(zip(ks, itertools.pairwise(segments), strict=True)):
+        if k == 1:  # one module: every document's digit is 0, nothing to cluster
+            continue
+        result = balanced_spherical_kmeans(unit[:, a:b], k, max_iter=max_iter, seed=seed + level)
+        digits = (np.arange(num_paths) // strides[level]) % k
+        weights[:, a:b] = result.centroids[digits]
+        path += result.assignment * strides[level]
+    zeros = np.zeros(num_paths)
+    router = Router("generative", mean, np.ones(h), weights, zeros, zeros.copy(), segments)
+    return router, path
 
 
 def fit_discriminative(
@@ -106,7 +145,10 @@ def fit_discriminative(
         if len(classes) == 2:  # sklearn's binary form: one row for the second class
             coef, icpt = np.vstack([-coef / 2, coef / 2]), np.array([-icpt[0] / 2, icpt[0] / 2])
         weights[lr.classes_], intercept[lr.classes_] = coef, icpt
-    router = Router("discriminative", mean, scale, weights, intercept, np.zeros(num_paths))
+    segments = np.array([0, x.shape[1]])
+    router = Router(
+        "discriminative", mean, scale, weights, intercept, np.zeros(num_paths), segments
+    )
     target_freq = np.bincount(targets, minlength=num_paths) / n
     router.bias = fit_frequency_bias(router.scores(x, with_bias=False), target_freq)
     return router

@@ -28,6 +28,7 @@ from megatron_ext.dipaco.model import lm_loss
 from megatron_ext.dipaco.outer import OuterConfig, outer_step
 from megatron_ext.dipaco.plan import score_id
 from megatron_ext.dipaco.queue import Lease
+from megatron_ext.dipaco.recipe import eval_tokens
 from megatron_ext.dipaco.routing import fit_discriminative, fit_generative, shards
 from megatron_ext.dipaco.store import assign_params, load_tensors, save_tensors, split_by_level
 from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
@@ -127,7 +128,7 @@ def base(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
 
 
 def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
-    """Phase 0: base features, balanced k-means shards. Later: the discriminative re-shard."""
+    """Phase 0: base features, product k-means shards. Later: the discriminative re-shard."""
     d, layout, seed = ctx.d, ctx.layout, ctx.recipe.seed
     split, out = ctx.split(), ctx.out(lease)
     if phase == 0:
@@ -136,13 +137,14 @@ def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
         feats = base_features(ctx, split)
         save_arrays(out / "features.npz", **feats)
         router, first = fit_generative(
-            feats["train"], layout.num_paths, max_iter=d.kmeans_max_iter, seed=seed
+            feats["train"], layout.modules_per_level, max_iter=d.kmeans_max_iter, seed=seed
         )
         scores = router.scores(feats["train"])
         scores[np.arange(len(first)), first] = np.inf  # the balanced choice comes first
         routes = np.argsort(-scores, axis=1, kind="stable")[:, : d.train_overlap]
-        kept: list[int] = []
+        routes, filled = _fill_empty_products(routes, router.scores(feats["train"]))
     else:
+        filled = []
         feats = ctx.features()
         losses = np.stack(
             [
@@ -155,21 +157,54 @@ def route(ctx: TaskContext, lease: Lease, phase: int) -> dict[str, Any]:
         routes = router.route(feats["train"], d.train_overlap)
     docs = shards(routes, split["train"], layout.num_paths)
     previous = ctx.shards(phase - 1) if phase > 0 else None
+    # every path's early-stopping slice is drawn once, at phase 0, and kept through every
+    # re-shard, so the losses early stopping compares are on the same documents (paper:
+    # Sec. 2.7); a path never trains on its own slice
+    if phase == 0:
+        vals = [shard_split(s, d.val_fraction, seed, p, 0)[1] for p, s in enumerate(docs)]
+    else:
+        phase0 = ctx.shards(0)
+        vals = [phase0[f"val_{p}"] for p in range(layout.num_paths)]
+    docs = [np.setdiff1d(s, v) for s, v in zip(docs, vals, strict=True)]
     kept = [p for p, s in enumerate(docs) if len(s) == 0]
     if kept and previous is None:
         raise ConfigError(f"paths {kept} got empty shards; add text or use fewer paths")
     arrays, tokens = {}, []
     _, dataset = ctx.corpus
     for p, s in enumerate(docs):
-        if p in kept:  # no training document prefers this path: it keeps its shard
-            train_docs, val_docs = previous[f"train_{p}"], previous[f"val_{p}"]
-        else:
-            train_docs, val_docs = shard_split(s, d.val_fraction, seed, p, phase)
-        arrays[f"train_{p}"], arrays[f"val_{p}"] = train_docs, val_docs
+        # a path no training document prefers keeps its previous training documents
+        train_docs = previous[f"train_{p}"] if p in kept else s
+        arrays[f"train_{p}"], arrays[f"val_{p}"] = train_docs, vals[p]
         tokens.append(int(dataset.sequence_lengths[train_docs].sum()))
     save_arrays(out / "shards.npz", **arrays)
     save_arrays(out / "router.npz", **router.to_arrays())
-    return {"phase": phase, "kind": router.kind, "shard_tokens": tokens, "kept": kept}
+    result = {"phase": phase, "kind": router.kind, "shard_tokens": tokens, "kept": kept}
+    return {**result, "filled": filled}
+
+
+_MIN_FILL = 8  # documents at least: a few may be other paths' early-stopping slices
+
+
+def _fill_empty_products(routes: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Product k-means leaves a path empty when no document is in all its modules' clusters
+    at once (the levels' clusters are correlated). Such a path also gets the documents that
+    score highest for it, as many as the smallest non-empty path has (at least 8), so every path
+    trains on
+    the documents nearest its modules. ``routes`` (n, k), ``scores`` (n, P); returns (routes
+    with one more column per filled path, -1 where a document gains nothing; the paths
+    filled)."""
+    num_paths = scores.shape[1]
+    counts = np.bincount(routes.ravel(), minlength=num_paths)
+    empty = [int(p) for p in np.flatnonzero(counts == 0)]
+    if not empty:
+        return routes, []
+    take = max(int(counts[counts > 0].min()), _MIN_FILL)
+    columns = [routes]
+    for p in empty:
+        column = np.full((len(routes), 1), -1, dtype=routes.dtype)
+        column[np.argsort(-scores[:, p], kind="stable")[:take], 0] = p
+        columns.append(column)
+    return np.concatenate(columns, axis=1), empty
 
 
 def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, Any]:
@@ -179,7 +214,7 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
     shard = ctx.shards(phase)
     stream = ShardStream(dataset, shard[f"train_{path}"])
     val = ShardStream(dataset, shard[f"val_{path}"])
-    specific, opt_state = ctx.path_state(phase, path)
+    specific, opt_state, specific_momentum = ctx.path_state(phase, path)
     modules = [ctx.module(phase, m)[0] for m in ctx.layout.path_modules(path)]
     assign_params(pm.model, *modules, specific)
     val_before = _val_loss(ctx, val)
@@ -205,9 +240,18 @@ def train(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
         return {}
     parts, out = split_by_level(pm.state(), ctx.layout), ctx.out(lease)
     for level in range(ctx.layout.num_levels):
-        save_tensors(out / f"l{level}.pt", parts[level])
+        save_tensors(out / f"l{level}.pt", parts.get(level, {}))  # {}: a level of no parts
+    # the path-specific parts are modules used by one path (P = 1): they take the outer step
+    # too, here, on the worker (weight √1 · 1 = 1; paper: Sec. 2.6.1, "empirically it improves
+    # convergence"); their momentum stays with the path like the parts themselves
+    own, own_momentum = parts.get(None, {}), {}
+    if own:
+        own, own_momentum = outer_step(
+            specific, specific_momentum, {path: 1}, lambda _: parts[None], _outer_config(d)
+        )
     save_tensors(
-        out / "state.pt", {"specific": parts.get(None, {}), "optimizer": optimizer.state_dict()}
+        out / "state.pt",
+        {"specific": own, "specific_momentum": own_momentum, "optimizer": optimizer.state_dict()},
     )
     return {
         "phase": phase,
@@ -237,6 +281,17 @@ def _inner_optimizer(ctx: TaskContext, path: int) -> Any:
     return InnerOptimizer(list(model.named_parameters()), opt)
 
 
+def _outer_config(d: Any) -> OuterConfig:
+    """The recipe's outer optimizer (``dipaco.outer_*``, the paper's two switches)."""
+    return OuterConfig(
+        lr=d.outer_lr,
+        momentum=d.outer_momentum,
+        nesterov=d.outer_nesterov,
+        sqrt_p_scaling=d.sqrt_p_scaling,
+        alpha_weighting=d.alpha_weighting,
+    )
+
+
 def outer(ctx: TaskContext, lease: Lease, phase: int, level: int, index: int) -> dict[str, Any]:
     """The outer step of module (level, index) over the paths that used it in ``phase``."""
     from megatron_ext.dipaco.plan import train_id
@@ -245,13 +300,7 @@ def outer(ctx: TaskContext, lease: Lease, phase: int, level: int, index: int) ->
     params, momentum = ctx.module(phase, module)
     users = ctx.layout.paths_of(module)
     tokens = {p: int(ctx.result(train_id(phase, p))["shard_tokens"]) for p in users}
-    cfg = OuterConfig(
-        lr=d.outer_lr,
-        momentum=d.outer_momentum,
-        nesterov=d.outer_nesterov,
-        sqrt_p_scaling=d.sqrt_p_scaling,
-        alpha_weighting=d.alpha_weighting,
-    )
+    cfg = _outer_config(d)
 
     def load_path(p: int) -> dict[str, torch.Tensor]:
         ctx.check_lease()
@@ -271,17 +320,22 @@ def score(ctx: TaskContext, lease: Lease, phase: int, path: int) -> dict[str, An
     return {"phase": phase, "path": path}
 
 
-def _path_losses(ctx: TaskContext, version: int, path: int, docs: np.ndarray) -> list:
+def _path_losses(
+    ctx: TaskContext, version: int, path: int, docs: np.ndarray, max_tokens: int | None = None
+) -> list:
+    """Per-token losses of ``path`` at ``version`` on ``docs``, each read to ``max_tokens``
+    (None: training.seq_length + 1)."""
     _, dataset = ctx.corpus
     pm = ctx.path_model
     assign_params(pm.model, *ctx.composition(version, path))
-    batch = document_batch(dataset, docs, ctx.recipe.training.seq_length + 1)
+    batch = document_batch(dataset, docs, max_tokens or ctx.recipe.training.seq_length + 1)
     return pm.token_losses(batch)
 
 
 def final(ctx: TaskContext, lease: Lease, path: int) -> dict[str, Any]:
-    """Early stopping: the version with the lowest validation loss on the path's last shard
-    slice; its per-token losses on the evaluation documents."""
+    """Early stopping: the version with the lowest validation loss on the path's fixed
+    early-stopping slice (drawn at phase 0, the same documents for every version); its
+    per-token losses on the evaluation documents."""
     from megatron_ext.dipaco.plan import train_id
 
     d = ctx.d
@@ -295,6 +349,7 @@ def final(ctx: TaskContext, lease: Lease, path: int) -> dict[str, Any]:
     split = ctx.split()
     out = ctx.out(lease)
     for name in ("eval", "router"):
-        losses = _path_losses(ctx, best, path, split[name])
+        length = eval_tokens(ctx.recipe)  # router chunks train the W-routers
+        losses = _path_losses(ctx, best, path, split[name], length)
         save_tensors(out / f"{name}_losses.pt", {"losses": losses})
     return {"path": path, "val": history, "best_version": best}

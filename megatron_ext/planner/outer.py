@@ -16,10 +16,13 @@ For module m = (l, e), S_m bytes as stored, used by the P_m = P / K_l paths:
 
 Phase 0 writes the same, reads the same path copies, but its versions are the base model's
 (``model.pt`` of the base task, loaded whole once per worker process and kept): no
-``module.pt`` and no momentum is read. Not counted anywhere: ``state.pt``, which each train task
-writes and the path's next one reads (the path-specific parameters and the inner optimizer
-state: the path's own, never the outer step's); ``path_specific_bytes`` says how big the
-parameters in it are, and they move 0 bytes to an outer executor.
+``module.pt`` and no momentum is read. Not counted in the store totals: ``state.pt``, which
+each train task writes and the path's next one reads (the path's own: its path-specific
+parameters, their outer
+momentum -- the train task applies the outer step to them itself, P = 1, paper Sec. 2.6.1 --
+and the inner optimizer state); ``path_specific_bytes`` says how big the parameters in it are,
+``path_specific_momentum_bytes`` their momentum (the same size, kept in the parameters'
+dtypes), and they move 0 bytes to an outer executor.
 
 Sizes: the elements are :func:`megatron_ext.planner.params.gpt_parameters` (megatron-core's
 ``GPTModel.named_parameters()`` as the worker builds it) split into modules by the layout's own
@@ -33,7 +36,9 @@ or ``auto`` without TE). ``auto`` is planned as Transformer Engine, as the GPT p
 DiLoCo: this trainer's DiLoCo is ``dipaco.modules_per_level: [1]``, one module holding every
 shared part and one path (P = prod K_l = 1): its outer step reads one path copy. The paper's
 DiLoCo baseline, P workers on P shards sharing every parameter, is not a configuration of this
-trainer (a module shared by every path needs K_l = 1 at every level, hence P = 1).
+trainer's layouts with parts at every level; it is a level of no parts (``dipaco.level_parts:
+["", ...]``, :mod:`megatron_ext.dipaco.layout`): K_0 empty modules that move 0 bytes, and one
+module holding every part read by all P = K_0 paths.
 """
 
 from __future__ import annotations
@@ -142,6 +147,11 @@ class WorkerTraffic:
     path_specific_bytes: int  # its own parameters (in state.pt, never sent to an executor)
 
     @property
+    def path_specific_momentum_bytes(self) -> int:
+        """The outer momentum of its own parameters (in state.pt beside them, same dtypes)."""
+        return self.path_specific_bytes
+
+    @property
     def writes(self) -> int:
         """Its trained copy of each of its modules (``l{l}.pt``)."""
         return sum(self.level_bytes)
@@ -157,6 +167,7 @@ class WorkerTraffic:
             "writes": self.writes,
             "reads": self.reads,
             "path_specific_bytes": self.path_specific_bytes,
+            "path_specific_momentum_bytes": self.path_specific_momentum_bytes,
         }
 
 
@@ -294,7 +305,8 @@ def outer_figures(recipe: Recipe, name: str = "", vocab_size: int | None = None)
         "phase 0 writes the same and reads the same path copies; its versions come from the "
         "base model (read whole once per worker process), so it reads no module.pt and no "
         "momentum",
-        "state.pt (path-specific parameters + inner optimizer state) is written and read by "
+        "state.pt (path-specific parameters, their outer momentum -- the train task takes "
+        "their outer step, P = 1 -- and the inner optimizer state) is written and read by "
         "the path's own train tasks every phase, not counted",
     ]
     if layout.num_paths == 1:
@@ -331,7 +343,7 @@ def _elements_by_level(
     params: Sequence[PlannedParam], layout: PathLayout, precision: str, te: bool
 ) -> dict[int | None, dict[str, int]]:
     """Elements by stored dtype of each level's module (None: the path-specific parts)."""
-    out: dict[int | None, dict[str, int]] = {}
+    out: dict[int | None, dict[str, int]] = {level: {} for level in range(layout.num_levels)}
     for p in params:
         level = out.setdefault(layout.param_level(p.name), {})
         dtype = stored_dtype(p.name, precision, te)
@@ -388,7 +400,8 @@ def format_outer(figures: OuterFigures) -> str:
             f"{_size(f.workers_read)}: {_size(f.store_bytes)} ({f.store_bytes:,} B)",
             f"  per worker (one path, {len(w.level_bytes)} module(s)): writes {_size(w.writes)}, "
             f"reads {_size(w.reads)}; its {f.path_specific_numel:,} path-specific elements "
-            f"({_size(w.path_specific_bytes)}) stay with it",
+            f"({_size(w.path_specific_bytes)}, + {_size(w.path_specific_momentum_bytes)} of "
+            f"outer momentum: the worker takes their outer step) stay with it",
             *(f"  note: {n}" for n in f.notes),
         ]
     )

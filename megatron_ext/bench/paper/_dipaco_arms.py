@@ -1,0 +1,216 @@
+"""The arms of ``megatron-ext bench paper dipaco``: each a DiPaCo-trainer run (the real tasks,
+claimed from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process)
+built as the paper defines its baselines, and the evaluations the claims read.
+
+Every arm of one seed starts from the same dense base model (the first arm trains it, the others
+read its ``model.pt`` through ``dipaco.base_checkpoint``) and the same document split; every path
+takes ``phases · τ`` inner steps of the same batch size, so the arms are at equal steps, and
+the P-path arms (DiPaCo, flat MoE, DiLoCo) at equal tokens and FLOPs (paper: Sec. 4, Table 1):
+
+- ``dipaco_2x2`` / ``dipaco_4x4`` (discriminative: product k-means, then one discriminative
+  re-shard halfway) and their ``_gen`` twins (product k-means only);
+- ``dense``: one path holding every parameter, outer lr 1 and momentum 0 (the outer step then
+  returns the path's own weights exactly): the base model trained on, at equal steps (Fig. 8);
+- ``diloco``: P = 4 workers sharing every parameter: a level of 4 empty modules that only
+  splits the data (the product k-means shards of DiPaCo 2x2's level sizes are replaced by K = 4)
+  and one module of everything used by all 4 paths; the outer step averages the 4 workers'
+  deltas (DiLoCo's plain mean: no √P, no token weights; Douillard et al. 2023) (Table 1);
+- ``flat_moe``: 4 independent paths (one level of K = 4 modules, nothing shared), discriminative
+  routing as the paper's flat MoE (Sec. 2.6.3, Tables 1-2);
+- ``path_specific``: DiPaCo 2x2 with blocks 0 and 3 path-specific (the paper: blocks 0, 5, 6, 11
+  of 12 and the embedding, Sec. 4.2 / Fig. 9);
+- ``full_sync``: DiPaCo 2x2 (generative shards) trained with per-step, per-module gradient
+  aggregation (:mod:`megatron_ext.dipaco.full_sync`, Sec. 4.5).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RECIPE = "dipaco_tiny"
+LEVELS_2 = "dipaco.level_parts=['embedding 0-1', '2-3 final_layernorm output_layer']"
+ALL_PARTS = "embedding 0-3 final_layernorm output_layer"
+
+#: arm -> its overrides on top of the size's (see the module docstring)
+ARMS: dict[str, list[str]] = {
+    "dipaco_2x2": ["dipaco.modules_per_level=[2,2]", LEVELS_2],
+    "dipaco_2x2_gen": ["dipaco.modules_per_level=[2,2]", LEVELS_2, "dipaco.routing=generative"],
+    "dipaco_4x4": ["dipaco.modules_per_level=[4,4]", LEVELS_2],
+    "dipaco_4x4_gen": ["dipaco.modules_per_level=[4,4]", LEVELS_2, "dipaco.routing=generative"],
+    "dense": [
+        "dipaco.modules_per_level=[1]",
+        "dipaco.level_parts=[]",
+        "dipaco.train_overlap=1",
+        "dipaco.routing=generative",
+        "dipaco.outer_lr=1.0",
+        "dipaco.outer_momentum=0.0",
+    ],
+    "diloco": [
+        "dipaco.modules_per_level=[4,1]",
+        f"dipaco.level_parts=['', '{ALL_PARTS}']",
+        "dipaco.routing=generative",
+        "dipaco.sqrt_p_scaling=false",
+        "dipaco.alpha_weighting=false",
+    ],
+    "flat_moe": ["dipaco.modules_per_level=[4]", "dipaco.level_parts=[]"],
+    "path_specific": [
+        "dipaco.modules_per_level=[2,2]",
+        "dipaco.level_parts=['embedding 1', '2 final_layernorm output_layer']",
+        "dipaco.path_specific=0 3",
+    ],
+}
+
+#: size -> overrides of dipaco_tiny (after measure.small_overrides' paths and queue timing)
+SIZES: dict[str, list[str]] = {
+    "quick": [
+        "model.hidden_size=32",
+        "model.num_attention_heads=2",
+        "model.ffn_hidden_size=64",
+        "training.seq_length=32",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=4",
+        "training.steps=2",
+        "training.lr_warmup_steps=1",
+        "dipaco.tau=1",
+        "dipaco.phases=2",
+        "dipaco.route_tokens=8",
+        "dipaco.eval_every_tokens=[64,32,16]",
+        "dipaco.eval_seq_length=136",
+        "dipaco.eval_documents=8",
+        "dipaco.router_fraction=0.05",
+        "dipaco.tokenizer_vocab_size=400",
+    ],
+    "full": [
+        "model.hidden_size=64",
+        "model.num_attention_heads=4",
+        "model.ffn_hidden_size=192",
+        "training.seq_length=96",
+        "training.micro_batch_size=8",
+        "training.global_batch_size=8",
+        "training.steps=200",
+        "training.lr_warmup_steps=20",
+        "dipaco.tau=20",
+        "dipaco.phases=6",
+        "dipaco.route_tokens=16",
+        "dipaco.eval_every_tokens=[64,32,16]",
+        "dipaco.eval_seq_length=208",
+        "dipaco.eval_documents=128",
+        "dipaco.router_fraction=0.1",
+        "dipaco.tokenizer_vocab_size=1024",
+    ],
+}
+#: documents of the Python Language Reference each size trains on
+CORPUS = {"quick": 400, "full": 1200}
+
+
+def arm_overrides(
+    arm: str, size: str, seed: int, data: Path, run_dir: Path, base: Path | None
+) -> list[str]:
+    """The overrides of ``dipaco_tiny`` for ``arm`` at ``size`` and ``seed``."""
+    from megatron_ext.dipaco.measure import small_overrides
+
+    own = [o for o in small_overrides(data, run_dir) if o.split("=")[0] not in _SIZED]
+    extra = [f"seed={seed}", *SIZES[size], *ARMS.get(arm, ARMS["dipaco_2x2_gen"])]
+    if arm == "full_sync":
+        extra.append("dipaco.reshards=0")
+    if base is not None:
+        extra.append(f"dipaco.base_checkpoint={base}")
+    return [*own, *extra]
+
+
+_SIZED = {o.split("=")[0] for o in SIZES["quick"]}
+
+
+def run_arm(recipe: Any, kinds: tuple[str, ...] | None = None) -> None:
+    """The run of ``recipe`` in this process to the end (or only the tasks of ``kinds``)."""
+    from megatron_ext.dipaco.plan import build_plan
+    from megatron_ext.dipaco.worker import run_worker
+
+    wanted = [t.id for t in build_plan(recipe) if kinds is None or t.kind in kinds]
+    report = run_worker(recipe, name="bench", max_tasks=len(wanted))
+    if sorted(report.completed) != sorted(wanted):
+        missing = sorted(set(wanted) - set(report.completed))
+        raise RuntimeError(f"{recipe.run_dir}: tasks not done: {missing[:5]}")
+
+
+def context(recipe: Any) -> Any:
+    """A :class:`~megatron_ext.dipaco.context.TaskContext` over a finished run."""
+    from megatron_ext.dipaco.context import TaskContext
+    from megatron_ext.dipaco.worker import open_run_queue
+
+    return TaskContext(recipe, open_run_queue(recipe, worker="bench-read"), lambda: False)
+
+
+def base_model(ctx: Any) -> Path:
+    """The ``model.pt`` of the run's base task."""
+    from megatron_ext.dipaco.plan import BASE
+
+    return ctx.done(BASE) / "model.pt"
+
+
+def summary(recipe: Any) -> dict[str, Any]:
+    return json.loads((Path(recipe.run_dir) / "summary.json").read_text())
+
+
+def once_perplexity(ctx: Any, compositions: list[list[dict]], route_phase: int) -> float:
+    """Perplexity on the evaluation documents (read to ``dipaco.eval_seq_length``) after the
+    prefix, each document scored by one path: the top-1 of the router of ``route_phase`` on
+    its prefix features; path p's parameters are ``compositions[p]`` (its modules, its own)."""
+    from megatron_ext.dipaco.data import document_batch
+    from megatron_ext.dipaco.evaluate import routed_loss
+    from megatron_ext.dipaco.recipe import eval_tokens
+    from megatron_ext.dipaco.routing import Router
+    from megatron_ext.dipaco.store import assign_params
+
+    _, dataset = ctx.corpus
+    split, feats = ctx.split(), ctx.features()
+    router = Router.from_arrays(ctx.router_arrays(route_phase))
+    top = router.route(feats["eval"], 1)[:, 0]
+    docs = document_batch(dataset, split["eval"], eval_tokens(ctx.recipe))
+    pm, r = ctx.path_model, ctx.d.route_tokens
+    losses: list[Any] = [None] * len(compositions)
+    for p in sorted({int(x) for x in top}):
+        assign_params(pm.model, *compositions[p])
+        losses[p] = pm.token_losses(docs)
+    lengths = [int(n) for n in docs.lengths]
+    spans = [[(0, min(r, n)), (min(r, n), n)] for n in lengths]
+    nats, count = routed_loss(losses, [[int(p)] for p in top], spans)
+    return float(np.exp(nats / max(count, 1)))
+
+
+def early_stopping_perplexities(recipe: Any) -> dict[str, Any]:
+    """Once-per-sequence perplexity of a finished run with each path at its early-stopping
+    version (``on``: what the ``final`` task chose) and at its last version (``off``)."""
+    from megatron_ext.dipaco.plan import final_id, shard_phase
+
+    ctx = context(recipe)
+    d, layout = ctx.d, ctx.layout
+    best = [int(ctx.result(final_id(p))["best_version"]) for p in range(layout.num_paths)]
+    route = shard_phase(recipe, d.phases - 1)
+    on = [ctx.composition(v, p) for p, v in enumerate(best)]
+    off = [ctx.composition(d.phases, p) for p in range(layout.num_paths)]
+    return {
+        "on": once_perplexity(ctx, on, route),
+        "off": once_perplexity(ctx, off, route),
+        "best_versions": best,
+        "last_version": d.phases,
+    }
+
+
+def full_sync_perplexity(recipe: Any) -> dict[str, Any]:
+    """Train ``recipe``'s paths fully synchronously (its prepare/base/route tasks run first)
+    and return their once-per-sequence perplexity with the phase-0 router."""
+    from megatron_ext.dipaco.full_sync import full_sync_train
+
+    run_arm(recipe, ("prepare", "base", "route"))
+    ctx = context(recipe)
+    modules, own = full_sync_train(ctx)
+    layout = ctx.layout
+    compositions = [
+        [*(modules[m] for m in layout.path_modules(p)), own[p]] for p in range(layout.num_paths)
+    ]
+    return {"once": once_perplexity(ctx, compositions, 0)}
