@@ -199,18 +199,10 @@ def test_a_damaged_named_checkpoint_stops_with_one_line_and_exit_2(recipe, strai
 
 
 def test_a_signalled_soma_run_saves_its_experts_and_exits_cleanly(tmp_path):
-    from megatron_ext.data.corpus import python_stdlib_documents
-    from tests.test_soma_trainer import TINY
+    from tests.test_soma_trainer import TINY, write_stdlib_corpus
 
     # real documents: SOMA's test set is held-out documents, each long enough for a window
-    docs, size = [], 0
-    for doc in python_stdlib_documents():
-        docs.append(doc)
-        size += len(doc.encode())
-        if size > 120_000:
-            break
-    corpus = tmp_path / "docs.txt"
-    corpus.write_text("\n\n".join(docs), encoding="utf-8")
+    corpus = write_stdlib_corpus(tmp_path / "docs.txt")
     raw = json.loads(json.dumps(TINY))
     raw["soma"].update(expert_updates=100_000, eval_interval=1)
     raw |= {"run_dir": str(tmp_path / "soma"), "data": {"source": [str(corpus)]}}

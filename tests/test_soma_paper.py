@@ -130,18 +130,9 @@ def test_wide_head_step_is_the_decoder_path_delta_rule():
 def test_wide_experts_train_their_own_heads(tmp_path):
     """A wide two-expert run: each expert's head moved away from the seed's and the two differ
     (updated locally, never shared: paper App. I 'The saved heads differ across experts')."""
-    from tests.test_soma_trainer import TINY, train_here
+    from tests.test_soma_trainer import TINY, train_here, write_stdlib_corpus
 
-    corpus = tmp_path / "docs.txt"
-    from megatron_ext.data.corpus import python_stdlib_documents
-
-    docs, size = [], 0
-    for doc in python_stdlib_documents():
-        docs.append(doc)
-        size += len(doc.encode())
-        if size > 120_000:
-            break
-    corpus.write_text("\n\n".join(docs), encoding="utf-8")
+    corpus = write_stdlib_corpus(tmp_path / "docs.txt")
     raw = json.loads(json.dumps(TINY))
     raw.update(run_dir=str(tmp_path / "wide"), data={"source": [str(corpus)]})
     raw["soma"].update(d_model=12, expert_updates=3, seed_updates=2, accumulation=1)

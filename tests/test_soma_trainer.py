@@ -57,15 +57,20 @@ TINY = {
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """~120 KB of real English-ish text: the first stdlib docstrings, as one .txt file."""
+    return write_stdlib_corpus(tmp_path_factory.mktemp("soma_corpus") / "docs.txt")
+
+
+def write_stdlib_corpus(path: Path, max_bytes: int = 120_000) -> Path:
+    """The first stdlib docstrings (real documents, each long enough for SOMA's held-out test
+    windows) until ``max_bytes``, as one .txt file at ``path``."""
     from megatron_ext.data.corpus import python_stdlib_documents
 
     docs, size = [], 0
     for doc in python_stdlib_documents():
         docs.append(doc)
         size += len(doc.encode())
-        if size > 120_000:
+        if size > max_bytes:
             break
-    path = tmp_path_factory.mktemp("soma_corpus") / "docs.txt"
     path.write_text("\n\n".join(docs), encoding="utf-8")
     return path
 
