@@ -19,7 +19,7 @@ PYTHON312 ?= $(shell \
     done; \
   fi)
 
-.PHONY: venv demo test test-fast lint bench clean help
+.PHONY: venv demo test test-fast lint bench results clean help
 
 help:
 	@echo "make demo   - train the tiny CPU GPT recipe on 2 gloo ranks (runs/demo/)"
@@ -27,6 +27,7 @@ help:
 	@echo "make test-fast - the in-process tests only (no torchrun, no subprocess): the edit-test loop"
 	@echo "make lint   - ruff"
 	@echo "make bench  - optimizer benchmark (megatron-ext bench optimizers)"
+	@echo "make results - render docs/results/*/*.md from the benchmarks' JSON (megatron-ext docs results)"
 
 $(STAMP): setup.py constraints.txt
 	@if [ ! -x "$(PY)" ]; then \
@@ -60,6 +61,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/megatron-ext bench optimizers
+
+results: $(STAMP)
+	$(VENV)/bin/megatron-ext docs results
 
 clean:
 	rm -rf runs build *.egg-info

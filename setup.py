@@ -115,6 +115,7 @@ setup(
             "bench = megatron_ext.bench.cli:COMMAND",
             "soma = megatron_ext.soma.cli:COMMAND",
             "dipaco = megatron_ext.dipaco.cli:COMMAND",
+            "docs = megatron_ext.docs.cli:COMMAND",
         ],
         "megatron_ext.benchmarks": [
             f"{name} = megatron_ext.bench.{name}"

@@ -65,15 +65,22 @@ def test_report_holds_every_claim() -> None:
         ),
     ]
     result = StudyResult(claims, {"steps": 10}, {"A": {1: {"loss": 1.0}}}, ["curves.png"], ["n1"])
-    machine = {"cpu": "test cpu", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "x"}
-    report = payload(
-        "toy", "toy.txt", result, [1, 2], "quick", machine, "megatron-ext bench paper toy"
-    )
+    meta = {
+        "benchmark": "paper",
+        "command": "megatron-ext bench paper toy",
+        "date": "2026-12-04 00:00 UTC",
+        "machine": {"cpu": "test cpu", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "x"},
+        "load_average": [1.0, 1.0, 1.0],
+        "anchor": "each claim's baseline arm",
+    }
+    report = payload("toy", "toy.txt", result, [1, 2], "quick", meta)
     assert tuple(report) == JSON_KEYS
     assert [c["verdict"] for c in report["claims"]] == ["reproduced", "not reproduced"]
     assert report["claims"][0]["mean"] == pytest.approx(0.4)
     assert report["claims"][0]["spread"] == pytest.approx(0.2)
     page = markdown(report, "Toy")
+    assert "- command: `megatron-ext bench paper toy`" in page
+    assert "- machine: test cpu, 2 cores, no GPU; torch x" in page
     assert "| A beats B | Fig. 1 | 0.10 nats |" in page
     assert "**reproduced**" in page and "**not reproduced**" in page
     assert "0.3, 0.5" in page and "(≈ 0 within 0.05)" in page

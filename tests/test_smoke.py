@@ -287,6 +287,7 @@ COMMAND_TESTS = {
     "soma eval": "test_soma_trainer.py::test_soma_eval_and_generate_on_a_trained_run",
     "soma generate": "test_soma_trainer.py::test_soma_eval_and_generate_on_a_trained_run",
     "soma variance": "test_soma_variance.py::test_the_variance_command_writes_the_paper_claims",
+    "docs results": "test_docs_results.py::test_check_fails_after_a_json_value_changes",
 }
 
 

@@ -2,7 +2,9 @@
 
 A benchmark is a module that defines ``DESCRIPTION`` (one line), ``EXAMPLE`` (its smoke-run
 command line), ``QUICK`` (the ``--quick`` settings), ``JSON_KEYS`` (the keys of the JSON report
-it writes), ``add_arguments(parser)`` and ``run(args) -> int``. It is registered as an entry
+it writes, ``meta`` among them: :func:`megatron_ext.bench.common.write_json` stamps it),
+``ANCHOR`` (in words, the baseline its ratios and deltas are measured against, in the same run),
+``add_arguments(parser)`` and ``run(args) -> int``. It is registered as an entry
 point of the group ``megatron_ext.benchmarks`` naming the module (``soma =
 megatron_ext.bench.soma`` in ``setup.py``, or in another distribution's metadata:
 :mod:`megatron_ext.registry`); the entry's name is the benchmark's. Modules here whose name
@@ -20,7 +22,7 @@ from megatron_ext.registry import Registry
 __all__ = ["BENCHMARKS", "INTERFACE", "benchmarks"]
 
 #: What a benchmark module defines.
-INTERFACE = ("DESCRIPTION", "EXAMPLE", "QUICK", "JSON_KEYS", "add_arguments", "run")
+INTERFACE = ("DESCRIPTION", "EXAMPLE", "QUICK", "JSON_KEYS", "ANCHOR", "add_arguments", "run")
 
 
 def _check_benchmark(module: ModuleType) -> None:

@@ -55,7 +55,10 @@ def apply_quick(args: argparse.Namespace, quick: dict[str, Any]) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from megatron_ext.bench.common import begin_run
+
     module = benchmarks()[args.bench_name]
+    begin_run(args.bench_name, module.ANCHOR)  # every JSON this run writes carries it as meta
     if args.quick:
         applied = apply_quick(args, module.QUICK)
         print(f"[{args.bench_name}] --quick: {' '.join(applied) or 'nothing left to set'}")

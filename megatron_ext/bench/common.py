@@ -45,11 +45,13 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 def write_json(report: dict[str, Any], path: str | None) -> None:
     """Write a benchmark's report to ``path`` when given (the one atomic JSON writer) and say
-    so."""
+    so. The file carries ``meta`` (:func:`run_meta`: command, date, machine, anchor) beside the
+    benchmark's own keys: every results file says how, when, where and against what it was
+    measured."""
     if path:
         from megatron_ext.atomic import write_json as write_json_atomic
 
-        write_json_atomic(path, report)
+        write_json_atomic(path, {**report, "meta": run_meta()})
         print(f"wrote {path}")
 
 
@@ -152,10 +154,11 @@ def _field(recipe: Any, dotted: str) -> Any:
 
 
 def machine() -> dict[str, Any]:
-    """The machine a benchmark ran on, for its report: CPU model, cores, torch's thread count and
-    the GPU (``None`` without CUDA)."""
+    """The machine a benchmark ran on, for its report: CPU model, cores, torch's thread count,
+    the GPU (``None`` without CUDA) and the torch and megatron-core versions."""
     import os
     import platform
+    from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
@@ -168,12 +171,17 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        mcore: str | None = version("megatron-core")
+    except PackageNotFoundError:  # said in the JSON as null, not guessed
+        mcore = None
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "gpu": gpu,
         "torch": torch.__version__,
+        "megatron_core": mcore,
     }
 
 
@@ -182,3 +190,41 @@ def command_line() -> str:
     import shlex
 
     return shlex.join(["megatron-ext", *sys.argv[1:]])
+
+
+#: the running benchmark's ``meta`` (set once per run by the bench dispatcher, :func:`begin_run`)
+_RUN_META: dict[str, Any] | None = None
+
+
+def begin_run(benchmark: str, anchor: str) -> dict[str, Any]:
+    """Record this run's ``meta`` -- ``benchmark``, ``command`` (:func:`command_line`), ``date``
+    (UTC, minutes), ``machine`` (:func:`machine`), ``load_average`` (the 1/5/15-minute load of
+    the host when the run started: a loaded machine distorts times, same-run ratios survive)
+    and ``anchor`` (the baseline the benchmark's ratios are against, the module's ``ANCHOR``) --
+    which :func:`write_json` stamps on every JSON the run writes. Called by ``megatron-ext bench``
+    before the benchmark runs, so no benchmark repeats it."""
+    import datetime
+    import os
+
+    global _RUN_META
+    _RUN_META = {
+        "benchmark": benchmark,
+        "command": command_line(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "anchor": anchor,
+    }
+    return _RUN_META
+
+
+def run_meta() -> dict[str, Any]:
+    """This run's ``meta`` (:func:`begin_run`); a benchmark run outside ``megatron-ext bench``
+    has none, and writing its JSON then stops with that said (a results file without its
+    provenance is no result)."""
+    if _RUN_META is None:
+        raise RuntimeError(
+            "no benchmark run begun: a benchmark's JSON is written through `megatron-ext bench "
+            "NAME` (bench.common.begin_run stamps its command, date, machine and anchor)"
+        )
+    return _RUN_META

@@ -38,7 +38,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 QUICK = {"optimizers": "adamw,muon", "steps": 12, "last": 4}
 EXAMPLE = "megatron-ext bench convergence tiny_cpu_gpt --quick"
 #: the JSON's top-level keys (``convergence.json``); ``results`` holds one entry per variant
-JSON_KEYS = ("recipe", "overrides", "last", "results", "curves")
+JSON_KEYS = ("recipe", "overrides", "last", "results", "curves", "meta")
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = "the first optimizer (adamw by default): same recipe, seed, data order and tokens"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

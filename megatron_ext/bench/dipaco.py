@@ -59,6 +59,12 @@ JSON_KEYS = (
     "comm_path_specific_embedding",
     "outer",
     "queue",
+    "meta",
+)
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = (
+    "data-parallel training (DDP) of the same tokens, counted the same way (comm); "
+    "the clean run (faults)"
 )
 
 

@@ -77,7 +77,10 @@ JSON_KEYS = (
     "speedup_ratio",
     "targets",
     "notes",
+    "meta",
 )
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = "DP=1 in the same run (speedup: the slowest rank's step at DP=n / at DP=1)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

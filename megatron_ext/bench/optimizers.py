@@ -88,7 +88,12 @@ class Workload:
 QUICK = {"layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0}
 EXAMPLE = "megatron-ext bench optimizers --quick --json runs/bench_optimizers.json"
 #: the JSON's top-level keys; ``results`` holds one entry per mode that ran
-JSON_KEYS = ("workload", "machine", "steps", "warmup", "interleave", "results", "ratios")
+JSON_KEYS = ("workload", "machine", "steps", "warmup", "interleave", "results", "ratios", "meta")
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = (
+    "Emerging-Optimizers' Muon and KL-SOAP timed in the same run (ratios: ours / theirs); "
+    "GFLOP/s against the fp32 matmul rate measured in the run"
+)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,12 @@ from megatron_ext.errors import ConfigError
 DESCRIPTION = "plan the GPT recipes on 8…4096 GPUs per optimizer: memory, bytes, balance, time"
 QUICK = {"recipes": ["gpt_1b"], "gpus": [8, 64], "optimizers": ["adamw", "muon"]}
 EXAMPLE = "megatron-ext bench plan --quick"
-JSON_KEYS = ("gpu", "assumed", "rows", "balance")
+JSON_KEYS = ("gpu", "assumed", "rows", "balance", "meta")
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = (
+    "ZeRO-1 and megatron-core's layer-wise optimizer planned beside (predictions from the "
+    "recipes, not measurements)"
+)
 
 RECIPES = ["gpt_1b", "gpt_8b", "olmoe_1b_7b", "qwen3_30b_a3b"]
 GPU_COUNTS = [8, 64, 512, 4096]
@@ -114,6 +119,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{r['tokens_per_s']:,.0f} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+#: the results page's table of ``rows`` (:mod:`megatron_ext.docs.render`): the one printed here
+RESULTS_TABLES = {"rows": _table}
 
 
 def _balance(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -57,6 +57,12 @@ JSON_KEYS = (
     "device",
     "start_checkpoint",
     "noise_run",
+    "meta",
+)
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = (
+    "the first --precisions entry: same start weights, seed, data and tokens; noise: its "
+    "second-seed run (--noise)"
 )
 
 

@@ -28,7 +28,9 @@ RUN = ("checkpoint.load=none", "checkpoint.save_interval=0", "checkpoint.save_at
 QUICK = {"steps": 16, "double_every": 4, "last": 4}
 EXAMPLE = "megatron-ext bench ramp tiny_cpu_gpt training.micro_batch_size=2 --quick"
 #: the JSON's top-level keys (``ramp.json``); ``results`` holds ``constant`` and ``ramp``
-JSON_KEYS = ("recipe", "overrides", "ramp", "results", "curves")
+JSON_KEYS = ("recipe", "overrides", "ramp", "results", "curves", "meta")
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = "the constant-batch run of the same recipe, seed and tokens"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -64,7 +64,12 @@ QUICK = {
 EXAMPLE = "megatron-ext bench soma --quick --json runs/bench_soma.json"
 #: the JSON's top-level keys (``spsa`` without ``--inference-sweep``, ``inference`` without
 #: ``--spsa-only``)
-JSON_KEYS = ("spsa", "inference")
+JSON_KEYS = ("spsa", "inference", "meta")
+#: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
+ANCHOR = (
+    "the faster per-probe Python loop (naive), timed in the same rounds; GFLOP/s against "
+    "the fp32 matmul rate timed in every round"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,8 @@ STUDIES = {
 }
 QUICK = {"size": "quick"}
 EXAMPLE = "megatron-ext bench paper optimizers --quick"
+#: the baseline of every claim (``meta.anchor``)
+ANCHOR = "each claim's baseline arm (its Q column), same seeds, data and tokens"
 #: the JSON report's top-level keys (:func:`.report.payload`)
 JSON_KEYS = (
     "study",
@@ -44,9 +46,7 @@ JSON_KEYS = (
     "size",
     "seeds",
     "settings",
-    "command",
-    "date",
-    "machine",
+    "meta",
     "verdict_rule",
     "claims",
     "arms",
@@ -80,7 +80,7 @@ def study_module(name: str) -> ModuleType:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.atomic import atomic_path
-    from megatron_ext.bench.common import command_line, machine, write_json
+    from megatron_ext.bench.common import run_meta, write_json
     from megatron_ext.bench.paper.report import markdown, payload
 
     if args.seeds < 2:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(1, args.seeds + 1))
     result = module.run_study(args.size, seeds, out)
-    report = payload(args.study, module.PAPER, result, seeds, args.size, machine(), command_line())
+    report = payload(args.study, module.PAPER, result, seeds, args.size, run_meta())
     page = markdown(report, module.TITLE)
     print(page)
     with atomic_path(out / f"paper_{args.study}.md") as tmp:

@@ -4,7 +4,6 @@ study's plots, all under the run folder."""
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,19 +39,17 @@ def payload(
     result: StudyResult,
     seeds: list[int],
     size: str,
-    machine: dict[str, Any],
-    command: str,
+    meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON report (keys: :data:`megatron_ext.bench.paper.JSON_KEYS`)."""
+    """The JSON report (keys: :data:`megatron_ext.bench.paper.JSON_KEYS`); ``meta`` is the run's
+    (:func:`megatron_ext.bench.common.run_meta`: command, date, machine, anchor)."""
     return {
         "study": study,
         "paper": paper,
         "size": size,
         "seeds": seeds,
         "settings": result.settings,
-        "command": command,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine,
+        "meta": meta,
         "verdict_rule": VERDICT_RULE,
         "claims": [c.to_json() for c in result.claims],
         "arms": result.arms,
@@ -67,13 +64,13 @@ def _num(x: float) -> str:
 
 def markdown(report: dict[str, Any], title: str) -> str:
     """The report as a Markdown page: provenance, the claims table, the notes and the plots."""
-    m = report["machine"]
-    hw = f"{m['cpu']}, {m['cores']} cores" + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU")
+    from megatron_ext.docs.render import provenance
+
     lines = [
         f"# {title}",
         "",
-        f"`{report['command']}` — {report['date']} — {hw}; size `{report['size']}`, "
-        f"seeds {report['seeds']} (paper: `{report['paper']}`).",
+        *provenance(report["meta"]),
+        f"Size `{report['size']}`, seeds {report['seeds']} (paper: `{report['paper']}`).",
         "",
         "| claim | paper | paper's figure | Q (what is measured) | ours: mean | spread | "
         "per seed | verdict |",
