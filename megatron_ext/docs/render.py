@@ -141,11 +141,11 @@ def tables(report: dict[str, Any]) -> list[str]:
             cells[name] = dict(_leaves(record))
             columns += [c for c in cells[name] if c not in columns]
         lines += [f"**{key}**", ""]
-        lines += _table(
-            [key, *columns], [[name, *(row.get(c, "") for c in columns)] for name, row in cells.items()]
-        )
+        rows = [[name, *(row.get(c, "") for c in columns)] for name, row in cells.items()]
+        lines += _table([key, *columns], rows)
     if scalars:
-        lines = ["**settings and figures**", "", *_table(["key", "value"], [[k, v] for k, v in scalars]), *lines]
+        pairs = [[k, v] for k, v in scalars]
+        lines = ["**settings and figures**", "", *_table(["key", "value"], pairs), *lines]
     return lines
 
 
