@@ -75,8 +75,10 @@ def test_a_quoted_figure_passes_only_when_the_results_page_prints_it(tmp_path: P
     page.write_text(f"Measured ({link}): the ramp ends at 1.81, 1.80802 in full.\n")
     assert [p.figure for p in check_page(page)] == ["1.81", "1.80802"]
     # a measured unit outside a Measured block, a Measured block without a results link
-    page.write_text("Config: d = 512, 16 experts (paper 9.19×).\nIt ran 0.5 s/step, 3× faster.\n")
-    assert [p.figure for p in check_page(page)] == ["0.5 s/step", "3×"]
+    page.write_text(
+        "Config: d = 512, 16 experts, 4 × 8 ranks (paper 9.19×).\nIt ran 0.5 s/step, 3.1× faster.\n"
+    )
+    assert [p.figure for p in check_page(page)] == ["0.5 s/step", "3.1×"]
     page.write_text("Measured by hand: 1.808\n")
     assert [p.why for p in check_page(page)] == ["links no results page"]
 

@@ -9,9 +9,12 @@ The rule (documented in ``docs/development.md``, "Figures in the docs"):
   pages it links (the page :mod:`megatron_ext.docs.render` generated from the JSON). So a
   quote is exact: ``0.5201`` is found only where the page prints ``0.5201``.
 * **Outside** measured blocks a page may hold configuration (``d = 512``, ``16 experts``) and a
-  paper's own figures, cited in parentheses that start with ``paper`` (``(paper 9.19×)``), but
-  no number with a unit of measured speed, time or ratio (:data:`MEASURED_UNIT`: s/step,
-  tokens/s, GFLOP/s, ms, ``×`` ...): such a figure is a measurement typed by hand.
+  paper's own figures, cited in parentheses that start with ``paper``, ``Sec.``, ``Fig.``,
+  ``Table``, ``Eq.`` or ``App.`` (``(paper 9.19×)``, ``(Table 12: 9.19×)``), but
+  no number with a unit of measured speed or time, nor a decimal ratio (:data:`MEASURED_UNIT`:
+  s/step, tokens/s, GFLOP/s, ms, ``0.52×`` -- not ``4 × 8`` ranks): such a figure is a
+  measurement typed by hand. A block of a simulation's figures (``bench plan``) starts with
+  ``Predicted`` instead and follows the same rule.
 
 Code blocks are neither (they show commands and their printed form). Torch-free.
 """
@@ -30,15 +33,16 @@ NUMBER = re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[-+]?\d+
 MEASURED_UNIT = re.compile(
     r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:[KMG]\s*)?"
     r"(?:s/step|s / step|s per step|s / update|s/update|tokens/s|tok/s|tasks/s|GFLOP/s|"
-    r"TFLOP/s|ms\b|×)"
+    r"TFLOP/s|ms\b)|(?<![\w.])\d+\.\d+\s*×"
 )
-#: the first line of a measured block, and the results pages it links
-MEASURED_START = re.compile(r"^\**Measured\b")
+#: the first line of a measured block (``Predicted`` for a simulation's figures, e.g. ``bench
+#: plan``: the same rule), and the results pages it links
+MEASURED_START = re.compile(r"^\**(?:Measured|Predicted)\b")
 RESULTS_LINK = re.compile(r"\]\(((?:[^)\s]*/)?results/[^)\s#]+\.md)(?:#[^)\s]*)?\)")
 _CODE_BLOCK = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
-_PAPER_CITATION = re.compile(r"\(paper\b[^)]*\)")
+_PAPER_CITATION = re.compile(r"\((?:paper\b|Sec\. |Fig\. |Table |Eq\. |App\. )[^)]*\)")
 
 
 @dataclass(frozen=True)
