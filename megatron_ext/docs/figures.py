@@ -13,8 +13,9 @@ The rule (documented in ``docs/development.md``, "Figures in the docs"):
   ``Table``, ``Eq.`` or ``App.`` (``(paper 9.19×)``, ``(Table 12: 9.19×)``), but
   no number with a unit of measured speed or time, nor a decimal ratio (:data:`MEASURED_UNIT`:
   s/step, tokens/s, GFLOP/s, ms, ``0.52×`` -- not ``4 × 8`` ranks): such a figure is a
-  measurement typed by hand. A block of a simulation's figures (``bench plan``) starts with
-  ``Predicted`` instead and follows the same rule.
+  measurement typed by hand; nor a table whose header names a measured quantity
+  (:data:`MEASURED_HEADER`: s/step, tokens/s, loss, speedup, MFU ...). A block of a
+  simulation's figures (``bench plan``) starts with ``Predicted`` instead, under the same rule.
 
 Code blocks are neither (they show commands and their printed form). Torch-free.
 """
@@ -39,6 +40,10 @@ MEASURED_UNIT = re.compile(
 #: plan``: the same rule), and the results pages it links
 MEASURED_START = re.compile(r"^\**(?:Measured|Predicted)\b")
 RESULTS_LINK = re.compile(r"\]\(((?:[^)\s]*/)?results/[^)\s#]+\.md)(?:#[^)\s]*)?\)")
+#: a table header naming a measured quantity (a table of measurements, whatever its cells say)
+MEASURED_HEADER = re.compile(
+    r"s/step|s / update|tokens/s|tok/s|tasks/s|GFLOP/s|TFLOP/s|\bloss\b|speedup|\bMFU\b", re.I
+)
 _CODE_BLOCK = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
@@ -112,6 +117,16 @@ def check_page(page: Path) -> list[Problem]:
                         )
             i = end
             continue
+        is_header = line.lstrip().startswith("|") and i + 1 < len(lines)
+        if is_header and lines[i + 1].lstrip().startswith("|-") and MEASURED_HEADER.search(line):
+            problems.append(
+                Problem(
+                    page,
+                    i + 1,
+                    line.strip()[:60],
+                    "heads a table of measured figures outside a `Measured (...)` block",
+                )
+            )
         body = _PAPER_CITATION.sub("", _plain(line))
         for match in MEASURED_UNIT.finditer(body):
             problems.append(
