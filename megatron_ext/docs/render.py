@@ -76,6 +76,30 @@ def provenance(meta: dict[str, Any]) -> list[str]:
     ]
 
 
+def _nested_rows(value: Any, prefix: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """``(dotted key, rows)`` of every list of records nested in ``value`` (a sweep's rows in
+    a dict of settings): each gets a table of its own, where the leaf table says its length."""
+    if isinstance(value, dict):
+        found: list[tuple[str, dict[str, dict[str, Any]]]] = []
+        for key, sub in value.items():
+            found += _nested_rows(sub, f"{prefix}.{key}")
+        return found
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [(prefix, {str(i): v for i, v in enumerate(value)})]
+    return []
+
+
+def _records_table(title: str, records: dict[str, dict[str, Any]]) -> list[str]:
+    """A table with a row per record and a column per leaf (in first-seen order)."""
+    columns: list[str] = []
+    cells: dict[str, dict[str, str]] = {}
+    for name, record in records.items():
+        cells[name] = dict(_leaves(record))
+        columns += [c for c in cells[name] if c not in columns]
+    rows = [[name, *(row.get(c, "") for c in columns)] for name, row in cells.items()]
+    return [f"**{title}**", "", *_table([title.rsplit(".", 1)[-1], *columns], rows)]
+
+
 def _leaves(value: Any, prefix: str = "") -> list[tuple[str, str]]:
     """``(dotted key, printed value)`` of every leaf; short lists inline, curves by length."""
     if isinstance(value, dict):
@@ -134,15 +158,10 @@ def tables(report: dict[str, Any]) -> list[str]:
         records = _records(value)
         if records is None:
             scalars += _leaves(value, key)
+            for path, rows in _nested_rows(value, key):
+                lines += _records_table(path, rows)
             continue
-        columns: list[str] = []
-        cells: dict[str, dict[str, str]] = {}
-        for name, record in records.items():
-            cells[name] = dict(_leaves(record))
-            columns += [c for c in cells[name] if c not in columns]
-        lines += [f"**{key}**", ""]
-        rows = [[name, *(row.get(c, "") for c in columns)] for name, row in cells.items()]
-        lines += _table([key, *columns], rows)
+        lines += _records_table(key, records)
     if scalars:
         pairs = [[k, v] for k, v in scalars]
         lines = ["**settings and figures**", "", *_table(["key", "value"], pairs), *lines]
