@@ -70,6 +70,26 @@ def mark_items(items: Iterable[pytest.Item], conftest: ModuleType) -> None:
             item.add_marker("subprocess")
 
 
+def process_heavy_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: files by their number of ``subprocess`` tests, most first
+    (stable: files with as many keep their order, tests keep theirs within a file).
+
+    ``make test`` hands whole files to two pytest-xdist workers in this order
+    (``--dist loadfile``); the files that start processes are the long ones, and a long file
+    handed out last leaves the other worker idle while it runs."""
+    heavy: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        heavy[path] = heavy.get(path, 0) + (item.get_closest_marker("subprocess") is not None)
+    order = {path: rank for rank, path in enumerate(heavy)}
+    items.sort(
+        key=lambda item: (
+            -heavy[item.nodeid.split("::", 1)[0]],
+            order[item.nodeid.split("::", 1)[0]],
+        )
+    )
+
+
 def _reached(item: pytest.Function, conftest: ModuleType, cache: dict[int, set[str]]) -> set:
     """Every name the test's body, fixtures and same-module helpers refer to, transitively."""
     module = item.module

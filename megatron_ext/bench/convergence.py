@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import launch_run, read_metrics
+from megatron_ext.bench import common
+from megatron_ext.bench.common import read_metrics
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe, once per optimizer: final losses, step time, optimizer share, curves"
@@ -86,7 +87,7 @@ def run_variant(
         "checkpoint.save_interval=0",
         "checkpoint.save_at_end=false",
     ]
-    return launch_run(recipe, variant, out / name, name)
+    return common.launch_run(recipe, variant, out / name, name)
 
 
 def summarize(run_dir: Path, last: int) -> dict[str, Any]:

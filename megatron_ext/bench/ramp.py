@@ -17,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import launch_run, read_metrics
+from megatron_ext.bench import common
+from megatron_ext.bench.common import read_metrics
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "constant batch vs a doubling batch ramp at equal tokens: final losses, curves"
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, extra in (("constant", []), ("ramp", ramp)):
         print(f"[ramp] {name}: running", flush=True)
-        run_dir = launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
+        run_dir = common.launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
         results[name] = summarize(run_dir, args.last)
     for name, r in results.items():
         val = "–" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
