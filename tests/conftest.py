@@ -170,6 +170,22 @@ def pytest_runtest_call(item: pytest.Item) -> object:
         return (yield)
 
 
+def run_cli(argv: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``megatron-ext ARGV`` as a user runs it: its own process (2 OpenMP threads, warnings
+    off), output captured; fails the test with the output's tail when it exits non-zero."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.launch.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def warm_launch_run(recipe: str, overrides: list[str], run_dir: Path, label: str) -> Path:
     """:func:`megatron_ext.bench.common.launch_run` with the ranks forked from the session's
     zygote (:func:`run_torchrun`) instead of a launcher process starting torchrun cold.

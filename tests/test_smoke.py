@@ -14,10 +14,7 @@ import importlib
 import inspect
 import json
 import math
-import os
 import shlex
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.bench import benchmarks
+from tests.conftest import run_cli
 
 # ---------------------------------------------------------------------------------------------
 # benchmarks
@@ -270,17 +268,7 @@ def test_benchmark_quick_run(
         assert code == 0, stdout[-3000:] + stderr[-3000:]
         assert runs["calls"] == len(list(tmp_path.glob("out/**/metrics.jsonl"))) > 0
     else:
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-        done = subprocess.run(
-            [sys.executable, "-m", "megatron_ext.launch.cli", *argv],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env=env,
-            timeout=900,
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        stdout = done.stdout
+        stdout = run_cli(argv, tmp_path).stdout
     assert f"[{name}] --quick:" in stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == set(benchmarks()[name].JSON_KEYS)
