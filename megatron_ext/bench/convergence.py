@@ -138,7 +138,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
@@ -164,10 +164,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         a.set_ylabel("loss (nats/token)")
         a.grid(alpha=0.3)
         a.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
@@ -90,10 +90,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:
