@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.outer import OuterConfig, accumulate_delta, apply_outer_step
-from megatron_ext.dipaco.plan import outer_id, train_id
-from megatron_ext.dipaco.queue import TaskQueue, TaskSpec
-from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.dipaco.queue.task_queue import TaskQueue, TaskSpec
+from megatron_ext.dipaco.queue.url import parse_queue_url
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
-from megatron_ext.dipaco.store import attempt_dir, load_tensors, save_tensors
+from megatron_ext.dipaco.run.plan import outer_id, train_id
+from megatron_ext.dipaco.run.store import attempt_dir, load_tensors, save_tensors
+from megatron_ext.dipaco.steps.outer import OuterConfig, accumulate_delta, apply_outer_step
 
 __all__ = ["comm_bytes", "outer_timing", "queue_latency", "small_overrides", "small_run"]
 
