@@ -75,7 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _files(recipe):
-    from megatron_ext.dipaco.run.files import RunFiles
+    from megatron_ext.dipaco.run.store import RunFiles
     from megatron_ext.dipaco.run.worker import open_run_queue
 
     return RunFiles(recipe, open_run_queue(recipe, worker="test"))

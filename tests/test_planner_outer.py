@@ -151,7 +151,7 @@ def store_log() -> Iterator[StoreLog]:
                 if getattr(module, attr, None) is original:
                     mp.setattr(module, attr, wrapper)
                     patched.add(f"{name.rsplit('.', 1)[1]}.{attr}")
-        assert {"tasks.save_tensors", "tasks.load_tensors", "files.load_tensors"} <= patched
+        assert {"tasks.save_tensors", "tasks.load_tensors", "store.load_tensors"} <= patched
         mp.setattr(tasks, "run_task", run_task)
         yield log
 

@@ -41,9 +41,8 @@ import torch
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.dipaco.queue.task_queue import TaskQueue
-from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
-from megatron_ext.dipaco.run.plan import outer_id
-from megatron_ext.dipaco.run.store import attempt_dir, load_tensors
+from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
+from megatron_ext.dipaco.run.store import RunFiles, attempt_dir
 
 __all__ = [
     "fault_run",
@@ -183,12 +182,12 @@ def final_modules(recipe: Recipe) -> dict[str, dict[str, dict[str, torch.Tensor]
     """Every module's last version (``params`` and ``momentum``), from the accepted attempts."""
     phases = recipe.section(DipacoConfig).phases
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="faults")
+    files = RunFiles(recipe, queue)
     try:
         out = {}
-        for m in path_layout(recipe).modules:
-            task = outer_id(phases - 1, m)
-            folder = attempt_dir(recipe.run_dir, task, queue.token(task))
-            out[m.name] = load_tensors(folder / "module.pt")
+        for m in files.layout.modules:
+            params, momentum = files.module(phases, m)
+            out[m.name] = {"params": params, "momentum": momentum}
     finally:
         queue.close()
     return out

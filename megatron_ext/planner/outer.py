@@ -11,7 +11,7 @@ For module m = (l, e), S_m bytes as stored, used by the P_m = P / K_l paths:
   dtypes, :func:`megatron_ext.dipaco.steps.outer.apply_outer_step`);
 - **workers read** the versions they start from: ``train/t/p`` loads ``module.pt`` of
   ``outer/t-1/m`` whole for each of its modules (:meth:`RunFiles.module
-  <megatron_ext.dipaco.run.files.RunFiles.module>`), the momentum it does not use included:
+  <megatron_ext.dipaco.run.store.RunFiles.module>`), the momentum it does not use included:
   P_m · 2 · S_m.
 
 Phase 0 writes the same, reads the same path copies, but its versions are the base model's

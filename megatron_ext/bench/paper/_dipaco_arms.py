@@ -138,10 +138,10 @@ def run_arm(recipe: Any, kinds: tuple[str, ...] | None = None) -> None:
 
 
 def context(recipe: Any) -> tuple[Any, Any]:
-    """(:class:`~megatron_ext.dipaco.run.files.RunFiles`,
+    """(:class:`~megatron_ext.dipaco.run.store.RunFiles`,
     :class:`~megatron_ext.dipaco.run.tools.TaskTools`) over a finished run: its files, and a
     model and corpus to score with."""
-    from megatron_ext.dipaco.run.files import RunFiles
+    from megatron_ext.dipaco.run.store import RunFiles
     from megatron_ext.dipaco.run.tools import TaskTools
     from megatron_ext.dipaco.run.worker import open_run_queue
 

@@ -29,9 +29,8 @@ from megatron_ext.dipaco.data.documents import document_batch
 from megatron_ext.dipaco.data.features import chunk_spans
 from megatron_ext.dipaco.model.parts import assign_params
 from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
-from megatron_ext.dipaco.run.files import RunFiles
 from megatron_ext.dipaco.run.plan import final_id, shard_phase, train_id
-from megatron_ext.dipaco.run.store import load_tensors
+from megatron_ext.dipaco.run.store import RunFiles, load_tensors
 from megatron_ext.dipaco.run.tools import TaskTools
 from megatron_ext.dipaco.steps.routing import Router, fit_discriminative
 from megatron_ext.run.metrics import MetricsLogger
@@ -75,28 +74,31 @@ def evaluate(recipe: Recipe, files: RunFiles, tools: TaskTools) -> dict[str, Any
     worker's model; writes ``summary.json`` and ``metrics.jsonl``, returns the figures."""
     d, layout, seed = recipe.section(DipacoConfig), files.layout, recipe.seed
     paths = layout.num_paths
+    # what the run left: the split and the base features, each path's losses at its
+    # early-stopping version (its ``final`` task), the last training router, the base model
     split, feats = files.split(), files.features()
-    dataset = tools.dataset
-    r = d.route_tokens
-    eval_length = eval_tokens(recipe)  # the paper's 2,048 (+ 1) where the recipe says so
-    lengths = [int(n) for n in document_batch(dataset, split["eval"], eval_length).lengths]
-    router_docs = document_batch(dataset, split["router"], eval_length)
-    router_lengths = [int(n) for n in router_docs.lengths]
     finals = [
         load_tensors(files.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
     ]
     router_losses = [
         load_tensors(files.done(final_id(p)) / "router_losses.pt")["losses"] for p in range(paths)
     ]
+    router = Router.from_arrays(files.router_arrays(shard_phase(recipe, d.phases - 1)))
+    base = files.composition(0, 0)
+    dataset, pm = tools.dataset, tools.path_model
+    r = d.route_tokens
+    eval_length = eval_tokens(recipe)  # the paper's 2,048 (+ 1) where the recipe says so
+    eval_docs = document_batch(dataset, split["eval"], eval_length)
+    router_docs = document_batch(dataset, split["router"], eval_length)
+    lengths = [int(n) for n in eval_docs.lengths]
+    router_lengths = [int(n) for n in router_docs.lengths]
     results: dict[str, float] = {}
     # the base model
-    pm = tools.path_model
-    assign_params(pm.model, *files.composition(0, 0))
-    base_losses = pm.token_losses(document_batch(dataset, split["eval"], eval_length))
+    assign_params(pm.model, *base)
+    base_losses = pm.token_losses(eval_docs)
     once_spans = [[(0, min(r, n)), (min(r, n), n)] for n in lengths]
     results["base"] = _mean(routed_loss([base_losses], [[0] for _ in lengths], once_spans))
     # once per sequence: the last training router on the prefix
-    router = Router.from_arrays(files.router_arrays(shard_phase(recipe, d.phases - 1)))
     top = router.route(feats["eval"], 1)[:, 0]
     results["once"] = _mean(routed_loss(finals, [[int(p)] for p in top], once_spans))
     # every W tokens
@@ -114,8 +116,8 @@ def evaluate(recipe: Recipe, files: RunFiles, tools: TaskTools) -> dict[str, Any
             per_doc.append([int(p) for p in choice[start : start + len(doc_spans) - 1]])
             start += len(doc_spans) - 1
         results[f"w{w}"] = _mean(routed_loss(finals, per_doc, eval_spans))
-    targets = sum(n - min(r, n) for n in lengths)
-    return _write_summary(recipe, files, results, len(lengths), targets)
+    scored = sum(n - min(r, n) for n in lengths)
+    return _write_summary(recipe, files, results, len(lengths), scored)
 
 
 def _mean(total: tuple[float, int]) -> float:

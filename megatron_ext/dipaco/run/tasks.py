@@ -1,5 +1,5 @@
 """The work of each task kind (``run_task``): every function reads its inputs from the tasks it
-depends on (``files``: :class:`.files.RunFiles`), works with the worker's corpus and model
+depends on (``files``: :class:`.store.RunFiles`), works with the worker's corpus and model
 (``tools``: :class:`.tools.TaskTools`), writes its files to its own attempt folder (``out``) and
 returns its result (JSON) for the queue. Nothing here depends on which worker runs a task or how
 often it was attempted.
@@ -29,10 +29,15 @@ from megatron_ext.dipaco.model.parts import assign_params, split_by_level
 from megatron_ext.dipaco.model.path_model import lm_loss
 from megatron_ext.dipaco.queue.task_queue import Lease
 from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
-from megatron_ext.dipaco.run.files import RunFiles
 from megatron_ext.dipaco.run.group import data_parallel_inner_steps
 from megatron_ext.dipaco.run.plan import score_id
-from megatron_ext.dipaco.run.store import load_arrays, load_tensors, save_arrays, save_tensors
+from megatron_ext.dipaco.run.store import (
+    RunFiles,
+    load_arrays,
+    load_tensors,
+    save_arrays,
+    save_tensors,
+)
 from megatron_ext.dipaco.run.tools import TaskTools
 from megatron_ext.dipaco.steps.inner import InnerOptimizer, inner_schedule, inner_steps
 from megatron_ext.dipaco.steps.outer import OuterConfig, outer_step

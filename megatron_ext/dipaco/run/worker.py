@@ -40,10 +40,9 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.dipaco.queue.heartbeat import Heartbeat
 from megatron_ext.dipaco.queue.task_queue import Lease, TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
-from megatron_ext.dipaco.run.files import RunFiles
 from megatron_ext.dipaco.run.group import WorkerGroup
 from megatron_ext.dipaco.run.plan import build_plan, run_fingerprint
-from megatron_ext.dipaco.run.store import discard_attempt
+from megatron_ext.dipaco.run.store import RunFiles, discard_attempt
 from megatron_ext.dipaco.run.tools import LeaseLost, TaskTools
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.metrics import MetricsLogger
