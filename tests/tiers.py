@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 #: names whose use starts a process (the stdlib's, the harness's, and the product functions
-#: that start one: a launcher run, DiPaCo's worker processes, a PostgreSQL server)
+#: that start one: a launcher run, DiPaCo's worker processes and fault scenarios, a PostgreSQL
+#: server)
 SPAWNS = frozenset(
     {
         "subprocess",
@@ -38,7 +39,10 @@ SPAWNS = frozenset(
         "small_run",
         "run_workers",
         "PostgresServer",
-        "pg_server",
+        "postgres_server",
+        "fault_run",
+        "stopped_job_run",
+        "signalled_run",
         "multiprocessing",
         "ProcessPoolExecutor",
     }
