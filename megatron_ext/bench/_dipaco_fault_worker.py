@@ -113,7 +113,8 @@ class FaultPlan:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the pause flags, install them, run ``megatron-ext dipaco worker`` with the rest."""
+    """Parse the pause flags, install them, run ``megatron-ext dipaco worker`` with the rest
+    (the command's parser and function: nothing below the command line imports the launcher)."""
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.bench._dipaco_fault_worker")
     for flag in ("before-completing", "mid-write", "mid-task"):
         parser.add_argument(f"--pause-{flag}", default="", metavar="KIND")
@@ -121,9 +122,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     FaultPlan(
         faults.pause_before_completing, faults.pause_mid_write, faults.pause_mid_task
     ).install()
-    from megatron_ext.launch.cli import main as cli_main
+    from megatron_ext.dipaco.cli import add_arguments, dipaco_main
+    from megatron_ext.errors import ConfigError
 
-    return cli_main(["dipaco", "worker", *rest])
+    for stream in (sys.stdout, sys.stderr):  # whole lines, as the command line writes them
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
+    worker = argparse.ArgumentParser(prog="megatron-ext dipaco")  # the command's own parser
+    add_arguments(worker)
+    try:
+        return dipaco_main(worker.parse_args(["worker", *rest]))
+    except ConfigError as exc:  # as the command line reports it (launch/cli.py)
+        print(f"megatron-ext: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
