@@ -87,7 +87,13 @@ setup(
         "psycopg[binary]>=3.1",  # DiPaCo's task queue on PostgreSQL
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6", "emerging-optimizers==0.3.0", "transformers>=5,<6"],
+        "test": [
+            "pytest>=8",
+            "pytest-xdist>=3.6",  # make test: two workers, a test file each at a time
+            "ruff>=0.6",
+            "emerging-optimizers==0.3.0",
+            "transformers>=5,<6",
+        ],
         # megatron-ext convert: Hugging Face <-> megatron-core checkpoints
         "convert": ["transformers>=5,<6", "safetensors>=0.4"],
     },

@@ -2,8 +2,9 @@
 
 Each check that fails raises ``ConfigError`` (one line, exit 2): the dataset prefix exists or a
 source to build it from is given, the run directory is writable, the rendezvous port is free on
-the node that hosts it. Free disk for the next checkpoint is only a warning: the estimate
-(:func:`checkpoint_bytes`, from the model section and the optimizer's state bytes) is rough.
+the node that hosts it. Free disk for the next checkpoint is only a warning: the planner's
+:func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and their
+optimizer state) leaves out file metadata and the data loader's state.
 
 Torch-free.
 """
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
-from megatron_ext.optimizers.spec import optimizer_spec
+from megatron_ext.planner.plan import checkpoint_bytes
 
-__all__ = ["check_before_launch", "checkpoint_bytes"]
+__all__ = ["check_before_launch", "warn_if_disk_short"]
 
 
 def check_before_launch(recipe: Recipe, rdzv_endpoint: str | None, node_rank: int) -> None:
@@ -81,36 +82,17 @@ def check_port_free(host: str, port: int) -> None:
             # EADDRNOTAVAIL / unresolvable: the endpoint is another machine's
 
 
-def checkpoint_bytes(recipe: Recipe) -> int:
-    """Rough bytes of one checkpoint: the model's parameters (from ``model:``) times the weight,
-    fp32 master and optimizer-state bytes per element."""
-    m = recipe.model
-    h, layers = m.hidden_size, m.num_layers
-    groups = m.num_query_groups or m.num_attention_heads
-    kv = m.kv_channels or h // m.num_attention_heads
-    ffn = m.ffn_hidden_size or 4 * h
-    mats = 3 if m.activation == "swiglu" else 2
-    attention = h * (m.num_attention_heads * kv + 2 * groups * kv) + m.num_attention_heads * kv * h
-    if m.num_moe_experts:
-        mlp = m.num_moe_experts * mats * h * (m.moe_ffn_hidden_size or ffn)
-    else:
-        mlp = mats * h * ffn
-    hidden = layers * (attention + mlp)
-    vocab = m.vocab_size or (32000 if recipe.data.tokenizer == "sentencepiece" else 384)
-    embeddings = vocab * h * (2 if m.untie_embeddings_and_output_weights else 1)
-    fp32 = recipe.training.precision == "fp32"
-    weights = 4 if fp32 else 2 + 4  # bf16 weights carry an fp32 master
-    matrix_state = optimizer_spec(recipe.optimizer.name).state_bytes(1024, 1024) / 1024**2
-    adamw_state = optimizer_spec("adamw").state_bytes(1024, 1024) / 1024**2
-    return int(hidden * (weights + matrix_state) + embeddings * (weights + adamw_state))
-
-
 def warn_if_disk_short(recipe: Recipe) -> None:
     """A warning (stderr) when ``run_dir``'s file system has less room than a checkpoint
-    (of a GPT model: a recipe with ``model`` and ``optimizer`` sections)."""
+    (of a GPT model: a recipe with ``model`` and ``optimizer`` sections). No estimate when the
+    planner cannot list the model (a tokenizer it cannot read: the data check and the launch's
+    plan say so; this warning has nothing to add)."""
     if not {"model", "optimizer"} <= set(recipe.sections):
         return
-    need = checkpoint_bytes(recipe)
+    try:
+        need = checkpoint_bytes(recipe)
+    except ConfigError:
+        return
     free = shutil.disk_usage(recipe.run_dir).free
     if free < need:
         print(

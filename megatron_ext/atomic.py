@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_json"]
+__all__ = ["atomic_path", "save_figure", "write_json"]
 
 
 @contextmanager
@@ -42,3 +42,15 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> None:
     JSON writer of the trainers' summaries and the benchmarks' reports."""
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int = 110) -> Path:
+    """Lay ``fig`` out (``tight_layout``), write it as PNG to ``path`` atomically and close it
+    (pyplot keeps every open figure alive): the one writer of the plots. Returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    plt.close(fig)
+    return Path(path)

@@ -25,6 +25,7 @@ Torch-free: the launcher validates recipes against the registries before any ran
 from __future__ import annotations
 
 import difflib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from types import MappingProxyType
@@ -73,6 +74,8 @@ class Registry[T]:
         self._items: dict[str, T] = {}
         self._origin: dict[str, str] = {}
         self._loaded = False
+        self._lock = threading.RLock()  # one thread loads; the others wait for all of it
+        self._in_load = False
 
     def register(self, item: T, name: str | None = None, *, origin: str = "") -> T:
         """Add ``item`` as ``name`` (default: its own name); returns it.
@@ -127,7 +130,17 @@ class Registry[T]:
     def _load(self) -> None:
         if self._loaded:
             return
-        self._loaded = True
+        with self._lock:
+            if self._loaded or self._in_load:  # in_load: an entry point reading this registry
+                return
+            self._in_load = True
+            try:
+                self._load_entry_points()
+            finally:  # loaded once, as far as it got: a failed load is not retried
+                self._in_load = False
+                self._loaded = True
+
+    def _load_entry_points(self) -> None:
         entries = sorted(
             metadata.entry_points(group=self.group),
             key=lambda ep: ep.dist is None or ep.dist.name != DISTRIBUTION,

@@ -97,6 +97,13 @@ def warm_zygote() -> Zygote | None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     Zygote.close_session()
+    tally.send(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist: a worker ended; add its process-start counts to the report."""
+    tally.receive(node)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +155,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers.mark_items(items, sys.modules[__name__])
+    tiers.process_heavy_files_first(items)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -160,3 +168,65 @@ def pytest_runtest_setup(item: pytest.Item) -> object:
 def pytest_runtest_call(item: pytest.Item) -> object:
     with tiers.guard_process_starts(item):
         return (yield)
+
+
+def run_cli(argv: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``megatron-ext ARGV`` as a user runs it: its own process (2 OpenMP threads, warnings
+    off), output captured; fails the test with the output's tail when it exits non-zero."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.launch.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def warm_launch_run(recipe: str, overrides: list[str], run_dir: Path, label: str) -> Path:
+    """:func:`megatron_ext.bench.common.launch_run` with the ranks forked from the session's
+    zygote (:func:`run_torchrun`) instead of a launcher process starting torchrun cold.
+
+    The command is the launcher's own (``build_launch_command``: the recipe checked at the job's
+    world size, the rank entry ``megatron-ext train`` with the recipe and overrides, the ranks'
+    thread count); what it skips is the launcher's process supervision, which the launcher's
+    tests and the cold smoke runs cover. The ranks' output goes to ``run_dir/run.log``; a run
+    that fails raises as ``launch_run`` does. A benchmark may call it from several threads
+    (``bench paper`` runs two at a time); the zygote forks one launch at a time."""
+    from megatron_ext.launch.launcher import LaunchRequest, build_launch_command, probe_host
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    request = LaunchRequest(recipe, (*overrides, f"run_dir={run_dir}"))
+    argv, env = build_launch_command(request, os.environ, probe_host())
+    torchrun = argv.index("torch.distributed.run")
+    nproc = int(argv[argv.index("--nproc-per-node", torchrun) + 1])
+    entry = argv.index("-m", torchrun)  # the rank entry: -m megatron_ext.launch.cli train ...
+    rank_env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}  # the zygote's lines
+    proc = run_torchrun(
+        argv[entry + 1], nproc, *argv[entry + 2 :], module=True, env=rank_env, check=False
+    )
+    (run_dir / "run.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"the {label} run failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return run_dir
+
+
+@pytest.fixture
+def warm_benchmark_runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Every benchmark's launcher run (``bench.common.launch_run``, looked up at call time) goes
+    through :func:`warm_launch_run` for the test; returns a counter of the runs
+    (``counter["calls"]``) so that a test can assert its runs took this path."""
+    from megatron_ext.bench import common
+
+    counter = {"calls": 0}
+
+    def counted(recipe: str, overrides: list[str], run_dir: Path, label: str) -> Path:
+        counter["calls"] += 1
+        return warm_launch_run(recipe, overrides, run_dir, label)
+
+    monkeypatch.setattr(common, "launch_run", counted)
+    return counter

@@ -6,6 +6,10 @@ interpreter, ``megatron-ext`` or torchrun running this project's code (:data:`te
 a launcher's own children, e.g. the ranks torchrun starts, are not seen here), and every warm
 launch with its ranks (forked from the zygote, :mod:`tests.warm`, instead of started cold).
 The figures are a report, never a pass/fail: the suite asserts no time.
+
+Under pytest-xdist (``make test`` runs two workers) every worker counts its own process starts
+and hands them to the controlling process when it ends (:func:`send`, :func:`receive`); the
+durations reach the controller with each test's report.
 """
 
 from __future__ import annotations
@@ -52,6 +56,18 @@ def warm_launch(nproc: int) -> None:
     STARTS["warm ranks"] += nproc
 
 
+def send(config: pytest.Config) -> None:
+    """In an xdist worker: hand this process's counts to the controller (no-op elsewhere)."""
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["tally_starts"] = dict(STARTS)
+
+
+def receive(node: Any) -> None:
+    """In the xdist controller: add the counts a finished worker handed over."""
+    STARTS.update(getattr(node, "workeroutput", {}).get("tally_starts", {}))
+
+
 def record(report: pytest.TestReport) -> None:
     """Add a test phase's duration to its file."""
     path = report.nodeid.split("::", 1)[0]
@@ -71,7 +87,7 @@ def summary(top: int = 20) -> list[str]:
     )
     lines.append(
         f"process starts by the pytest process: {STARTS['cold']} cold (python / megatron-ext "
-        f"/ torchrun), {STARTS['warm launches']} warm launches forked from one zygote "
-        f"({STARTS['warm ranks']} ranks)"
+        f"/ torchrun), {STARTS['warm launches']} warm launches forked from a zygote "
+        f"per pytest process ({STARTS['warm ranks']} ranks)"
     )
     return lines

@@ -61,8 +61,8 @@ def test_the_baselines_have_the_papers_shape(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def diloco_run(tmp_path_factory: pytest.TempPathFactory):
+    from megatron_ext.bench._dipaco_measure import write_small_corpus
     from megatron_ext.convert.parity import init_single_process
-    from megatron_ext.dipaco.measure import write_small_corpus
 
     init_single_process()
     root = tmp_path_factory.mktemp("paper_dipaco")
@@ -73,15 +73,15 @@ def diloco_run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_the_diloco_outer_step_is_the_plain_mean_of_four_workers(diloco_run) -> None:
-    from megatron_ext.dipaco.layout import ModuleId
-    from megatron_ext.dipaco.plan import outer_id, train_id
-    from megatron_ext.dipaco.store import load_tensors
+    from megatron_ext.dipaco.model.layout import ModuleId
+    from megatron_ext.dipaco.run.plan import outer_id, train_id
+    from megatron_ext.dipaco.run.store import load_tensors
 
     _, r = diloco_run
-    ctx = A.context(r)
-    theta = ctx.base_part(1)
-    workers = [load_tensors(ctx.done(train_id(0, p)) / "l1.pt") for p in range(4)]
-    new = load_tensors(ctx.done(outer_id(0, ModuleId(1, 0))) / "module.pt")["params"]
+    files, _ = A.context(r)
+    theta = files.base_part(1)
+    workers = [load_tensors(files.done(train_id(0, p)) / "l1.pt") for p in range(4)]
+    new = load_tensors(files.done(outer_id(0, ModuleId(1, 0))) / "module.pt")["params"]
     assert set(new) == set(theta) and len(theta) > 5
     for n, t in theta.items():
         delta = sum(t.double() - w[n].double() for w in workers) / 4
@@ -93,28 +93,29 @@ def test_the_diloco_outer_step_is_the_plain_mean_of_four_workers(diloco_run) -> 
 def test_full_sync_aggregates_module_gradients_every_step(diloco_run) -> None:
     """One step of full sync (2x2, no decay, no clipping) against the gradients written out:
     module (l, e) moves by Adam's first step on Σ α_p g_p over its two paths."""
-    from megatron_ext.dipaco.data import STREAM_BATCH, ShardStream
-    from megatron_ext.dipaco.full_sync import full_sync_train
-    from megatron_ext.dipaco.inner import inner_schedule
-    from megatron_ext.dipaco.model import lm_loss
-    from megatron_ext.dipaco.store import assign_params
+    from megatron_ext.dipaco.data.documents import STREAM_BATCH, ShardStream
+    from megatron_ext.dipaco.model.parts import assign_params
+    from megatron_ext.dipaco.model.path_model import lm_loss
+    from megatron_ext.dipaco.run.full_sync import full_sync_train
+    from megatron_ext.dipaco.steps.inner import inner_schedule
 
     root, _ = diloco_run
     extra = ("dipaco.phases=1", "dipaco.tau=1", "optimizer.weight_decay=0", "optimizer.clip_grad=0")
     r = recipe("full_sync", root, *extra)
     A.run_arm(r, ("prepare", "base", "route"))
-    ctx = A.context(r)
-    layout = ctx.layout
-    modules, own = full_sync_train(ctx)
-    _, dataset = ctx.corpus
-    shards = ctx.shards(0)
-    model = ctx.path_model.model
+    files, tools = A.context(r)
+    layout = files.layout
+    dataset, shards, model = tools.dataset, files.shards(0), tools.path_model.model
+    base = {level: files.base_part(level) for level in (None, *range(layout.num_levels))}
+    modules, own = full_sync_train(r, model, dataset, shards, base, tools.check_lease)
     grads, tokens = {}, {}
     for p in range(4):
         stream = ShardStream(dataset, shards[f"train_{p}"])
         tokens[p] = stream.tokens
         assign_params(
-            model, *(ctx.base_part(m.level) for m in layout.path_modules(p)), ctx.base_part(None)
+            model,
+            *(files.base_part(m.level) for m in layout.path_modules(p)),
+            files.base_part(None),
         )
         model.zero_grad(set_to_none=True)
         micro = stream.step_batch(r, STREAM_BATCH, p, 0, 0)
@@ -126,7 +127,7 @@ def test_full_sync_aggregates_module_gradients_every_step(diloco_run) -> None:
         users = layout.paths_of(m)
         assert len(users) == 2
         total = sum(tokens[p] for p in users)
-        for n, t in ctx.base_part(m.level).items():
+        for n, t in files.base_part(m.level).items():
             g = sum(tokens[p] / total * grads[p][n] for p in users)
             want = t.double() - lr * g / (g.abs() + 1e-8)
             got = modules[m][n].double()

@@ -7,10 +7,7 @@ checks live here too (``STUDY_CHECKS``) and are called from there."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ import pytest
 
 from megatron_ext.bench.paper import EXAMPLE, JSON_KEYS, STUDIES, study_module
 from megatron_ext.bench.paper.claims import VERDICTS, verdict
+from tests.conftest import run_cli
 
 #: the study the benchmark's EXAMPLE runs (smoke-run by tests/test_smoke.py)
 EXAMPLE_STUDY = shlex.split(EXAMPLE)[3]
@@ -70,27 +68,10 @@ def check_report(study: str, report: dict[str, Any], stdout: str, out: Path) -> 
 def run_quick(study: str, tmp: Path) -> tuple[dict[str, Any], str, Path]:
     """``megatron-ext bench paper STUDY --quick`` in a subprocess; (report, stdout, run folder)."""
     out = tmp / "out"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    argv = [
-        "bench",
-        "paper",
-        study,
-        "--quick",
-        "--out",
-        str(out),
-        "--json",
-        str(tmp / "report.json"),
-    ]
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.launch.cli", *argv],
-        capture_output=True,
-        text=True,
-        cwd=tmp,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads((tmp / "report.json").read_text()), done.stdout, out
+    report = tmp / "report.json"
+    argv = ["bench", "paper", study, "--quick", "--out", str(out), "--json", str(report)]
+    done = run_cli(argv, tmp)
+    return json.loads(report.read_text()), done.stdout, out
 
 
 @pytest.mark.parametrize("study", [s for s in STUDIES if s != EXAMPLE_STUDY])

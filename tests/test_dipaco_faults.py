@@ -1,4 +1,5 @@
-"""DiPaCo under faults, with real worker processes (megatron_ext.dipaco.faults), on a small
+"""DiPaCo under faults, with real worker processes (megatron_ext.bench._dipaco_faults and
+tests/support/dipaco_faults.py: each worker stops itself where the scenario needs), on a small
 corpus; every faulty run ends with the final global modules (and outer momenta) of a clean run
 of the same recipe, bit for bit:
 
@@ -19,16 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ext.bench._dipaco_faults import fault_run, max_abs_difference, stopped_job_run
+from megatron_ext.bench._dipaco_measure import small_overrides, small_run, write_small_corpus
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.faults import (
-    fault_run,
-    max_abs_difference,
-    signalled_run,
-    stopped_job_run,
-)
-from megatron_ext.dipaco.measure import small_overrides, small_run, write_small_corpus
-from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
-from megatron_ext.dipaco.store import attempt_dir, load_tensors
+from megatron_ext.dipaco.run.store import attempt_dir, load_tensors
+from tests.support.dipaco_faults import signalled_run
+from tests.support.postgres import postgres_server
 
 RECIPE = "dipaco_tiny"
 FAST_LEASES = ["dipaco.lease_seconds=4", "dipaco.heartbeat_seconds=1"]
@@ -49,13 +46,8 @@ def clean(data: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def postgres():
-    bindir = find_postgres_bin()
-    if bindir is None:
-        pytest.skip("no PostgreSQL server binaries: apt-get install postgresql")
-    server = PostgresServer(bindir)
-    server.start()
-    yield server
-    server.stop()
+    with postgres_server() as server:
+        yield server
 
 
 @pytest.mark.parametrize(

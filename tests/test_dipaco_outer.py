@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.inner import InnerOptimizer, inner_schedule, inner_steps
-from megatron_ext.dipaco.layout import ModuleId, PathLayout, model_parts
-from megatron_ext.dipaco.outer import OuterConfig, outer_step, path_weights
-from megatron_ext.dipaco.store import assign_params, split_by_level
-from megatron_ext.dipaco.zero_order import SPSAInner, spsa_inner_steps
+from megatron_ext.dipaco.model.layout import ModuleId, PathLayout, model_parts
+from megatron_ext.dipaco.model.parts import assign_params, split_by_level
+from megatron_ext.dipaco.steps.inner import InnerOptimizer, inner_schedule, inner_steps
+from megatron_ext.dipaco.steps.outer import OuterConfig, outer_step, path_weights
+from megatron_ext.dipaco.steps.zero_order import SPSAInner, spsa_inner_steps
 from megatron_ext.zo.probes import probe_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

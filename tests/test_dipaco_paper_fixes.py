@@ -1,6 +1,6 @@
 """DiPaCo as the paper defines it (issue 24, item 1), each against the trainer's own tasks run
 in this process (``dipaco_tiny`` shrunk: a 4-block width-32 GPT, τ = 1, the real tasks claimed
-by :func:`~megatron_ext.dipaco.worker.run_worker` from an SQLite queue):
+by :func:`~megatron_ext.dipaco.run.worker.run_worker` from an SQLite queue):
 
 - path-specific parts take the outer Nesterov step (paper: Sec. 2.6.1): block 0 kept
   path-specific equals, bit for bit, block 0 inside a level of K = P modules, each used by one
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.plan import build_plan, final_id, outer_id, reshard_phases, train_id
 from megatron_ext.dipaco.recipe import DipacoConfig
+from megatron_ext.dipaco.run.plan import build_plan, final_id, outer_id, reshard_phases, train_id
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,8 +47,8 @@ RESHARD = ["dipaco.phases=2", "dipaco.reshards=1", "dipaco.eval_seq_length=56"]
 
 
 def _run(data: Path, root: Path, name: str, extra: list[str], kinds: tuple[str, ...]):
-    from megatron_ext.dipaco.measure import small_overrides
-    from megatron_ext.dipaco.worker import run_worker
+    from megatron_ext.bench._dipaco_measure import small_overrides
+    from megatron_ext.dipaco.run.worker import run_worker
 
     overrides = [*small_overrides(data, root / name), *COMMON, *extra]
     recipe = load_recipe("dipaco_tiny", overrides)
@@ -60,8 +60,8 @@ def _run(data: Path, root: Path, name: str, extra: list[str], kinds: tuple[str, 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from megatron_ext.bench._dipaco_measure import write_small_corpus
     from megatron_ext.convert.parity import init_single_process
-    from megatron_ext.dipaco.measure import write_small_corpus
 
     init_single_process()
     data = write_small_corpus(tmp_path_factory.mktemp("fix_data"), documents=300)
@@ -74,18 +74,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
-def _context(recipe):
-    from megatron_ext.dipaco.context import TaskContext
-    from megatron_ext.dipaco.worker import open_run_queue
+def _files(recipe):
+    from megatron_ext.dipaco.run.store import RunFiles
+    from megatron_ext.dipaco.run.worker import open_run_queue
 
-    return TaskContext(recipe, open_run_queue(recipe, worker="test"), lambda: False)
+    return RunFiles(recipe, open_run_queue(recipe, worker="test"))
+
+
+def _tools(recipe):
+    from megatron_ext.dipaco.run.tools import TaskTools
+
+    return TaskTools(recipe, lambda: False)
 
 
 def test_path_specific_parts_take_the_outer_step(runs: dict) -> None:
-    from megatron_ext.dipaco.layout import ModuleId
-    from megatron_ext.dipaco.store import load_tensors
+    from megatron_ext.dipaco.model.layout import ModuleId
+    from megatron_ext.dipaco.run.store import load_tensors
 
-    own, level = _context(runs["specific"]), _context(runs["in_level"])
+    own, level = _files(runs["specific"]), _files(runs["in_level"])
     block0 = "decoder.layers.0."
     for p in range(2):
         for phase in range(2):  # after phase 0 (no momentum yet) and after phase 1
@@ -106,8 +112,8 @@ def test_path_specific_parts_take_the_outer_step(runs: dict) -> None:
 def test_early_stopping_slices_stay_fixed_through_a_reshard(runs: dict) -> None:
     recipe = runs["reshard"]
     assert reshard_phases(recipe) == [1]
-    ctx = _context(recipe)
-    first, second = ctx.shards(0), ctx.shards(1)
+    files = _files(recipe)
+    first, second = files.shards(0), files.shards(1)
     moved = 0
     for p in range(4):
         np.testing.assert_array_equal(second[f"val_{p}"], first[f"val_{p}"])
@@ -118,33 +124,34 @@ def test_early_stopping_slices_stay_fixed_through_a_reshard(runs: dict) -> None:
     assert moved > 0  # the re-shard did move training documents
     # the early-stopping history (version 0, 1 and 2) is on that slice: recompute version 0's
     for p in range(4):
-        history = ctx.result(final_id(p))["val"]
+        history = files.result(final_id(p))["val"]
         assert len(history) == 3 and all(v is not None for v in history)
-        assert history[0] == pytest.approx(_val_loss(ctx, 0, p, first[f"val_{p}"]), rel=1e-6)
+        want = _val_loss(recipe, files, 0, p, first[f"val_{p}"])
+        assert history[0] == pytest.approx(want, rel=1e-6)
 
 
-def _val_loss(ctx, version: int, path: int, docs: np.ndarray) -> float:
-    from megatron_ext.dipaco.data import ShardStream
-    from megatron_ext.dipaco.model import lm_loss
-    from megatron_ext.dipaco.store import assign_params
+def _val_loss(recipe, files, version: int, path: int, docs: np.ndarray) -> float:
+    from megatron_ext.dipaco.data.documents import ShardStream
+    from megatron_ext.dipaco.model.parts import assign_params
+    from megatron_ext.dipaco.model.path_model import lm_loss
 
-    _, dataset = ctx.corpus
-    model = ctx.path_model.model
-    assign_params(model, *ctx.composition(version, path))
+    tools = _tools(recipe)
+    model = tools.path_model.model
+    assign_params(model, *files.composition(version, path))
     model.eval()
-    stream = ShardStream(dataset, docs)
+    stream = ShardStream(tools.dataset, docs)
     with torch.no_grad():
-        windows = stream.val_windows(ctx.recipe.training.seq_length)
+        windows = stream.val_windows(recipe.training.seq_length)
         return float(np.mean([float(lm_loss(model, w)) for w in windows]))
 
 
 def test_evaluation_reads_documents_to_eval_seq_length(runs: dict) -> None:
-    from megatron_ext.dipaco.store import load_tensors
+    from megatron_ext.dipaco.run.store import load_tensors
 
-    ctx = _context(runs["reshard"])
-    _, dataset = ctx.corpus
-    docs = ctx.split()["eval"]
-    losses = load_tensors(ctx.done(final_id(0)) / "eval_losses.pt")["losses"]
+    files = _files(runs["reshard"])
+    dataset = _tools(runs["reshard"]).dataset
+    docs = files.split()["eval"]
+    losses = load_tensors(files.done(final_id(0)) / "eval_losses.pt")["losses"]
     want = [min(int(dataset.sequence_lengths[d]), 57) - 1 for d in docs]
     assert [len(x) for x in losses] == want
     assert max(want) > 32  # longer than training.seq_length = 32 reads

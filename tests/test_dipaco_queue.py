@@ -7,32 +7,28 @@ accepted), max_attempts stopping every worker, no task claimed twice under concu
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.dipaco.database import connect
-from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
-from megatron_ext.dipaco.queue import TaskFailedError, TaskQueue, TaskSpec
-from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.bench._postgres import PostgresServer, find_postgres_bin
+from megatron_ext.dipaco.queue.database import connect
+from megatron_ext.dipaco.queue.task_queue import TaskFailedError, TaskQueue, TaskSpec
+from megatron_ext.dipaco.queue.url import parse_queue_url
 from megatron_ext.errors import ConfigError
 from tests.conftest import free_port
+from tests.support.postgres import postgres_server
 
 
 @pytest.fixture(scope="module")
 def postgres():
-    bindir = find_postgres_bin()
-    if bindir is None:
-        pytest.skip(
-            "no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH or in "
-            "/usr/lib/postgresql/*/bin: apt-get install postgresql"
-        )
-    server = PostgresServer(bindir)
-    server.start()
-    yield server
-    server.stop()
+    with postgres_server() as server:
+        yield server
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -295,3 +291,35 @@ def test_the_server_moves_to_another_port_when_its_port_is_taken() -> None:
                 assert conn.execute("SELECT 1").fetchone() == (1,)
         finally:
             server.stop()
+
+
+def test_the_queue_package_works_in_an_interpreter_without_torch(tmp_path: Path) -> None:
+    """``megatron_ext.dipaco.queue`` is torch-free (the launcher and ``dipaco status`` use it
+    before any torch import): in a fresh interpreter where ``import torch`` raises, every module
+    of it imports, a status report is made and an SQLite queue enqueues, claims, completes."""
+    script = textwrap.dedent(
+        f"""
+        import importlib, pkgutil, sys
+        sys.modules["torch"] = None  # from here on, any import of torch raises ImportError
+        import megatron_ext.dipaco.queue as package
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"megatron_ext.dipaco.queue.{{info.name}}")
+        from megatron_ext.dipaco.queue.task_queue import TaskQueue, TaskSpec
+        from megatron_ext.dipaco.queue.url import parse_queue_url
+        url = parse_queue_url("sqlite:///{tmp_path}/queue.db")
+        queue = TaskQueue(url, lease_seconds=30, max_attempts=1, worker="w")
+        assert queue.enqueue([TaskSpec("a", "train", {{"path": 0}})]) == 1
+        lease = queue.claim()
+        assert lease is not None and lease.task == "a"
+        assert queue.complete(lease, {{"loss": 1.5}})
+        assert queue.result("a") == {{"loss": 1.5}} and queue.unfinished() == 0
+        print("modules:", sorted(m for m in sys.modules if m.startswith("megatron_ext.dipaco")))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = proc.stdout.split("modules:", 1)[1]
+    for name in ("database", "heartbeat", "status", "task_queue", "url"):
+        assert f"megatron_ext.dipaco.queue.{name}" in imported, (name, imported)

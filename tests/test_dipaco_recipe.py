@@ -12,8 +12,8 @@ import yaml
 
 from megatron_ext.config import load_recipe
 from megatron_ext.config.trainers import get_trainer
-from megatron_ext.dipaco.layout import ModuleId, PathLayout, parse_parts, part_of
-from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.dipaco.model.layout import ModuleId, PathLayout, parse_parts, part_of
+from megatron_ext.dipaco.queue.url import parse_queue_url
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
 from megatron_ext.errors import ConfigError
 
@@ -188,8 +188,8 @@ def test_ranks_per_worker_must_divide_the_job(tmp_path: Path) -> None:
 
 def test_the_run_fingerprint_covers_the_model_and_not_the_queue_timing(tmp_path: Path) -> None:
     """Workers of another model or optimizer are refused; workers that only differ in lease
-    timing, logging or launching agree (megatron_ext.dipaco.checks.run_fingerprint)."""
-    from megatron_ext.dipaco.checks import run_fingerprint
+    timing, logging or launching agree (megatron_ext.dipaco.run.plan.run_fingerprint)."""
+    from megatron_ext.dipaco.run.plan import run_fingerprint
 
     base = run_fingerprint(tiny(tmp_path))
     for same in ("dipaco.lease_seconds=90", "logging.log_interval=7", "launch.master_port=29999"):

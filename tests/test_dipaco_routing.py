@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from megatron_ext.dipaco.routing import (
+from megatron_ext.dipaco.steps.routing import (
     Router,
     fit_discriminative,
     fit_frequency_bias,
@@ -133,7 +133,7 @@ def test_a_level_of_one_module_takes_no_feature_columns() -> None:
 
 
 def test_an_empty_product_path_gets_its_top_scoring_documents() -> None:
-    from megatron_ext.dipaco.tasks import _fill_empty_products
+    from megatron_ext.dipaco.run.tasks import _fill_empty_products
 
     rng = np.random.default_rng(4)
     scores = rng.standard_normal((40, 4))

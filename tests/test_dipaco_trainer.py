@@ -28,15 +28,19 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from megatron_ext.bench._dipaco_faults import max_abs_difference
+from megatron_ext.bench._dipaco_measure import (
+    comm_bytes,
+    small_overrides,
+    small_run,
+    write_small_corpus,
+)
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.checks import load_base_checkpoint
-from megatron_ext.dipaco.faults import max_abs_difference
-from megatron_ext.dipaco.gpt_base import gpt_checkpoint_folder
-from megatron_ext.dipaco.measure import comm_bytes, small_overrides, small_run, write_small_corpus
-from megatron_ext.dipaco.plan import train_id
-from megatron_ext.dipaco.queue import TaskQueue
+from megatron_ext.dipaco.model.base import gpt_checkpoint_folder, load_base_checkpoint
+from megatron_ext.dipaco.queue.task_queue import TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
-from megatron_ext.dipaco.store import attempt_dir, load_tensors
+from megatron_ext.dipaco.run.plan import train_id
+from megatron_ext.dipaco.run.store import attempt_dir, load_tensors
 from megatron_ext.errors import ConfigError
 from tests.conftest import run_torchrun
 

@@ -2,7 +2,7 @@
 
 Each case predicts one phase's bytes from the recipe alone, then runs it small in this process
 (``dipaco_tiny`` shrunk: a 4-block width-32 GPT, τ = 1, the real tasks claimed by
-:func:`~megatron_ext.dipaco.worker.run_worker` from an SQLite queue) with the store's
+:func:`~megatron_ext.dipaco.run.worker.run_worker` from an SQLite queue) with the store's
 ``save_tensors`` / ``load_tensors`` wrapped where the DiPaCo modules call them: every tensor
 payload (numel × element size, as saved and as loaded) is logged with the task doing it and the
 file, and each module's figures -- workers' copies written, the outer executor's path copies,
@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 
 from megatron_ext.config import load_recipe
-from megatron_ext.dipaco.layout import PathLayout
-from megatron_ext.dipaco.plan import build_plan, outer_id, train_id
+from megatron_ext.dipaco.model.layout import PathLayout
 from megatron_ext.dipaco.recipe import path_layout
+from megatron_ext.dipaco.run.plan import build_plan, outer_id, train_id
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.outer import OuterFigures, format_outer, plan_outer
 
@@ -104,11 +104,12 @@ def store_log() -> Iterator[StoreLog]:
     """The store's save/load functions wrapped in every DiPaCo module that imported them, and
     the task runner wrapped to say which task is running."""
     import megatron_ext.dipaco
-    import megatron_ext.dipaco.tasks as tasks
-    from megatron_ext.dipaco import store
+    import megatron_ext.dipaco.run.tasks as tasks
+    from megatron_ext.dipaco.run import store
 
-    for info in pkgutil.iter_modules(megatron_ext.dipaco.__path__):  # every caller, imported
-        importlib.import_module(f"megatron_ext.dipaco.{info.name}")
+    prefix = "megatron_ext.dipaco."
+    for info in pkgutil.walk_packages(megatron_ext.dipaco.__path__, prefix):  # every caller
+        importlib.import_module(info.name)
 
     log = StoreLog()
 
@@ -126,10 +127,10 @@ def store_log() -> Iterator[StoreLog]:
         record("read", Path(path), obj)
         return obj
 
-    def run_task(ctx, lease):
+    def run_task(recipe, files, tools, lease):
         log.current[0] = lease.task
         try:
-            return original_run(ctx, lease)
+            return original_run(recipe, files, tools, lease)
         finally:
             log.current[0] = ""
 
@@ -150,7 +151,7 @@ def store_log() -> Iterator[StoreLog]:
                 if getattr(module, attr, None) is original:
                     mp.setattr(module, attr, wrapper)
                     patched.add(f"{name.rsplit('.', 1)[1]}.{attr}")
-        assert {"tasks.save_tensors", "tasks.load_tensors", "context.load_tensors"} <= patched
+        assert {"tasks.save_tensors", "tasks.load_tensors", "store.load_tensors"} <= patched
         mp.setattr(tasks, "run_task", run_task)
         yield log
 
@@ -167,9 +168,9 @@ class Run:
 def runs(store_log: StoreLog, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """Each case predicted, then run through phase 1's outer tasks (prepare, base, route,
     two phases of train + outer: the run stops before the final and eval tasks)."""
+    from megatron_ext.bench._dipaco_measure import small_overrides, write_small_corpus
     from megatron_ext.convert.parity import init_single_process
-    from megatron_ext.dipaco.measure import small_overrides, write_small_corpus
-    from megatron_ext.dipaco.worker import run_worker
+    from megatron_ext.dipaco.run.worker import run_worker
 
     init_single_process()
     data = write_small_corpus(tmp_path_factory.mktemp("outer_data"), documents=300)

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,37 @@ def test_a_bad_entry_is_an_error_naming_it(site, entries, error, message) -> Non
     install_fake(site, DISTRIBUTION, entries)
     with pytest.raises(error, match=message):
         things().items()
+
+
+#: set by ``slow_thing`` (written by the test below) while its import holds the registry's load
+IMPORTING, RELEASE = threading.Event(), threading.Event()
+
+
+def test_a_second_thread_waits_for_the_whole_load(site) -> None:
+    """Two threads reading one registry first: the second sees every entry, not the part the
+    first thread's load has registered so far (seen when a benchmark built two runs at once)."""
+    (site / "slow_thing.py").write_text(
+        "from tests import test_registry as t\n"
+        "t.IMPORTING.set()\n"
+        "assert t.RELEASE.wait(30)\n"
+        "THING = t.Thing('s')\n"
+    )
+    install_fake(site, DISTRIBUTION, ["a = tests.test_registry:THING_A", "s = slow_thing:THING"])
+    registry, seen = things(), {}
+
+    def read(key: str) -> None:
+        seen[key] = list(registry.items())
+
+    first = threading.Thread(target=read, args=("first",))
+    first.start()
+    assert IMPORTING.wait(30)  # the first thread is inside the load, at the slow entry
+    second = threading.Thread(target=read, args=("second",))
+    second.start()
+    second.join(0.5)  # the old registry answered here with the entries loaded so far
+    RELEASE.set()
+    first.join(30)
+    second.join(30)
+    assert seen == {"first": ["a", "s"], "second": ["a", "s"]}
 
 
 def test_without_the_shipped_entries_the_error_says_to_install(site) -> None:

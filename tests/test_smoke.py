@@ -14,10 +14,7 @@ import importlib
 import inspect
 import json
 import math
-import os
 import shlex
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.bench import benchmarks
+from tests.conftest import run_cli
 
 # ---------------------------------------------------------------------------------------------
 # benchmarks
@@ -238,24 +236,43 @@ def _quick_argv(name: str, tmp: Path) -> list[str]:
     return argv
 
 
+#: the benchmarks whose runs go through the launcher (``bench.common.launch_run``); their smoke
+#: runs call ``megatron-ext bench`` in this process with the runs' ranks forked warm
+#: (:func:`tests.conftest.warm_launch_run`): ~9 CPU-s of interpreter and imports saved per run
+#: (30 runs in ``paper``'s quick study). The launcher itself runs cold in its own tests.
+LAUNCHER_BENCHMARKS = frozenset({"convergence", "precision", "ramp", "paper"})
+
+
 @pytest.mark.parametrize("name", sorted(benchmarks()))
-def test_benchmark_quick_run(name: str, tmp_path: Path) -> None:
+def test_benchmark_quick_run(
+    name: str, tmp_path: Path, request: pytest.FixtureRequest, capfd: pytest.CaptureFixture
+) -> None:
     """``megatron-ext bench NAME --quick`` as a user runs it: exit 0, every documented JSON key
-    and no other, and figures that hold what the benchmark measures."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.launch.cli", *_quick_argv(name, tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"[{name}] --quick:" in done.stdout
+    and no other, and figures that hold what the benchmark measures. The benchmarks of
+    :data:`LAUNCHER_BENCHMARKS` run in this process (the CLI's ``main``), their launcher runs
+    warm; the others as a process of their own."""
+    argv = _quick_argv(name, tmp_path)
+    if name in LAUNCHER_BENCHMARKS:
+        import torch
+
+        from megatron_ext.launch.cli import main
+
+        runs = request.getfixturevalue("warm_benchmark_runs")
+        request.getfixturevalue("monkeypatch").chdir(tmp_path)
+        threads = torch.get_num_threads()
+        try:
+            code = main(argv)
+        finally:
+            torch.set_num_threads(threads)
+        stdout, stderr = capfd.readouterr()
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+        assert runs["calls"] == len(list(tmp_path.glob("out/**/metrics.jsonl"))) > 0
+    else:
+        stdout = run_cli(argv, tmp_path).stdout
+    assert f"[{name}] --quick:" in stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == set(benchmarks()[name].JSON_KEYS)
-    BENCH_CHECKS[name](report, done.stdout, tmp_path / "out")
+    BENCH_CHECKS[name](report, stdout, tmp_path / "out")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 #: names whose use starts a process (the stdlib's, the harness's, and the product functions
-#: that start one: a launcher run, DiPaCo's worker processes, a PostgreSQL server)
+#: that start one: a launcher run, DiPaCo's worker processes and fault scenarios, a PostgreSQL
+#: server)
 SPAWNS = frozenset(
     {
         "subprocess",
@@ -38,7 +39,10 @@ SPAWNS = frozenset(
         "small_run",
         "run_workers",
         "PostgresServer",
-        "pg_server",
+        "postgres_server",
+        "fault_run",
+        "stopped_job_run",
+        "signalled_run",
         "multiprocessing",
         "ProcessPoolExecutor",
     }
@@ -68,6 +72,26 @@ def mark_items(items: Iterable[pytest.Item], conftest: ModuleType) -> None:
             item.add_marker("torchrun")
         if names & SPAWNS:
             item.add_marker("subprocess")
+
+
+def process_heavy_files_first(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: files by their number of ``subprocess`` tests, most first
+    (stable: files with as many keep their order, tests keep theirs within a file).
+
+    ``make test`` hands whole files to two pytest-xdist workers in this order
+    (``--dist loadfile``); the files that start processes are the long ones, and a long file
+    handed out last leaves the other worker idle while it runs."""
+    heavy: dict[str, int] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        heavy[path] = heavy.get(path, 0) + (item.get_closest_marker("subprocess") is not None)
+    order = {path: rank for rank, path in enumerate(heavy)}
+    items.sort(
+        key=lambda item: (
+            -heavy[item.nodeid.split("::", 1)[0]],
+            order[item.nodeid.split("::", 1)[0]],
+        )
+    )
 
 
 def _reached(item: pytest.Function, conftest: ModuleType, cache: dict[int, set[str]]) -> set:

@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import launch_run, read_metrics
+from megatron_ext.bench import common
+from megatron_ext.bench.common import read_metrics
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe, once per optimizer: final losses, step time, optimizer share, curves"
@@ -88,7 +89,7 @@ def run_variant(
         "checkpoint.save_interval=0",
         "checkpoint.save_at_end=false",
     ]
-    return launch_run(recipe, variant, out / name, name)
+    return common.launch_run(recipe, variant, out / name, name)
 
 
 def summarize(run_dir: Path, last: int) -> dict[str, Any]:
@@ -139,7 +140,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, r in results.items():
@@ -165,10 +166,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
         a.set_ylabel("loss (nats/token)")
         a.grid(alpha=0.3)
         a.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,11 +18,12 @@ SQLite queue) is trained first; then
   module size;
 - ``queue``: claim + complete latency and throughput with N concurrent clients, on SQLite and
   on PostgreSQL (a throwaway server when the binaries exist, or ``--postgres URL``);
-- ``faults`` (``--faults``): the kill / zombie scenario of :mod:`megatron_ext.dipaco.faults` on
-  the same recipe: tasks re-leased, inner steps lost, extra wall time, rejected completions and
-  max |Δθ| of the final modules against the clean run; and the whole job killed mid-phase and
-  relaunched (``faults.job_killed_mid_phase``): tasks re-leased, done tasks claimed again (0),
-  max |Δθ| against the clean run;
+- ``faults`` (``--faults``): the kill / zombie scenario of :mod:`._dipaco_faults` on the same
+  recipe (workers that stop themselves where the scenario needs: :mod:`._dipaco_fault_worker`):
+  tasks re-leased, inner steps lost, extra wall time, rejected completions and max |Δθ| of the
+  final modules against the clean run; and the whole job killed mid-phase and relaunched
+  (``faults.job_killed_mid_phase``): tasks re-leased, done tasks claimed again (0), max |Δθ|
+  against the clean run;
 The paper's own comparisons, with its baselines, are ``megatron-ext bench paper dipaco``
 (:mod:`megatron_ext.bench.paper.dipaco`).
 """
@@ -92,14 +93,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from megatron_ext.config import load_recipe
-    from megatron_ext.dipaco.measure import (
+    from megatron_ext.bench._dipaco_measure import (
         comm_bytes,
         outer_timing,
         small_overrides,
         small_run,
         write_small_corpus,
     )
+    from megatron_ext.config import load_recipe
 
     data = write_small_corpus(work / "data")
     clean = small_overrides(data, work / "clean")
@@ -156,8 +157,8 @@ def _print_comm(comm: dict[str, Any]) -> None:
 
 
 def _queue(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    from megatron_ext.dipaco.measure import queue_latency
-    from megatron_ext.dipaco.pg_server import PostgresServer, find_postgres_bin
+    from megatron_ext.bench._dipaco_measure import queue_latency
+    from megatron_ext.bench._postgres import PostgresServer, find_postgres_bin
 
     rows = []
     server = None
@@ -185,9 +186,9 @@ def _queue(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 
 
 def _faults(data: Path, work: Path, clean, clean_wall: float) -> dict[str, Any]:
+    from megatron_ext.bench._dipaco_faults import fault_run, max_abs_difference
+    from megatron_ext.bench._dipaco_measure import small_overrides
     from megatron_ext.config import load_recipe
-    from megatron_ext.dipaco.faults import fault_run, max_abs_difference
-    from megatron_ext.dipaco.measure import small_overrides
 
     overrides = [
         *small_overrides(data, work / "faults"),
@@ -220,12 +221,12 @@ def _faults(data: Path, work: Path, clean, clean_wall: float) -> dict[str, Any]:
 
 def _stopped_job(data: Path, work: Path, clean) -> dict[str, Any]:
     """The whole job killed mid-phase (two of phase 0's train tasks done, two held) and
-    relaunched through the launcher (:func:`megatron_ext.dipaco.faults.stopped_job_run`)."""
+    relaunched through the launcher (:func:`._dipaco_faults.stopped_job_run`)."""
     import time
 
+    from megatron_ext.bench._dipaco_faults import max_abs_difference, stopped_job_run
+    from megatron_ext.bench._dipaco_measure import small_overrides
     from megatron_ext.config import load_recipe
-    from megatron_ext.dipaco.faults import max_abs_difference, stopped_job_run
-    from megatron_ext.dipaco.measure import small_overrides
 
     overrides = [
         *small_overrides(data, work / "stopped_job"),

@@ -166,7 +166,7 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     names = [k for k in balance[0] if k != "dp"]
     dps = [b["dp"] for b in balance]
@@ -185,10 +185,7 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     left.legend()
     fig.suptitle(f"{BALANCE_RECIPE} matrices under {BALANCE_OPTIMIZER}: layer-wise vs ZeRO-1")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -293,7 +293,7 @@ def plot(report: dict[str, Any], runs: dict[str, Any], path: Path, title: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     ref = runs[report["reference"]]
     fig, (ax, diff) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -313,7 +313,4 @@ def plot(report: dict[str, Any], runs: dict[str, Any], path: Path, title: str) -
         a.set_ylabel(ylabel)
         a.grid(alpha=0.3)
         a.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

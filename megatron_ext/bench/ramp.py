@@ -17,7 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import launch_run, read_metrics
+from megatron_ext.bench import common
+from megatron_ext.bench.common import read_metrics
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "constant batch vs a doubling batch ramp at equal tokens: final losses, curves"
@@ -72,7 +73,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
@@ -91,10 +92,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, extra in (("constant", []), ("ramp", ramp)):
         print(f"[ramp] {name}: running", flush=True)
-        run_dir = launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
+        run_dir = common.launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
         results[name] = summarize(run_dir, args.last)
     for name, r in results.items():
         val = "–" if r["val_loss"] is None else f"{r['val_loss']:.4f}"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.atomic import save_figure
 from megatron_ext.convert.parity import mcore_logits
 
 MULTIPLES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
@@ -72,7 +73,5 @@ def write_sweep(rows: list[dict[str, float]], out: Path, title: str) -> tuple[Pa
     ax.set_xlabel("epsilon / correct epsilon")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=120)
     return csv_path, png_path

@@ -19,27 +19,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_recipe_arguments(w)
     w.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks")
     w.add_argument("--name", default="", help="worker name in the queue (default host:pid:id)")
-    w.add_argument(
-        "--pause-before-completing",
-        default="",
-        metavar="KIND",
-        help="fault tests: stop this worker (SIGSTOP) after its first task of KIND (train, "
-        "outer, ...), before completing it",
-    )
-    w.add_argument(
-        "--pause-mid-write",
-        default="",
-        metavar="KIND",
-        help="fault tests: stop this worker (SIGSTOP) half-way through writing the first file "
-        "of its first task of KIND",
-    )
-    w.add_argument(
-        "--pause-mid-task",
-        default="",
-        metavar="KIND",
-        help="fault tests: stop this worker (SIGSTOP) at the first lease check of its first "
-        "task of KIND (in the middle of it)",
-    )
     s = sub.add_parser("status", help="phases, tasks by state, workers, module versions")
     s.add_argument("run_dir", help="the run's run_dir")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -47,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def dipaco_main(args: argparse.Namespace) -> int:
     if args.dipaco_command == "status":
-        from megatron_ext.dipaco.status import run_status
+        from megatron_ext.dipaco.queue.status import run_status
 
         return run_status(args.run_dir, args.json)
     from megatron_ext.config import load_recipe
@@ -58,23 +37,16 @@ def dipaco_main(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not dipaco")
     from torch import distributed as dist
 
-    from megatron_ext.dipaco.queue import TaskFailedError
+    from megatron_ext.dipaco.queue.task_queue import TaskFailedError
+    from megatron_ext.dipaco.run.worker import run_worker
     from megatron_ext.dipaco.trainer import start_worker_process
-    from megatron_ext.dipaco.worker import run_worker
     from megatron_ext.errors import TrainingDivergedError
     from megatron_ext.run.distributed import destroy_process_groups
     from megatron_ext.run.stopping import RunStopped
 
     start_worker_process(recipe)
     try:
-        report = run_worker(
-            recipe,
-            name=args.name,
-            max_tasks=args.max_tasks,
-            pause_before_completing=args.pause_before_completing,
-            pause_mid_write=args.pause_mid_write,
-            pause_mid_task=args.pause_mid_task,
-        )
+        report = run_worker(recipe, name=args.name, max_tasks=args.max_tasks)
     except (TaskFailedError, TrainingDivergedError) as exc:
         print(f"megatron-ext: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.trainers import TrainerSpec
-from megatron_ext.dipaco.layout import PathLayout
-from megatron_ext.dipaco.queue_url import QueueURL, parse_queue_url
+from megatron_ext.dipaco.model.layout import PathLayout
+from megatron_ext.dipaco.queue.url import QueueURL, parse_queue_url
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.recipe import check_gpt_sections
 from megatron_ext.schedules.plan import lr_schedule
@@ -36,7 +36,7 @@ class DipacoConfig:
     re-routed (discriminatively) ``reshards`` times, evenly spaced (the paper: once).
     """
 
-    # levels x modules (see megatron_ext.dipaco.layout for the part syntax)
+    # levels x modules (see megatron_ext.dipaco.model.layout for the part syntax)
     modules_per_level: list[int] = spec([2, 2], help="K_l per level; P = product")
     level_parts: list[str] = spec(
         [],
@@ -109,7 +109,7 @@ class DipacoConfig:
         1,
         ge=1,
         help="R consecutive ranks form one worker: its first rank claims, the R ranks train a "
-        "path data-parallel (same modules bit for bit as one rank; megatron_ext.dipaco.group)",
+        "path data-parallel (same modules bit for bit as one rank; megatron_ext.dipaco.run.group)",
     )
 
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.queue import TaskFailedError
-from megatron_ext.dipaco.worker import run_worker
+from megatron_ext.dipaco.queue.task_queue import TaskFailedError
+from megatron_ext.dipaco.run.worker import run_worker
 
 __all__ = ["start_worker_process", "train"]
 

@@ -1,17 +1,17 @@
 """DiPaCo's outer round in bytes, from the recipe alone (torch-free): what one phase moves
-through the run's store (:mod:`megatron_ext.dipaco.store`), per shared module and in total.
+through the run's store (:mod:`megatron_ext.dipaco.run.store`), per shared module and in total.
 
-Phase t >= 1 is the tasks ``train/t/*`` and ``outer/t/*`` (:mod:`megatron_ext.dipaco.plan`).
+Phase t >= 1 is the tasks ``train/t/*`` and ``outer/t/*`` (:mod:`megatron_ext.dipaco.run.plan`).
 For module m = (l, e), S_m bytes as stored, used by the P_m = P / K_l paths:
 
 - **workers write** each path's trained copy: ``train/t/p`` writes ``l{l}.pt``, P_m · S_m;
 - **the outer executor** (``outer/t/m``) reads the global module and its outer momentum
   (``module.pt`` of ``outer/t-1/m``, 2 · S_m) and the P_m path copies (P_m · S_m), and writes
   the new module and momentum (``module.pt``, 2 · S_m: the momentum is kept in the module's
-  dtypes, :func:`megatron_ext.dipaco.outer.apply_outer_step`);
+  dtypes, :func:`megatron_ext.dipaco.steps.outer.apply_outer_step`);
 - **workers read** the versions they start from: ``train/t/p`` loads ``module.pt`` of
-  ``outer/t-1/m`` whole for each of its modules (:meth:`TaskContext.module
-  <megatron_ext.dipaco.context.TaskContext.module>`), the momentum it does not use included:
+  ``outer/t-1/m`` whole for each of its modules (:meth:`RunFiles.module
+  <megatron_ext.dipaco.run.store.RunFiles.module>`), the momentum it does not use included:
   P_m · 2 · S_m.
 
 Phase 0 writes the same, reads the same path copies, but its versions are the base model's
@@ -26,18 +26,19 @@ dtypes), and they move 0 bytes to an outer executor.
 
 Sizes: the elements are :func:`megatron_ext.planner.params.gpt_parameters` (megatron-core's
 ``GPTModel.named_parameters()`` as the worker builds it) split into modules by the layout's own
-:meth:`~megatron_ext.dipaco.layout.PathLayout.param_level`. Bytes per element: the worker's
-model is a ``GPTModel`` *not* wrapped in ``Float16Module`` (:class:`megatron_ext.dipaco.model
-.PathModel`), so linears and embeddings have the precision's parameter dtype, and norms too on
-Transformer Engine's layers; megatron-core's local-spec norms (torch's, Apex's) ignore
-``params_dtype`` and stay float32 (what a CPU worker builds: ``model.transformer_impl=local``,
-or ``auto`` without TE). ``auto`` is planned as Transformer Engine, as the GPT plan does.
+:meth:`~megatron_ext.dipaco.model.layout.PathLayout.param_level`. Bytes per element: the
+worker's model is a ``GPTModel`` *not* wrapped in ``Float16Module``
+(:class:`megatron_ext.dipaco.model.path_model.PathModel`), so linears and embeddings have the
+precision's parameter dtype, and norms too on Transformer Engine's layers; megatron-core's
+local-spec norms (torch's, Apex's) ignore ``params_dtype`` and stay float32 (what a CPU worker
+builds: ``model.transformer_impl=local``, or ``auto`` without TE). ``auto`` is planned as
+Transformer Engine, as the GPT plan does.
 
 DiLoCo: this trainer's DiLoCo is ``dipaco.modules_per_level: [1]``, one module holding every
 shared part and one path (P = prod K_l = 1): its outer step reads one path copy. The paper's
 DiLoCo baseline, P workers on P shards sharing every parameter, is not a configuration of this
 trainer's layouts with parts at every level; it is a level of no parts (``dipaco.level_parts:
-["", ...]``, :mod:`megatron_ext.dipaco.layout`): K_0 empty modules that move 0 bytes, and one
+["", ...]``, :mod:`megatron_ext.dipaco.model.layout`): K_0 empty modules that move 0 bytes, and one
 module holding every part read by all P = K_0 paths.
 """
 
@@ -50,7 +51,7 @@ from typing import Any
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.layout import ModuleId, PathLayout
+from megatron_ext.dipaco.model.layout import ModuleId, PathLayout
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.params import PlannedParam, gpt_parameters

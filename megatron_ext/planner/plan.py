@@ -663,8 +663,8 @@ def _recompute_factor(m: Any, lay: RunLayout, kv: int) -> float:
     return 1.0
 
 
-def _total_params(recipe: Recipe, vocab: int, lay: RunLayout) -> int:
-    """Elements of the whole model (TP=PP=EP=1's parameter list)."""
+def _whole_model(recipe: Recipe, vocab: int, seq: int) -> list[PlannedParam]:
+    """Every parameter of the whole model (TP = PP = EP = CP = 1's parameter list)."""
     whole = replace(
         recipe.parallel,
         tensor_model_parallel_size=1,
@@ -673,8 +673,29 @@ def _total_params(recipe: Recipe, vocab: int, lay: RunLayout) -> int:
         context_parallel_size=1,
         sequence_parallel=False,
     )
-    params = gpt_parameters(planned_model(recipe), whole, vocab_size=vocab, seq_length=lay.seq)
-    return sum(p.numel for p in params)
+    return gpt_parameters(planned_model(recipe), whole, vocab_size=vocab, seq_length=seq)
+
+
+def _total_params(recipe: Recipe, vocab: int, lay: RunLayout) -> int:
+    """Elements of the whole model (TP=PP=EP=1's parameter list)."""
+    return sum(p.numel for p in _whole_model(recipe, vocab, lay.seq))
+
+
+def checkpoint_bytes(recipe: Recipe) -> int:
+    """Bytes of one checkpoint of a GPT recipe, over all ranks: every parameter of the whole
+    model as trained (fp32, or 16-bit with its fp32 master) and its optimizer state under the
+    route the trainer gives it (``route_parameter``: the matrix optimizer's state for matrices,
+    AdamW's for the rest). File metadata and the data loader's state are not counted."""
+    from megatron_ext.optimizers.routing import route_parameter
+
+    vocab = plan_vocab_size(recipe)
+    half = precision_spec(recipe.training.precision).half
+    weight = 2 + FP32 if half else FP32
+    name = recipe.optimizer.name
+    return sum(
+        p.numel * weight + state_bytes(p, route_parameter(p.name, p.shape, matrix_optimizer=name))
+        for p in _whole_model(recipe, vocab, recipe.training.seq_length)
+    )
 
 
 # --------------------------------------------------------------------------- fit

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.atomic import atomic_path
+from megatron_ext.atomic import save_figure
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
 
@@ -179,7 +179,4 @@ def plot_curves(
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)

@@ -100,7 +100,7 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     stride = max(1, schedule.steps // 2000)
     edges = {s.first_step for s in schedule.run_stages()} | {schedule.steps - 1}
@@ -117,10 +117,7 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.axvline(schedule.total_tokens, color="grey", lw=0.8, ls=":")
     top.set_title(f"{schedule.steps:,} steps, {schedule.total_tokens:,} tokens")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return path
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.atomic import atomic_path
+from megatron_ext.atomic import atomic_path, save_figure
 from megatron_ext.soma.layout import BodyLayout
 from megatron_ext.soma.model import batched_loss
 from megatron_ext.zo.probes import probe_rows, second_moments
@@ -255,10 +255,7 @@ def write_report(
         ax.set_ylabel("relative centered variance")
         ax.set_title(name)
         ax.legend()
-    fig.tight_layout()
-    with atomic_path(png_path) as tmp:
-        fig.savefig(tmp, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=100)
 
 
 def measure_paper_claims(

@@ -1,5 +1,5 @@
 """The arms of ``megatron-ext bench paper dipaco``: each a DiPaCo-trainer run (the real tasks,
-claimed from an SQLite queue by :func:`~megatron_ext.dipaco.worker.run_worker` in this process)
+claimed from an SQLite queue by :func:`~megatron_ext.dipaco.run.worker.run_worker` in this process)
 built as the paper defines its baselines, and the evaluations the claims read.
 
 Every arm of one seed starts from the same dense base model (the first arm trains it, the others
@@ -20,7 +20,7 @@ the P-path arms (DiPaCo, flat MoE, DiLoCo) at equal tokens and FLOPs (paper: Sec
 - ``path_specific``: DiPaCo 2x2 with blocks 0 and 3 path-specific (the paper: blocks 0, 5, 6, 11
   of 12 and the embedding, Sec. 4.2 / Fig. 9);
 - ``full_sync``: DiPaCo 2x2 (generative shards) trained with per-step, per-module gradient
-  aggregation (:mod:`megatron_ext.dipaco.full_sync`, Sec. 4.5).
+  aggregation (:mod:`megatron_ext.dipaco.run.full_sync`, Sec. 4.5).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def arm_overrides(
     arm: str, size: str, seed: int, data: Path, run_dir: Path, base: Path | None
 ) -> list[str]:
     """The overrides of ``dipaco_tiny`` for ``arm`` at ``size`` and ``seed``."""
-    from megatron_ext.dipaco.measure import small_overrides
+    from megatron_ext.bench._dipaco_measure import small_overrides
 
     own = [o for o in small_overrides(data, run_dir) if o.split("=")[0] not in _SIZED]
     extra = [f"seed={seed}", *SIZES[size], *ARMS.get(arm, ARMS["dipaco_2x2_gen"])]
@@ -127,8 +127,8 @@ _SIZED = {o.split("=")[0] for o in SIZES["quick"]}
 
 def run_arm(recipe: Any, kinds: tuple[str, ...] | None = None) -> None:
     """The run of ``recipe`` in this process to the end (or only the tasks of ``kinds``)."""
-    from megatron_ext.dipaco.plan import build_plan
-    from megatron_ext.dipaco.worker import run_worker
+    from megatron_ext.dipaco.run.plan import build_plan
+    from megatron_ext.dipaco.run.worker import run_worker
 
     wanted = [t.id for t in build_plan(recipe) if kinds is None or t.kind in kinds]
     report = run_worker(recipe, name="bench", max_tasks=len(wanted))
@@ -137,41 +137,47 @@ def run_arm(recipe: Any, kinds: tuple[str, ...] | None = None) -> None:
         raise RuntimeError(f"{recipe.run_dir}: tasks not done: {missing[:5]}")
 
 
-def context(recipe: Any) -> Any:
-    """A :class:`~megatron_ext.dipaco.context.TaskContext` over a finished run."""
-    from megatron_ext.dipaco.context import TaskContext
-    from megatron_ext.dipaco.worker import open_run_queue
+def context(recipe: Any) -> tuple[Any, Any]:
+    """(:class:`~megatron_ext.dipaco.run.store.RunFiles`,
+    :class:`~megatron_ext.dipaco.run.tools.TaskTools`) over a finished run: its files, and a
+    model and corpus to score with."""
+    from megatron_ext.dipaco.run.store import RunFiles
+    from megatron_ext.dipaco.run.tools import TaskTools
+    from megatron_ext.dipaco.run.worker import open_run_queue
 
-    return TaskContext(recipe, open_run_queue(recipe, worker="bench-read"), lambda: False)
+    files = RunFiles(recipe, open_run_queue(recipe, worker="bench-read"))
+    return files, TaskTools(recipe, lambda: False)
 
 
-def base_model(ctx: Any) -> Path:
+def base_model(files: Any) -> Path:
     """The ``model.pt`` of the run's base task."""
-    from megatron_ext.dipaco.plan import BASE
+    from megatron_ext.dipaco.run.plan import BASE
 
-    return ctx.done(BASE) / "model.pt"
+    return files.done(BASE) / "model.pt"
 
 
 def summary(recipe: Any) -> dict[str, Any]:
     return json.loads((Path(recipe.run_dir) / "summary.json").read_text())
 
 
-def once_perplexity(ctx: Any, compositions: list[list[dict]], route_phase: int) -> float:
+def once_perplexity(
+    recipe: Any, files: Any, tools: Any, compositions: list[list[dict]], route_phase: int
+) -> float:
     """Perplexity on the evaluation documents (read to ``dipaco.eval_seq_length``) after the
     prefix, each document scored by one path: the top-1 of the router of ``route_phase`` on
     its prefix features; path p's parameters are ``compositions[p]`` (its modules, its own)."""
-    from megatron_ext.dipaco.data import document_batch
-    from megatron_ext.dipaco.evaluate import routed_loss
-    from megatron_ext.dipaco.recipe import eval_tokens
-    from megatron_ext.dipaco.routing import Router
-    from megatron_ext.dipaco.store import assign_params
+    from megatron_ext.dipaco.data.documents import document_batch
+    from megatron_ext.dipaco.model.parts import assign_params
+    from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
+    from megatron_ext.dipaco.run.evaluate import routed_loss
+    from megatron_ext.dipaco.steps.routing import Router
 
-    _, dataset = ctx.corpus
-    split, feats = ctx.split(), ctx.features()
-    router = Router.from_arrays(ctx.router_arrays(route_phase))
+    dataset = tools.dataset
+    split, feats = files.split(), files.features()
+    router = Router.from_arrays(files.router_arrays(route_phase))
     top = router.route(feats["eval"], 1)[:, 0]
-    docs = document_batch(dataset, split["eval"], eval_tokens(ctx.recipe))
-    pm, r = ctx.path_model, ctx.d.route_tokens
+    docs = document_batch(dataset, split["eval"], eval_tokens(recipe))
+    pm, r = tools.path_model, recipe.section(DipacoConfig).route_tokens
     losses: list[Any] = [None] * len(compositions)
     for p in sorted({int(x) for x in top}):
         assign_params(pm.model, *compositions[p])
@@ -185,17 +191,18 @@ def once_perplexity(ctx: Any, compositions: list[list[dict]], route_phase: int) 
 def early_stopping_perplexities(recipe: Any) -> dict[str, Any]:
     """Once-per-sequence perplexity of a finished run with each path at its early-stopping
     version (``on``: what the ``final`` task chose) and at its last version (``off``)."""
-    from megatron_ext.dipaco.plan import final_id, shard_phase
+    from megatron_ext.dipaco.recipe import DipacoConfig
+    from megatron_ext.dipaco.run.plan import final_id, shard_phase
 
-    ctx = context(recipe)
-    d, layout = ctx.d, ctx.layout
-    best = [int(ctx.result(final_id(p))["best_version"]) for p in range(layout.num_paths)]
+    files, tools = context(recipe)
+    d, layout = recipe.section(DipacoConfig), files.layout
+    best = [int(files.result(final_id(p))["best_version"]) for p in range(layout.num_paths)]
     route = shard_phase(recipe, d.phases - 1)
-    on = [ctx.composition(v, p) for p, v in enumerate(best)]
-    off = [ctx.composition(d.phases, p) for p in range(layout.num_paths)]
+    on = [files.composition(v, p) for p, v in enumerate(best)]
+    off = [files.composition(d.phases, p) for p in range(layout.num_paths)]
     return {
-        "on": once_perplexity(ctx, on, route),
-        "off": once_perplexity(ctx, off, route),
+        "on": once_perplexity(recipe, files, tools, on, route),
+        "off": once_perplexity(recipe, files, tools, off, route),
         "best_versions": best,
         "last_version": d.phases,
     }
@@ -204,13 +211,16 @@ def early_stopping_perplexities(recipe: Any) -> dict[str, Any]:
 def full_sync_perplexity(recipe: Any) -> dict[str, Any]:
     """Train ``recipe``'s paths fully synchronously (its prepare/base/route tasks run first)
     and return their once-per-sequence perplexity with the phase-0 router."""
-    from megatron_ext.dipaco.full_sync import full_sync_train
+    from megatron_ext.dipaco.run.full_sync import full_sync_train
 
     run_arm(recipe, ("prepare", "base", "route"))
-    ctx = context(recipe)
-    modules, own = full_sync_train(ctx)
-    layout = ctx.layout
+    files, tools = context(recipe)
+    layout = files.layout
+    base = {level: files.base_part(level) for level in (None, *range(layout.num_levels))}
+    modules, own = full_sync_train(
+        recipe, tools.path_model.model, tools.dataset, files.shards(0), base, tools.check_lease
+    )
     compositions = [
         [*(modules[m] for m in layout.path_modules(p)), own[p]] for p in range(layout.num_paths)
     ]
-    return {"once": once_perplexity(ctx, compositions, 0)}
+    return {"once": once_perplexity(recipe, files, tools, compositions, 0)}

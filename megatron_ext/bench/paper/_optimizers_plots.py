@@ -8,23 +8,13 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.atomic import save_figure
 from megatron_ext.bench.paper._optimizers_arms import MULTS, OPTIMIZERS, Scale
 
 __all__ = ["plot_all"]
 
 Results = dict[str, dict[str, dict[str, Any]]]
 LABELS = {"adamw": "AdamW", "muon": "Muon", "mop": "MOP", "kl_soap": "KL-SOAP"}
-
-
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    from megatron_ext.atomic import atomic_path
-
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
 
 
 def _sweep_arm(opt: str, k: int, mode: str) -> str:
@@ -66,7 +56,7 @@ def plot_sweep(results: Results, scale: Scale, seeds: list[int], path: Path) -> 
     fig.suptitle(
         f"loss vs batch at {scale.tokens:,} tokens per run ({len(seeds)} seeds)", fontsize=10
     )
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_pair(
@@ -112,7 +102,7 @@ def plot_pair(
     top.legend(fontsize=7)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_all(results: Results, scale: Scale, seeds: list[int], out: Path) -> list[str]:

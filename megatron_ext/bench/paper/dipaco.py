@@ -68,10 +68,10 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
 
 
 def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
+    from megatron_ext.bench._dipaco_measure import write_small_corpus
     from megatron_ext.bench.paper import _dipaco_arms as A
     from megatron_ext.config import load_recipe
     from megatron_ext.convert.parity import init_single_process
-    from megatron_ext.dipaco.measure import write_small_corpus
 
     init_single_process()
     data = write_small_corpus(out / "data", documents=A.CORPUS[size])
@@ -89,7 +89,7 @@ def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> S
                 A.run_arm(recipe)
                 figures = dict(A.summary(recipe)["perplexity"])
             if base is None:
-                base = A.base_model(A.context(recipe))
+                base = A.base_model(A.context(recipe)[0])
             figures["wall_s"] = time.perf_counter() - t0
             arms[arm][str(seed)] = figures
             print(f"[dipaco] seed {seed} {arm}: " + _line(figures), flush=True)

@@ -265,7 +265,7 @@ def _plot(cfg: dict[str, Any], arms: dict[str, Any], out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_ext.atomic import atomic_path
+    from megatron_ext.atomic import save_figure
 
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
     for seed, a in arms.items():
@@ -286,11 +286,8 @@ def _plot(cfg: dict[str, Any], arms: dict[str, Any], out: Path) -> str:
     for a_ in ax:
         a_.legend(fontsize=7)
         a_.grid(alpha=0.3)
-    fig.tight_layout()
     name = "paper_soma.png"
-    with atomic_path(out / name) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    save_figure(fig, out / name)
     return name
 
 

@@ -15,7 +15,6 @@ batches, and documents to score.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +29,12 @@ from megatron_ext.data.tokenizers import (
     build_tokenizer,
     train_sentencepiece,
 )
+from megatron_ext.dipaco.model.path_model import TextBatch
 from megatron_ext.dipaco.recipe import DipacoConfig
 from megatron_ext.errors import ConfigError
 
 __all__ = [
     "ShardStream",
-    "TextBatch",
     "document_batch",
     "ensure_corpus",
     "open_corpus",
@@ -158,16 +157,6 @@ class ShardStream:
         if self.tokens < need:
             return [self.batch(1, seq_length, _rng(0))]
         return [torch.as_tensor(self.window(i * need, need)[None]) for i in range(count)]
-
-
-@dataclass(frozen=True)
-class TextBatch:
-    """Documents padded to one length: ``tokens`` (n, T) int64, ``mask`` (n, T) bool (real
-    tokens), ``lengths`` (n,)."""
-
-    tokens: torch.Tensor
-    mask: torch.Tensor
-    lengths: torch.Tensor
 
 
 def document_batch(dataset: IndexedDataset, docs: Sequence[int], max_tokens: int) -> TextBatch:

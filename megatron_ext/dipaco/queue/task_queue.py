@@ -33,8 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ext.dipaco.database import Database, connect
-from megatron_ext.dipaco.queue_url import QueueURL
+from megatron_ext.dipaco.queue.database import Database, connect
+from megatron_ext.dipaco.queue.url import QueueURL
 from megatron_ext.errors import ConfigError
 
 __all__ = ["Lease", "TaskFailedError", "TaskQueue", "TaskSpec", "new_worker_id"]

@@ -11,16 +11,29 @@ joins enqueues the same tasks, idempotently).
 ``train/t/p`` waits for the new version of each module path p uses (not for the whole phase)
 and for its own previous phase (its inner optimizer state). Priorities order the claimable
 tasks by phase, so workers finish a phase before starting far ahead.
+
+The run's identity in the queue (:func:`run_fingerprint`) is a pure function of the recipe too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.layout import ModuleId, PathLayout
-from megatron_ext.dipaco.queue import TaskSpec
+from megatron_ext.dipaco.model.layout import ModuleId, PathLayout
+from megatron_ext.dipaco.queue.task_queue import TaskSpec
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
 
-__all__ = ["build_plan", "outer_id", "reshard_phases", "route_id", "train_id"]
+__all__ = [
+    "build_plan",
+    "outer_id",
+    "reshard_phases",
+    "route_id",
+    "run_fingerprint",
+    "train_id",
+]
 
 PREPARE, BASE, EVAL = "prepare", "base", "eval"
 
@@ -122,3 +135,25 @@ def build_plan(recipe: Recipe) -> list[TaskSpec]:
 def _module_deps(layout: PathLayout, phase: int, path: int) -> tuple[str, ...]:
     """The outer tasks of ``phase`` that make the module versions path ``path`` uses next."""
     return tuple(outer_id(phase, m) for m in layout.path_modules(path))
+
+
+# fields that do not change what a run computes: workers may differ in them
+_OPERATIONAL = (
+    "queue",
+    "lease_seconds",
+    "heartbeat_seconds",
+    "max_attempts",
+    "poll_seconds",
+    "ranks_per_worker",  # a multi-rank worker computes the same bits (:mod:`.group`)
+)
+
+
+def run_fingerprint(recipe: Recipe) -> str:
+    """A hash of everything that decides the run's results (not logging, launching or queue
+    timing), so workers started with the same recipe agree and another recipe is refused."""
+    raw = dataclasses.asdict(recipe)
+    for key in ("logging", "launch", "checkpoint"):
+        raw.pop(key, None)
+    for key in _OPERATIONAL:
+        raw["sections"]["dipaco"].pop(key, None)
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]

@@ -13,16 +13,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_ext.dipaco.data import document_batch
-from megatron_ext.dipaco.recipe import eval_tokens
-from megatron_ext.dipaco.store import assign_params
+from megatron_ext.dipaco.data.documents import document_batch
+from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
 
 if TYPE_CHECKING:
-    from megatron_ext.dipaco.context import TaskContext
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.config.schema import Recipe
+    from megatron_ext.dipaco.model.path_model import PathModel
 
 __all__ = ["base_features", "chunk_spans"]
 
@@ -38,28 +41,31 @@ def chunk_spans(length: int, route_tokens: int, window: int) -> list[tuple[int, 
     return spans
 
 
-def base_features(ctx: TaskContext, split: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Prefix features of every split and chunk features of ``eval``/``router`` documents."""
-    _, dataset = ctx.corpus
-    pm = ctx.path_model
-    assign_params(
-        pm.model,
-        ctx.base_part(None),
-        *(ctx.base_part(level) for level in range(ctx.layout.num_levels)),
-    )
-    r, max_tokens = ctx.d.route_tokens, ctx.recipe.training.seq_length + 1
+def base_features(
+    model: PathModel,
+    dataset: IndexedDataset,
+    split: dict[str, np.ndarray],
+    recipe: Recipe,
+    check: Callable[[], None],
+) -> dict[str, np.ndarray]:
+    """Prefix features of every split and chunk features of ``eval``/``router`` documents, by
+    ``model`` (holding the base model's parameters) on ``dataset``'s documents ``split``
+    (``train``/``router``/``eval`` ids); ``check`` is called before each split (it raises to
+    stop, e.g. when the lease was lost)."""
+    d = recipe.section(DipacoConfig)
+    r, max_tokens = d.route_tokens, recipe.training.seq_length + 1
     out: dict[str, np.ndarray] = {}
     for name in ("train", "router", "eval"):
-        ctx.check_lease()
+        check()
         # the W-routers learn on router-document chunks as far as the evaluation reads
-        length = eval_tokens(ctx.recipe) if name != "train" else max_tokens
+        length = eval_tokens(recipe) if name != "train" else max_tokens
         docs = document_batch(dataset, split[name], length)
-        out[name] = pm.prefix_features(docs, r).numpy()
+        out[name] = model.prefix_features(docs, r).numpy()
         if name == "train":
             continue
-        for w in ctx.d.eval_every_tokens:
+        for w in d.eval_every_tokens:
             spans = [chunk_spans(int(n), r, w) for n in docs.lengths]
-            feats = pm.span_features(docs, spans)
+            feats = model.span_features(docs, spans)
             out[f"{name}_w{w}"] = np.concatenate([f.numpy() for f in feats])
             out[f"{name}_w{w}_offsets"] = np.cumsum([0, *(len(s) for s in spans)])
     return out

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.dipaco.queue import STATES, TaskQueue
-from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.dipaco.queue.task_queue import STATES, TaskQueue
+from megatron_ext.dipaco.queue.url import parse_queue_url
 from megatron_ext.errors import ConfigError
 
 __all__ = ["run_status", "status_report"]

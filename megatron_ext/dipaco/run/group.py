@@ -116,7 +116,7 @@ def data_parallel_inner_steps(
     group: WorkerGroup,
     where: str = "",
 ) -> list[float]:
-    """:func:`megatron_ext.dipaco.inner.inner_steps` over ``group``'s ranks, with the same
+    """:func:`megatron_ext.dipaco.steps.inner.inner_steps` over ``group``'s ranks, with the same
     results bit for bit (see the module docstring). ``batches``: each step's n micro-batches,
     n divisible by the group size; returns the steps' losses (the mean over micro-batches)."""
     params = [p for p in model.parameters() if p.requires_grad]

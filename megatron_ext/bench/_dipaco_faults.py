@@ -1,6 +1,9 @@
-"""Faults with real worker processes (the fault tests and ``bench dipaco``).
+"""Faults with real worker processes (``bench dipaco --faults`` and the fault tests).
 
-:func:`fault_run` runs a recipe through three ``megatron-ext dipaco worker`` processes:
+Each worker is ``megatron-ext dipaco worker`` run by :mod:`._dipaco_fault_worker`, which makes
+it stop itself (SIGSTOP) at the point a scenario needs; the worker has no fault hook of its own.
+
+:func:`fault_run` runs a recipe through three such worker processes:
 
 1. ``killed`` stops itself after doing its first outer task (the new module version written in
    its attempt folder) and before completing it, and is then SIGKILLed;
@@ -21,11 +24,6 @@ SIGKILLed (every process of the job is gone, two leases held); then the job is r
 with ``megatron-ext launch`` (2 ranks), which takes the two tasks over once their leases
 expire and finishes the run.
 
-:func:`signalled_run`: two workers are sent a stop signal: ``mid`` in the middle of a train
-task (it stops itself at the task's first lease check; SIGTERM, then SIGCONT), which gives the
-task back unfinished and exits 0; ``end`` after finishing one (before completing it), which
-completes it and exits 0. A third worker then finishes the run.
-
 :func:`final_modules` reads a run's last module versions, to compare with a clean run.
 """
 
@@ -42,17 +40,20 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.plan import outer_id
-from megatron_ext.dipaco.queue import TaskQueue
-from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
-from megatron_ext.dipaco.store import attempt_dir, load_tensors
+from megatron_ext.dipaco.queue.task_queue import TaskQueue
+from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
+from megatron_ext.dipaco.run.store import RunFiles, attempt_dir
 
 __all__ = [
     "fault_run",
     "final_modules",
+    "finish",
+    "kill",
     "max_abs_difference",
-    "signalled_run",
+    "queue_events",
     "stopped_job_run",
+    "wait_stopped",
+    "worker",
 ]
 
 
@@ -63,20 +64,22 @@ def _stopped(proc: subprocess.Popen) -> bool:
 
 
 EXE = Path(sys.executable).with_name("megatron-ext")
+FAULT_WORKER = "megatron_ext.bench._dipaco_fault_worker"
 
 
-def _worker(
+def worker(
     recipe: str, overrides: Sequence[str], name: str, pause: str, log: Path, *extra: str
 ) -> subprocess.Popen:
-    """``megatron-ext dipaco worker`` (``pause``: ``--pause-before-completing`` KIND)."""
-    args = [str(EXE), "dipaco", "worker", recipe, *overrides, "--name", name, *extra]
+    """A ``megatron-ext dipaco worker`` process through :mod:`._dipaco_fault_worker`
+    (``pause``: ``--pause-before-completing`` KIND; ``extra``: more flags, its own too)."""
+    args = [sys.executable, "-m", FAULT_WORKER, recipe, *overrides, "--name", name, *extra]
     if pause:
         args += ["--pause-before-completing", pause]
     with open(log, "w") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _wait_stopped(procs: dict[str, subprocess.Popen], logs: Path, timeout: float) -> None:
+def wait_stopped(procs: dict[str, subprocess.Popen], logs: Path, timeout: float) -> None:
     """Until every process is stopped (SIGSTOP); RuntimeError if one exits or time runs out."""
     deadline = time.monotonic() + timeout
     while not all(_stopped(p) for p in procs.values()):
@@ -86,7 +89,7 @@ def _wait_stopped(procs: dict[str, subprocess.Popen], logs: Path, timeout: float
         time.sleep(0.2)
 
 
-def _kill(*procs: subprocess.Popen) -> None:
+def kill(*procs: subprocess.Popen) -> None:
     """SIGKILL (a stopped process dies too; continuing it first would let it run on, e.g.
     complete the task it held)."""
     for proc in procs:
@@ -95,7 +98,7 @@ def _kill(*procs: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _events(recipe: Recipe) -> list[tuple[Any, ...]]:
+def queue_events(recipe: Recipe) -> list[tuple[Any, ...]]:
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="faults")
     try:
         return queue.events()
@@ -103,7 +106,7 @@ def _events(recipe: Recipe) -> list[tuple[Any, ...]]:
         queue.close()
 
 
-def _finish(name: str, proc: subprocess.Popen, logs: Path, timeout: float) -> None:
+def finish(name: str, proc: subprocess.Popen, logs: Path, timeout: float) -> None:
     if proc.wait(timeout=timeout):
         raise RuntimeError(f"{name} failed:\n" + (logs / f"{name}.log").read_text()[-3000:])
 
@@ -114,53 +117,20 @@ def stopped_job_run(
     """The stopped-job scenario of the module docstring; returns the queue's events as the
     first job left them (``before``) and at the end (``events``)."""
     logs.mkdir(parents=True, exist_ok=True)
-    first = _worker(recipe_name, overrides, "first", "", logs / "first.log", "--max-tasks", "5")
-    _finish("first", first, logs, timeout)
-    job = {n: _worker(recipe_name, overrides, n, "train", logs / f"{n}.log") for n in ("a", "b")}
+    first = worker(recipe_name, overrides, "first", "", logs / "first.log", "--max-tasks", "5")
+    finish("first", first, logs, timeout)
+    job = {n: worker(recipe_name, overrides, n, "train", logs / f"{n}.log") for n in ("a", "b")}
     try:
-        _wait_stopped(job, logs, timeout)
+        wait_stopped(job, logs, timeout)
     finally:
-        _kill(*job.values())  # the whole job, at once
-    before = _events(recipe)
+        kill(*job.values())  # the whole job, at once
+    before = queue_events(recipe)
     with open(logs / "relaunch.log", "w") as out:
         relaunch = subprocess.Popen(
             [str(EXE), "launch", recipe_name, *overrides], stdout=out, stderr=subprocess.STDOUT
         )
-    _finish("relaunch", relaunch, logs, timeout)
-    return {"before": before, "events": _events(recipe)}
-
-
-def signalled_run(
-    recipe_name: str,
-    overrides: Sequence[str],
-    recipe: Recipe,
-    logs: Path,
-    sig: signal.Signals = signal.SIGTERM,
-    timeout: float = 300,
-) -> dict[str, Any]:
-    """The stop-signal scenario of the module docstring; returns each signalled worker's exit
-    code and output (``codes``, ``logs``) and the queue's events."""
-    logs.mkdir(parents=True, exist_ok=True)
-    mid = ("", logs / "mid.log", "--pause-mid-task", "train")
-    workers = {
-        "mid": _worker(recipe_name, overrides, "mid", *mid),
-        "end": _worker(recipe_name, overrides, "end", "train", logs / "end.log"),
-    }
-    try:
-        _wait_stopped(workers, logs, timeout)
-        for proc in workers.values():
-            proc.send_signal(sig)  # pending while stopped: handled as soon as it runs again
-            proc.send_signal(signal.SIGCONT)
-        codes = {n: p.wait(timeout=timeout) for n, p in workers.items()}
-        helper = _worker(recipe_name, overrides, "helper", "", logs / "helper.log")
-        _finish("helper", helper, logs, timeout)
-    finally:
-        _kill(*workers.values())
-    return {
-        "codes": codes,
-        "logs": {n: (logs / f"{n}.log").read_text() for n in workers},
-        "events": _events(recipe),
-    }
+    finish("relaunch", relaunch, logs, timeout)
+    return {"before": before, "events": queue_events(recipe)}
 
 
 def fault_run(
@@ -177,20 +147,20 @@ def fault_run(
     logs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     pause = ("", "--pause-mid-write", "outer") if mid_write else ("outer",)
-    killed = _worker(recipe_name, overrides, "killed", *pause[:1], logs / "killed.log", *pause[1:])
-    zombie = _worker(recipe_name, overrides, "zombie", "train", logs / "zombie.log")
+    killed = worker(recipe_name, overrides, "killed", *pause[:1], logs / "killed.log", *pause[1:])
+    zombie = worker(recipe_name, overrides, "zombie", "train", logs / "zombie.log")
     try:
-        _wait_stopped({"killed": killed, "zombie": zombie}, logs, timeout)
+        wait_stopped({"killed": killed, "zombie": zombie}, logs, timeout)
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
-        helper = _worker(recipe_name, overrides, "helper", "", logs / "helper.log")
-        _finish("helper", helper, logs, timeout)
+        helper = worker(recipe_name, overrides, "helper", "", logs / "helper.log")
+        finish("helper", helper, logs, timeout)
         wall = time.perf_counter() - start
         zombie.send_signal(signal.SIGCONT)
-        _finish("zombie", zombie, logs, timeout)
+        finish("zombie", zombie, logs, timeout)
     finally:
-        _kill(killed, zombie)
-    events = _events(recipe)
+        kill(killed, zombie)
+    events = queue_events(recipe)
     takeovers = [e for e in events if e[4] == "take-over"]
     tau = recipe.section(DipacoConfig).tau
     claim = [e for e in events if e[2] == "killed" and e[1].startswith("outer/")][-1]
@@ -212,12 +182,12 @@ def final_modules(recipe: Recipe) -> dict[str, dict[str, dict[str, torch.Tensor]
     """Every module's last version (``params`` and ``momentum``), from the accepted attempts."""
     phases = recipe.section(DipacoConfig).phases
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="faults")
+    files = RunFiles(recipe, queue)
     try:
         out = {}
-        for m in path_layout(recipe).modules:
-            task = outer_id(phases - 1, m)
-            folder = attempt_dir(recipe.run_dir, task, queue.token(task))
-            out[m.name] = load_tensors(folder / "module.pt")
+        for m in files.layout.modules:
+            params, momentum = files.module(phases, m)
+            out[m.name] = {"params": params, "momentum": momentum}
     finally:
         queue.close()
     return out

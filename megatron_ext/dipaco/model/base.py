@@ -1,5 +1,6 @@
-"""A base model from an ordinary GPT-trainer run: the model weights of one of its
-``dist_checkpointing`` checkpoints (:mod:`megatron_ext.gpt.checkpoint` writes them as
+"""The base model from ``dipaco.base_checkpoint`` (:func:`load_base_checkpoint`): a file of
+parameters, or an ordinary GPT-trainer run's model weights from one of its ``dist_checkpointing``
+checkpoints (:mod:`megatron_ext.gpt.checkpoint` writes them as
 ``<run_dir>/checkpoints/step_NNNNNN``, and names the newest in ``checkpoints/latest``).
 
 Only the model is read (:func:`megatron_ext.gpt.checkpoint.load_model_weights`: the optimizer
@@ -19,7 +20,7 @@ import torch
 from megatron_ext.ckpt.select import inspect
 from megatron_ext.errors import ConfigError
 
-__all__ = ["gpt_checkpoint_folder", "load_gpt_checkpoint"]
+__all__ = ["gpt_checkpoint_folder", "load_base_checkpoint", "load_gpt_checkpoint"]
 
 _FIX = "point dipaco.base_checkpoint at a base model of this model config, or set it to ''"
 
@@ -71,6 +72,52 @@ def load_gpt_checkpoint(
                 f"({tuple(ref.shape)} {ref.dtype}): the checkpoint {what}; {_FIX}"
             )
         params[name] = got.detach().clone()
+    return params
+
+
+def load_base_checkpoint(
+    path: str | Path,
+    reference: dict[str, torch.Tensor],
+    model: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """The base model's parameters from ``path``, checked against ``reference`` (the model's
+    own parameters): same names, shapes and dtypes. ``path`` is a GPT-trainer checkpoint folder
+    (``run_dir/checkpoints/step_NNNNNN``, or ``run_dir/checkpoints`` for its latest; read with
+    ``model``, a GPTModel of the recipe: :func:`load_gpt_checkpoint`), or a file: a ``model.pt``
+    of a DiPaCo base task, or any ``torch.save``'d GPTModel state dict, optionally under a
+    ``model`` key."""
+    path = Path(path)
+    if path.is_dir():
+        if model is None:
+            raise ValueError("a GPT checkpoint folder is read through the model: pass model")
+        return load_gpt_checkpoint(path, model, reference)
+    if not path.is_file():
+        raise ConfigError(f"dipaco.base_checkpoint={str(path)!r} does not exist; {_FIX}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged or foreign file can raise almost anything
+        raise ConfigError(
+            f"dipaco.base_checkpoint={str(path)!r} is unreadable ({exc}); {_FIX}"
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ConfigError(f"dipaco.base_checkpoint={str(path)!r} holds no state dict; {_FIX}")
+    params = {k: v for k, v in state.items() if k in reference}
+    missing = sorted(set(reference) - set(params))
+    if missing:
+        raise ConfigError(
+            f"dipaco.base_checkpoint={str(path)!r} does not match the model: it lacks "
+            f"{len(missing)} parameters (e.g. {missing[0]}); {_FIX}"
+        )
+    for name, ref in reference.items():
+        got = params[name]
+        if got.shape != ref.shape or got.dtype != ref.dtype:
+            raise ConfigError(
+                f"dipaco.base_checkpoint={str(path)!r} does not match the model: {name} is "
+                f"{tuple(got.shape)} {got.dtype}, the model's is {tuple(ref.shape)} {ref.dtype}; "
+                f"{_FIX}"
+            )
     return params
 
 

@@ -12,7 +12,7 @@ The sum runs in ascending path order and in float64, whatever order the paths fi
 the new module is bit-identical however many workers trained the paths. A module used by one
 path takes the step too (the paper finds it helps), and so do a path's path-specific parts: the
 path's own train task applies it to them (P = 1, weight 1), and their momentum stays with the path
-(:func:`megatron_ext.dipaco.tasks.train`); they never come to an executor.
+(:func:`megatron_ext.dipaco.run.tasks.train`); they never come to an executor.
 
 :func:`accumulate_delta` adds one path at a time, so an executor holds the global module, the
 running Δ and one path's copy at once, never the whole mixture.

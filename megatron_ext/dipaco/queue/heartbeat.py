@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from megatron_ext.dipaco.queue import Lease, TaskQueue
+from megatron_ext.dipaco.queue.task_queue import Lease, TaskQueue
 
 __all__ = ["Heartbeat"]
 

@@ -18,21 +18,21 @@ metrics logger, one ``metrics.jsonl`` record per train task and one for the eval
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_ext.atomic import write_json
-from megatron_ext.dipaco.context import TaskContext, load_arrays
-from megatron_ext.dipaco.data import document_batch
-from megatron_ext.dipaco.features import chunk_spans
-from megatron_ext.dipaco.plan import final_id, route_id, shard_phase, train_id
-from megatron_ext.dipaco.queue import Lease
-from megatron_ext.dipaco.recipe import eval_tokens
-from megatron_ext.dipaco.routing import Router, fit_discriminative
-from megatron_ext.dipaco.store import assign_params, load_tensors
+from megatron_ext.config.schema import Recipe
+from megatron_ext.dipaco.data.documents import document_batch
+from megatron_ext.dipaco.data.features import chunk_spans
+from megatron_ext.dipaco.model.parts import assign_params
+from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
+from megatron_ext.dipaco.run.plan import final_id, shard_phase, train_id
+from megatron_ext.dipaco.run.store import RunFiles, load_tensors
+from megatron_ext.dipaco.run.tools import TaskTools
+from megatron_ext.dipaco.steps.routing import Router, fit_discriminative
 from megatron_ext.run.metrics import MetricsLogger
 
 __all__ = ["evaluate", "routed_loss"]
@@ -68,37 +68,42 @@ def _chunk_rows(feats: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return feats[keep]
 
 
-def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
-    d, layout, seed = ctx.d, ctx.layout, ctx.recipe.seed
+def evaluate(recipe: Recipe, files: RunFiles, tools: TaskTools) -> dict[str, Any]:
+    """The ``eval`` task of the run of ``recipe`` (see the module docstring): reads the
+    ``final`` tasks' losses and the routers from ``files``, scores the base model with the
+    worker's model; writes ``summary.json`` and ``metrics.jsonl``, returns the figures."""
+    d, layout, seed = recipe.section(DipacoConfig), files.layout, recipe.seed
     paths = layout.num_paths
-    split, feats = ctx.split(), ctx.features()
-    _, dataset = ctx.corpus
-    r = d.route_tokens
-    eval_length = eval_tokens(ctx.recipe)  # the paper's 2,048 (+ 1) where the recipe says so
-    lengths = [int(n) for n in document_batch(dataset, split["eval"], eval_length).lengths]
-    router_docs = document_batch(dataset, split["router"], eval_length)
-    router_lengths = [int(n) for n in router_docs.lengths]
+    # what the run left: the split and the base features, each path's losses at its
+    # early-stopping version (its ``final`` task), the last training router, the base model
+    split, feats = files.split(), files.features()
     finals = [
-        load_tensors(ctx.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
+        load_tensors(files.done(final_id(p)) / "eval_losses.pt")["losses"] for p in range(paths)
     ]
     router_losses = [
-        load_tensors(ctx.done(final_id(p)) / "router_losses.pt")["losses"] for p in range(paths)
+        load_tensors(files.done(final_id(p)) / "router_losses.pt")["losses"] for p in range(paths)
     ]
+    router = Router.from_arrays(files.router_arrays(shard_phase(recipe, d.phases - 1)))
+    base = files.composition(0, 0)
+    dataset, pm = tools.dataset, tools.path_model
+    r = d.route_tokens
+    eval_length = eval_tokens(recipe)  # the paper's 2,048 (+ 1) where the recipe says so
+    eval_docs = document_batch(dataset, split["eval"], eval_length)
+    router_docs = document_batch(dataset, split["router"], eval_length)
+    lengths = [int(n) for n in eval_docs.lengths]
+    router_lengths = [int(n) for n in router_docs.lengths]
     results: dict[str, float] = {}
     # the base model
-    pm = ctx.path_model
-    assign_params(pm.model, *ctx.composition(0, 0))
-    base_losses = pm.token_losses(document_batch(dataset, split["eval"], eval_length))
+    assign_params(pm.model, *base)
+    base_losses = pm.token_losses(eval_docs)
     once_spans = [[(0, min(r, n)), (min(r, n), n)] for n in lengths]
     results["base"] = _mean(routed_loss([base_losses], [[0] for _ in lengths], once_spans))
     # once per sequence: the last training router on the prefix
-    last_route = shard_phase(ctx.recipe, d.phases - 1)
-    router = Router.from_arrays(load_arrays(ctx.done(route_id(last_route)) / "router.npz"))
     top = router.route(feats["eval"], 1)[:, 0]
     results["once"] = _mean(routed_loss(finals, [[int(p)] for p in top], once_spans))
     # every W tokens
     for w in d.eval_every_tokens:
-        ctx.check_lease()
+        tools.check_lease()
         spans = [chunk_spans(n, r, w) for n in router_lengths]
         targets = _window_targets(router_losses, spans)
         x = _chunk_rows(feats[f"router_w{w}"], feats[f"router_w{w}_offsets"])
@@ -111,7 +116,8 @@ def evaluate(ctx: TaskContext, lease: Lease) -> dict[str, Any]:
             per_doc.append([int(p) for p in choice[start : start + len(doc_spans) - 1]])
             start += len(doc_spans) - 1
         results[f"w{w}"] = _mean(routed_loss(finals, per_doc, eval_spans))
-    return _write_summary(ctx, results, len(lengths), sum(n - min(r, n) for n in lengths))
+    scored = sum(n - min(r, n) for n in lengths)
+    return _write_summary(recipe, files, results, len(lengths), scored)
 
 
 def _mean(total: tuple[float, int]) -> float:
@@ -120,18 +126,16 @@ def _mean(total: tuple[float, int]) -> float:
 
 
 def _write_summary(
-    ctx: TaskContext, losses: dict[str, float], documents: int, targets: int
+    recipe: Recipe, files: RunFiles, losses: dict[str, float], documents: int, targets: int
 ) -> dict[str, Any]:
-    d, layout = ctx.d, ctx.layout
-    paths = [ctx.result(final_id(p)) for p in range(layout.num_paths)]
-    (Path(ctx.run_dir) / "metrics.jsonl").unlink(missing_ok=True)  # a re-run rewrites it
-    log = MetricsLogger(
-        Path(ctx.run_dir), echo=True, write=True, tensorboard=False, prefix="dipaco "
-    )
+    d, layout, run_dir = recipe.section(DipacoConfig), files.layout, files.run_dir
+    paths = [files.result(final_id(p)) for p in range(layout.num_paths)]
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a re-run rewrites it
+    log = MetricsLogger(run_dir, echo=True, write=True, tensorboard=False, prefix="dipaco ")
     try:
         for t in range(d.phases):
             for p in range(layout.num_paths):
-                res = ctx.result(train_id(t, p))
+                res = files.result(train_id(t, p))
                 log.record(t * layout.num_paths + p, {"step": t * d.tau, **res})
         figures = {
             "eval_loss": losses,
@@ -159,5 +163,5 @@ def _write_summary(
             for r in paths
         ],
     }
-    write_json(Path(ctx.run_dir) / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary)
     return {k: summary[k] for k in ("eval_loss", "perplexity")}

@@ -32,12 +32,12 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.outer import OuterConfig, accumulate_delta, apply_outer_step
-from megatron_ext.dipaco.plan import outer_id, train_id
-from megatron_ext.dipaco.queue import TaskQueue, TaskSpec
-from megatron_ext.dipaco.queue_url import parse_queue_url
+from megatron_ext.dipaco.queue.task_queue import TaskQueue, TaskSpec
+from megatron_ext.dipaco.queue.url import parse_queue_url
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
-from megatron_ext.dipaco.store import attempt_dir, load_tensors, save_tensors
+from megatron_ext.dipaco.run.plan import outer_id, train_id
+from megatron_ext.dipaco.run.store import RunFiles, load_tensors, save_tensors
+from megatron_ext.dipaco.steps.outer import OuterConfig, accumulate_delta, apply_outer_step
 
 __all__ = ["comm_bytes", "outer_timing", "queue_latency", "small_overrides", "small_run"]
 
@@ -111,9 +111,7 @@ def comm_bytes(recipe: Recipe) -> dict[str, Any]:
     (numel × element size), nothing taken from the config."""
     d, layout = recipe.section(DipacoConfig), path_layout(recipe)
     queue = TaskQueue(queue_url(recipe), lease_seconds=1, max_attempts=1, worker="bench")
-
-    def done(task: str) -> Path:
-        return attempt_dir(recipe.run_dir, task, queue.token(task))
+    done = RunFiles(recipe, queue).done
 
     try:
         phase = d.phases - 1

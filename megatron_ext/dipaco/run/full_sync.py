@@ -11,25 +11,30 @@ phase t is key (path, t, k mod τ) of the batch stream) and the same learning ra
     own_p     ← InnerOpt_p(g_p[own])                  path-specific parts: their own gradient
 
 No outer step, no momentum across phases: the modules are synchronised every step (what DDP
-would do per module). Runs in one process over the run's finished ``prepare``/``base``/
-``route`` tasks (their split, base model and phase-0 shards), without the task queue.
+would do per module). Runs in one process over what the run's finished ``prepare``/``base``/
+``route`` tasks left (the base model and the phase-0 shards), without the task queue.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from megatron_ext.dipaco.data import STREAM_BATCH, ShardStream
-from megatron_ext.dipaco.inner import InnerOptimizer, inner_schedule
-from megatron_ext.dipaco.layout import ModuleId
-from megatron_ext.dipaco.model import lm_loss
-from megatron_ext.dipaco.store import assign_params, module_names
+from megatron_ext.dipaco.data.documents import STREAM_BATCH, ShardStream
+from megatron_ext.dipaco.model.layout import ModuleId
+from megatron_ext.dipaco.model.parts import assign_params, module_names
+from megatron_ext.dipaco.model.path_model import lm_loss
+from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
+from megatron_ext.dipaco.steps.inner import InnerOptimizer, inner_schedule
 from megatron_ext.errors import TrainingDivergedError
 
 if TYPE_CHECKING:
-    from megatron_ext.dipaco.context import TaskContext
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.config.schema import Recipe
 
 __all__ = ["full_sync_train"]
 
@@ -41,23 +46,30 @@ def _holder(params: Params) -> dict[str, torch.nn.Parameter]:
     return {n: torch.nn.Parameter(t.detach().clone()) for n, t in params.items()}
 
 
-def full_sync_train(ctx: TaskContext) -> tuple[dict[ModuleId, Params], dict[int, Params]]:
-    """Train the run's paths fully synchronously for ``phases · τ`` steps from the base model
-    on the phase-0 shards; returns (each module's parameters, each path's own parameters)."""
-    d, layout, recipe = ctx.d, ctx.layout, ctx.recipe
-    _, dataset = ctx.corpus
-    shards = ctx.shards(0)
+def full_sync_train(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    dataset: IndexedDataset,
+    shards: dict[str, np.ndarray],
+    base: Mapping[int | None, Params],
+    check: Callable[[], None],
+) -> tuple[dict[ModuleId, Params], dict[int, Params]]:
+    """Train the paths of ``recipe`` fully synchronously for ``phases · τ`` steps from the base
+    model (``base``: its parameters by level, None: the path-specific ones) on the phase-0
+    shards (``shards``: ``train_<p>`` document ids of ``dataset``), with ``model`` (a GPTModel
+    of the recipe) computing every path's gradient; ``check`` is called before each step (it
+    raises to stop). Returns (each module's parameters, each path's own parameters)."""
+    d, layout = recipe.section(DipacoConfig), path_layout(recipe)
     streams = [ShardStream(dataset, shards[f"train_{p}"]) for p in range(layout.num_paths)]
-    modules = {m: _holder(ctx.base_part(m.level)) for m in layout.modules}
-    own = {p: _holder(ctx.base_part(None)) for p in range(layout.num_paths)}
+    modules = {m: _holder(base[m.level]) for m in layout.modules}
+    own = {p: _holder(base[None]) for p in range(layout.num_paths)}
     opt = recipe.optimizer
     module_opt = {m: InnerOptimizer(list(modules[m].items()), opt) for m in modules if modules[m]}
     own_opt = {p: InnerOptimizer(list(own[p].items()), opt) for p in own if own[p]}
     sched = inner_schedule(opt, d.phases, d.tau, d.inner_warmup_steps)
-    model = ctx.path_model.model
     names = module_names(dict(model.named_parameters()), layout)
     for step in range(d.phases * d.tau):
-        ctx.check_lease()
+        check()
         phase, k = divmod(step, d.tau)
         grads: dict[int, Params] = {}
         for p, stream in enumerate(streams):

@@ -27,7 +27,6 @@ data-parallel, and write nothing.
 from __future__ import annotations
 
 import os
-import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -38,14 +37,13 @@ import torch.distributed as dist
 
 from megatron_ext.atomic import write_json
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.checks import run_fingerprint
-from megatron_ext.dipaco.context import LeaseLost, TaskContext
-from megatron_ext.dipaco.group import WorkerGroup
-from megatron_ext.dipaco.heartbeat import Heartbeat
-from megatron_ext.dipaco.plan import build_plan
-from megatron_ext.dipaco.queue import Lease, TaskQueue
+from megatron_ext.dipaco.queue.heartbeat import Heartbeat
+from megatron_ext.dipaco.queue.task_queue import Lease, TaskQueue
 from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
-from megatron_ext.dipaco.store import discard_attempt, set_mid_write_fault
+from megatron_ext.dipaco.run.group import WorkerGroup
+from megatron_ext.dipaco.run.plan import build_plan, run_fingerprint
+from megatron_ext.dipaco.run.store import RunFiles, discard_attempt
+from megatron_ext.dipaco.run.tools import LeaseLost, TaskTools
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.metrics import MetricsLogger
 from megatron_ext.run.stopping import RunStopped, StopPolicy
@@ -85,24 +83,12 @@ def open_run_queue(recipe: Recipe, worker: str = "") -> TaskQueue:
     return queue
 
 
-def run_worker(
-    recipe: Recipe,
-    name: str = "",
-    max_tasks: int | None = None,
-    pause_before_completing: str = "",
-    pause_mid_write: str = "",
-    pause_mid_task: str = "",
-) -> WorkerReport:
+def run_worker(recipe: Recipe, name: str = "", max_tasks: int | None = None) -> WorkerReport:
     """Work on the run of ``recipe`` until it is complete (or ``max_tasks`` were done).
 
     With ``dipaco.ranks_per_worker`` = R > 1 every rank of the job calls this: R consecutive
     ranks are one worker (:mod:`.group`), whose first rank leads (claims, writes, completes)
-    and sends its train tasks to the others. ``pause_before_completing`` (fault tests): a task
-    kind; after doing its first task of that kind, the worker stops itself (SIGSTOP) before
-    completing it, to be killed (its work is lost and re-leased) or continued later (a
-    zombie, whose completion is rejected). ``pause_mid_write``: likewise, but half-way through
-    writing the first file of its first task of that kind (a temporary file, half written);
-    ``pause_mid_task``: likewise, at the first lease check of its first task of that kind.
+    and sends its train tasks to the others.
 
     Raises :class:`RunStopped` when asked to stop (every rank of a multi-rank worker installs
     the stop signals; its first rank decides, the others follow it)."""
@@ -112,8 +98,7 @@ def run_worker(
         if not group.leader:
             return _follow(recipe, group)
         try:
-            pauses = (pause_before_completing, pause_mid_write, pause_mid_task)
-            report = _lead(recipe, group, name, max_tasks, pauses, stop)
+            report = _lead(recipe, group, name, max_tasks, stop)
         finally:
             group.broadcast(None)  # the followers stop
     finally:
@@ -141,7 +126,6 @@ def _lead(
     group: WorkerGroup,
     name: str,
     max_tasks: int | None,
-    pauses: tuple[str, str, str],
     stop: StopPolicy,
 ) -> WorkerReport:
     d = recipe.section(DipacoConfig)
@@ -163,7 +147,7 @@ def _lead(
         tensorboard=False,
         prefix=f"[dipaco {name or queue.worker}] ",
     )
-    ctx = TaskContext(recipe, queue, lost=lambda: beat.lost, group=group)
+    files, tools = RunFiles(recipe, queue), TaskTools(recipe, lost=lambda: beat.lost, group=group)
     report = WorkerReport()
     try:
         while max_tasks is None or len(report.completed) < max_tasks:
@@ -181,16 +165,8 @@ def _lead(
             shared = group.size > 1 and lease.kind == "train"
             if shared:  # the followers train with us; the leader's lease state is agreed
                 group.broadcast(lease)
-            pause_now = lease.kind == pauses[2]
-            ctx.lost = _lost_check(beat, stop, group if shared else None, pause_now)
-            pause = lease.kind == pauses[0]
-            if lease.kind == pauses[1]:
-                log.info(f"{lease.task}: will stop half-way through a write (fault test)")
-                set_mid_write_fault(_stop_self)
-            if pause_now:
-                log.info(f"{lease.task}: will stop at its first lease check (fault test)")
-            pauses = tuple("" if k == lease.kind else k for k in pauses)  # each once
-            _work(ctx, queue, beat, lease, log, report, pause, stop)
+            tools.lost = _lost_check(beat, stop, group if shared else None)
+            _work(recipe, files, tools, beat, lease, log, report, stop)
     finally:
         beat.close()
         queue.close()
@@ -200,29 +176,30 @@ def _lead(
 
 def _follow(recipe: Recipe, group: WorkerGroup) -> WorkerReport:
     """A follower rank: train the leader's train tasks with it until it says stop."""
-    from megatron_ext.dipaco.tasks import run_task
+    from megatron_ext.dipaco.run.tasks import run_task
 
     d, report = recipe.section(DipacoConfig), WorkerReport(follower=True)
-    ctx = None
+    files = tools = None
     try:
         while (lease := group.broadcast()) is not None:
-            if ctx is None:  # the leader has made the run's queue by now
+            if files is None:  # the leader has made the run's queue by now
                 queue = TaskQueue(
                     queue_url(recipe),
                     lease_seconds=d.lease_seconds,
                     max_attempts=d.max_attempts,
                     worker=f"{dist.get_rank()}-follower",
                 )
-                ctx = TaskContext(recipe, queue, lost=lambda: group.agree(False), group=group)
+                files = RunFiles(recipe, queue)
+                tools = TaskTools(recipe, lost=lambda: group.agree(False), group=group)
             try:
-                run_task(ctx, lease)
+                run_task(recipe, files, tools, lease)
             except (LeaseLost, TrainingDivergedError):  # the leader drops or reports it
                 report.lost.append(lease.task)
                 continue
             report.completed.append(lease.task)
     finally:
-        if ctx is not None:
-            ctx.queue.close()
+        if files is not None:
+            files.queue.close()
     return report
 
 
@@ -232,18 +209,11 @@ def _progress(queue: TaskQueue) -> tuple[int, int]:
     return sum(c.get("done", 0) for c in counts), sum(sum(c.values()) for c in counts)
 
 
-def _lost_check(
-    beat: Heartbeat, stop: StopPolicy, group: WorkerGroup | None, pause: bool
-) -> Callable[[], bool]:
-    """The task's ``ctx.lost``: the lease was lost or this worker is asked to stop (agreed
-    with the followers when ``group`` trains the task with it). ``pause``: SIGSTOP this
-    process at the first check (fault tests)."""
-    pending = [pause]
+def _lost_check(beat: Heartbeat, stop: StopPolicy, group: WorkerGroup | None) -> Callable[[], bool]:
+    """The task's ``tools.lost``: the lease was lost or this worker is asked to stop (agreed
+    with the followers when ``group`` trains the task with it)."""
 
     def lost() -> bool:
-        if pending[0]:
-            pending[0] = False
-            _stop_self()
         gone = beat.lost or stop.requested(1) is not None
         return group.agree(gone) if group is not None else gone
 
@@ -251,14 +221,23 @@ def _lost_check(
 
 
 def _work(
-    ctx, queue: TaskQueue, beat: Heartbeat, lease: Lease, log, report, pause: bool, stop
+    recipe: Recipe,
+    files: RunFiles,
+    tools: TaskTools,
+    beat: Heartbeat,
+    lease: Lease,
+    log: MetricsLogger,
+    report: WorkerReport,
+    stop: StopPolicy,
 ) -> None:
+    """Run one claimed task and complete it, or give it back (lost, failed, stopped)."""
+    queue = files.queue
     start = time.perf_counter()
     beat.hold(lease)
     try:
-        result = _run(ctx, lease)
+        result = _run(recipe, files, tools, lease)
     except LeaseLost:
-        discard_attempt(ctx.run_dir, lease.task, lease.token)
+        discard_attempt(files.run_dir, lease.task, lease.token)
         reason = None if beat.lost else stop.requested(1)
         if reason and queue.release(lease, reason):
             report.released.append(lease.task)
@@ -277,28 +256,20 @@ def _work(
         return
     finally:
         beat.hold(None)
-    if pause:
-        log.info(f"{lease.task}: done, stopping before completing it (fault test)")
-        _stop_self()
     if queue.complete(lease, result):
         report.completed.append(lease.task)
         took = time.perf_counter() - start
         log.info(f"{lease.task} done in {took:.1f} s (attempt {lease.attempt}) {_brief(result)}")
     else:
-        discard_attempt(ctx.run_dir, lease.task, lease.token)
+        discard_attempt(files.run_dir, lease.task, lease.token)
         report.rejected.append(lease.task)
         log.info(f"{lease.task}: completion rejected (lease taken over); files discarded")
 
 
-def _stop_self(*_: object) -> None:
-    """SIGSTOP this process (fault tests): it stays stopped until SIGCONT or SIGKILL."""
-    os.kill(os.getpid(), signal.SIGSTOP)
+def _run(recipe: Recipe, files: RunFiles, tools: TaskTools, lease: Lease) -> dict:
+    from megatron_ext.dipaco.run.tasks import run_task
 
-
-def _run(ctx: TaskContext, lease: Lease) -> dict:
-    from megatron_ext.dipaco.tasks import run_task
-
-    return run_task(ctx, lease)
+    return run_task(recipe, files, tools, lease)
 
 
 def _brief(result: dict) -> str:
@@ -312,8 +283,8 @@ def _check_before_writing(recipe: Recipe) -> None:
     if not d.base_checkpoint:
         return
     from megatron_ext.data.tokenizers import build_tokenizer
-    from megatron_ext.dipaco.checks import check_base_checkpoint
-    from megatron_ext.dipaco.model import PathModel
+    from megatron_ext.dipaco.model.base import load_base_checkpoint
+    from megatron_ext.dipaco.model.path_model import PathModel
 
     data = recipe.data
     if data.tokenizer == "sentencepiece" and not os.path.isfile(data.tokenizer_model):
@@ -323,4 +294,4 @@ def _check_before_writing(recipe: Recipe) -> None:
         )
     tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model)
     path_model = PathModel(recipe, tokenizer.vocab_size)
-    check_base_checkpoint(recipe, path_model.init_state, path_model.model)
+    load_base_checkpoint(d.base_checkpoint, path_model.init_state, path_model.model)

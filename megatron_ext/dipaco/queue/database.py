@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from megatron_ext.dipaco.queue_url import QueueURL
+from megatron_ext.dipaco.queue.url import QueueURL
 from megatron_ext.errors import ConfigError
 
 __all__ = ["Database", "connect"]

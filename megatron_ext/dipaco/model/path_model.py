@@ -9,15 +9,25 @@ features: the mean last-block hidden state over a span of each document.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.data import TextBatch
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.parallel import set_seeds
 
-__all__ = ["PathModel", "lm_loss"]
+__all__ = ["PathModel", "TextBatch", "lm_loss"]
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """Documents padded to one length: ``tokens`` (n, T) int64, ``mask`` (n, T) bool (real
+    tokens), ``lengths`` (n,)."""
+
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

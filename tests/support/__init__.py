@@ -1,0 +1,1 @@
+"""Test harness shared by several test modules (not shipped: the wheel holds megatron_ext only)."""
