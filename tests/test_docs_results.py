@@ -153,3 +153,27 @@ def test_every_rendered_table_and_index_row_carries_command_date_machine_anchor(
             for key in ("- date: ", "- machine: ", "- anchor: "):
                 assert key in block, (path, head, key)
             assert " cores, " in block and "UTC" in block, (path, head)
+
+
+def test_the_bench_dispatcher_stamps_every_json_with_meta(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``megatron-ext bench NAME --json`` (here ``plan --quick``, torch-free and seconds): the
+    file carries ``meta`` with the command, a UTC date, the machine and the module's ANCHOR; a
+    benchmark writing its JSON outside the dispatcher is refused."""
+    from megatron_ext.bench import common
+    from megatron_ext.bench.plan import ANCHOR
+    from megatron_ext.launch.cli import main
+
+    monkeypatch.setattr(common, "_RUN_META", None)
+    with pytest.raises(RuntimeError, match="no benchmark run begun"):
+        common.write_json({"figure": 1.0}, str(tmp_path / "x.json"))
+    argv = ["bench", "plan", "--quick", "--out", str(tmp_path / "out")]
+    monkeypatch.setattr("sys.argv", ["megatron-ext", *argv, "--json", str(tmp_path / "p.json")])
+    assert main([*argv, "--json", str(tmp_path / "p.json")]) == 0
+    meta = json.loads((tmp_path / "p.json").read_text())["meta"]
+    assert meta["benchmark"] == "plan" and meta["anchor"] == ANCHOR
+    assert meta["command"] == " ".join(["megatron-ext", *argv, "--json", str(tmp_path / "p.json")])
+    assert meta["date"].endswith(" UTC") and len(meta["load_average"]) == 3
+    assert {"cpu", "cores", "gpu", "torch", "megatron_core"} <= set(meta["machine"])
+    assert meta == json.loads((tmp_path / "out" / "plan.json").read_text())["meta"]
