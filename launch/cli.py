@@ -100,6 +100,7 @@ def whole_lines() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     whole_lines()
     args = build_parser().parse_args(argv)
+    args.command_argv = list(sys.argv[1:] if argv is None else argv)  # as given (bench's meta)
     try:
         return commands()[args.command].run(args)
     except ConfigError as exc:

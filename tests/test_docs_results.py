@@ -169,10 +169,10 @@ def test_the_bench_dispatcher_stamps_every_json_with_meta(
     with pytest.raises(RuntimeError, match="no benchmark run begun"):
         common.write_json({"figure": 1.0}, str(tmp_path / "x.json"))
     argv = ["bench", "plan", "--quick", "--out", str(tmp_path / "out")]
-    monkeypatch.setattr("sys.argv", ["megatron-ext", *argv, "--json", str(tmp_path / "p.json")])
     assert main([*argv, "--json", str(tmp_path / "p.json")]) == 0
     meta = json.loads((tmp_path / "p.json").read_text())["meta"]
     assert meta["benchmark"] == "plan" and meta["anchor"] == ANCHOR
+    # the arguments main() was given, not this process's (pytest's) command line
     assert meta["command"] == " ".join(["megatron-ext", *argv, "--json", str(tmp_path / "p.json")])
     assert meta["date"].endswith(" UTC") and len(meta["load_average"]) == 3
     assert {"cpu", "cores", "gpu", "torch", "megatron_core"} <= set(meta["machine"])

@@ -58,7 +58,8 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import begin_run
 
     module = benchmarks()[args.bench_name]
-    begin_run(args.bench_name, module.ANCHOR)  # every JSON this run writes carries it as meta
+    # every JSON this run writes carries it as meta; argv: what main() was given (in-process)
+    begin_run(args.bench_name, module.ANCHOR, getattr(args, "command_argv", None))
     if args.quick:
         applied = apply_quick(args, module.QUICK)
         print(f"[{args.bench_name}] --quick: {' '.join(applied) or 'nothing left to set'}")

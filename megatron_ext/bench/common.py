@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,21 +186,23 @@ def machine() -> dict[str, Any]:
     }
 
 
-def command_line() -> str:
-    """This process's command line as a user types it (``megatron-ext bench ...``)."""
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command line as a user types it (``megatron-ext bench ...``): ``argv`` (the
+    arguments after ``megatron-ext``), by default this process's."""
     import shlex
 
-    return shlex.join(["megatron-ext", *sys.argv[1:]])
+    return shlex.join(["megatron-ext", *(sys.argv[1:] if argv is None else argv)])
 
 
 #: the running benchmark's ``meta`` (set once per run by the bench dispatcher, :func:`begin_run`)
 _RUN_META: dict[str, Any] | None = None
 
 
-def begin_run(benchmark: str, anchor: str) -> dict[str, Any]:
-    """Record this run's ``meta`` -- ``benchmark``, ``command`` (:func:`command_line`), ``date``
-    (UTC, minutes), ``machine`` (:func:`machine`), ``load_average`` (the 1/5/15-minute load of
-    the host when the run started: a loaded machine distorts times, same-run ratios survive)
+def begin_run(benchmark: str, anchor: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Record this run's ``meta`` -- ``benchmark``, ``command`` (:func:`command_line` of
+    ``argv``), ``date`` (UTC, minutes), ``machine`` (:func:`machine`), ``load_average`` (the
+    1/5/15-minute load of the host when the run started: a loaded machine distorts times,
+    same-run ratios survive)
     and ``anchor`` (the baseline the benchmark's ratios are against, the module's ``ANCHOR``) --
     which :func:`write_json` stamps on every JSON the run writes. Called by ``megatron-ext bench``
     before the benchmark runs, so no benchmark repeats it."""
@@ -209,7 +212,7 @@ def begin_run(benchmark: str, anchor: str) -> dict[str, Any]:
     global _RUN_META
     _RUN_META = {
         "benchmark": benchmark,
-        "command": command_line(),
+        "command": command_line(argv),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
