@@ -246,6 +246,18 @@ class LocalGather(AllGatherV):
         return Pending(buffer, done=True)
 
 
+@pytest.fixture
+def own_registry_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the test registers is gone after it (the registry is process-wide: another test's
+    list of the registered optimizers must not see this one)."""
+    from megatron_ext.optimizers.spec import OPTIMIZERS
+
+    OPTIMIZERS.items()  # the shipped entries loaded first
+    monkeypatch.setattr(OPTIMIZERS, "_items", dict(OPTIMIZERS._items))
+    monkeypatch.setattr(OPTIMIZERS, "_origin", dict(OPTIMIZERS._origin))
+
+
+@pytest.mark.usefixtures("own_registry_entries")
 def test_an_optimizer_registered_from_a_test_trains_through_the_layerwise_optimizer() -> None:
     """Its own class and spec, one :func:`register_optimizer` call: the routing gives it the
     hidden matrices, the ownership plan costs it from its spec, the layer-wise optimizer steps
