@@ -9,6 +9,7 @@ from megatron_ext.bench.paper import JSON_KEYS
 from megatron_ext.bench.paper.claims import Claim, verdict
 from megatron_ext.bench.paper.report import StudyResult, markdown, payload
 from megatron_ext.errors import ConfigError
+from tests.test_docs_results import fake_meta
 
 
 @pytest.mark.parametrize(
@@ -65,14 +66,7 @@ def test_report_holds_every_claim() -> None:
         ),
     ]
     result = StudyResult(claims, {"steps": 10}, {"A": {1: {"loss": 1.0}}}, ["curves.png"], ["n1"])
-    meta = {
-        "benchmark": "paper",
-        "command": "megatron-ext bench paper toy",
-        "date": "2026-12-04 00:00 UTC",
-        "machine": {"cpu": "test cpu", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "x"},
-        "load_average": [1.0, 1.0, 1.0],
-        "anchor": "each claim's baseline arm",
-    }
+    meta = fake_meta("paper", "megatron-ext bench paper toy", "each claim's baseline arm")
     report = payload("toy", "toy.txt", result, [1, 2], "quick", meta)
     assert tuple(report) == JSON_KEYS
     assert [c["verdict"] for c in report["claims"]] == ["reproduced", "not reproduced"]
@@ -80,9 +74,9 @@ def test_report_holds_every_claim() -> None:
     assert report["claims"][0]["spread"] == pytest.approx(0.2)
     page = markdown(report, "Toy")
     assert "- command: `megatron-ext bench paper toy`" in page
-    assert "- machine: test cpu, 2 cores, no GPU; torch x" in page
+    assert "- machine: Test CPU, 2 cores, no GPU; torch 2.9" in page
     assert "| A beats B | Fig. 1 | 0.10 nats |" in page
     assert "**reproduced**" in page and "**not reproduced**" in page
     assert "0.3, 0.5" in page and "(≈ 0 within 0.05)" in page
     assert "a.y: shorter runs than the paper's" in page and "- n1" in page
-    assert "![curves](curves.png)" in page and "test cpu, 2 cores, no GPU" in page
+    assert "![curves](curves.png)" in page and "Test CPU, 2 cores, no GPU" in page

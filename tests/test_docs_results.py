@@ -20,14 +20,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-META = {
-    "benchmark": "ramp",
-    "command": "megatron-ext bench ramp tiny_cpu_gpt",
-    "date": "2026-12-04 00:00 UTC",
-    "machine": {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.9"},
-    "load_average": [1.0, 2.0, 3.0],
-    "anchor": "the constant-batch run",
-}
+
+def fake_meta(benchmark: str, command: str, anchor: str) -> dict:
+    """A results file's ``meta`` as ``megatron-ext bench`` stamps it, for a made-up run."""
+    return {
+        "benchmark": benchmark,
+        "command": command,
+        "date": "2026-12-04 00:00 UTC",
+        "machine": {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.9"},
+        "load_average": [1.0, 2.0, 3.0],
+        "anchor": anchor,
+    }
+
+
+META = fake_meta("ramp", "megatron-ext bench ramp tiny_cpu_gpt", "the constant-batch run")
 
 
 def _docs(argv: list[str]) -> int:
