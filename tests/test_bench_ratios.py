@@ -35,3 +35,16 @@ def test_newton_schulz_root_mode_is_reported_against_the_eigenbasis_mode():
     ratios = _ratios({"kl_soap_qr": _entry(2.0, None), "kl_soap_ns_root": _entry(3.0, None)})
     assert ratios["kl_soap_ns_root_vs_eigenbasis"] == 1.5
     assert _ratios({"kl_soap_qr": _entry(2.0, None)})["kl_soap_ns_root_vs_eigenbasis"] is None
+
+
+def test_kl_soap_floor_is_its_flop_model_at_the_matmul_rate_against_emerging():
+    """826 GFLOP at 162 GFLOP/s is 5.1 s, against their 13.6 s: 0.375 whatever our code does."""
+    results = {
+        "kl_soap_qr": {**_entry(6.9, None), "gflop_per_step": 826.0},
+        "emerging_kl_soap": _entry(13.6, None),
+    }
+    assert abs(_ratios(results, 162.0)["kl_soap_floor_vs_emerging"] - 826 / 162 / 13.6) < 1e-12
+    # no matmul rate or no Emerging-Optimizers run: no floor
+    assert _ratios(results)["kl_soap_floor_vs_emerging"] is None
+    del results["emerging_kl_soap"]
+    assert _ratios(results, 162.0)["kl_soap_floor_vs_emerging"] is None

@@ -168,9 +168,23 @@ SCALES: dict[str, Scale] = {
         lr=3e-3,
         min_lr=3e-4,
         spike_mult=4,
-        spike_lr_mult=1.0,
+        # the lowest LR multiple at which the stale arm spiked in a pilot (the notes)
+        spike_lr_mult=30.0,
         nproc=1,
         jobs=2,
+        notes=(
+            "Spike setting: the issue asks for the stability arms at a batch and LR where spikes "
+            "appear. At 4× the batch and 1× the LR neither SOAP arm spiked (the full run of "
+            "2026-12-03, seeds 1 and 2). A pilot on seed 0, which is not a study seed, ran the "
+            "stale and the per-step SOAP arms at 3×, 10× and 30× the LR: by the spike definition "
+            "neither spiked at 3× or 10×; at 30× the stale arm had 4 gradient-norm spikes (one "
+            "after each refresh from step 40 on) and the per-step arm none, so the study runs its "
+            "stability arms at 30× (LR 0.09). Loss spikes (t ≥ 20) appeared in neither; the stale "
+            "arm's loss went back up to its initial value between steps 5 and 12, inside the "
+            "definition's first 20 steps. Longer runs (4× the tokens at 3× the LR) were no "
+            "alternative: past a few epochs of the corpus, batch-to-batch noise exceeds +5% "
+            "in both arms (9 and 17 'loss spikes').",
+        ),
     ),
 }
 

@@ -14,8 +14,8 @@ initialisation and the data order):
     over the steps in the last 10% of the tokens (the paper compares training losses, Sec. 5.3).
 (b) **stale vs per-step refresh** (Sec. 5.4.1–5.4.2, Fig. 4–5): SOAP (plain Shampoo factors)
     refreshed every 10 steps from factors without the current gradient, vs per step with it, at
-    4× the baseline batch; loss and gradient-norm spikes counted by the fixed definition
-    :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
+    4× the baseline batch and (full size) 30× its LR; loss and gradient-norm spikes counted by
+    the fixed definition :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
 (c) **KL vs plain Shampoo factors** (Sec. 5.4.3, Fig. 6): per-step SOAP vs KL-SOAP, same setting.
 (d) **eigh vs QR refresh** (Alg. 2 lines 10–11): KL-SOAP with one QR power step vs an
     eigendecomposition per refresh: final loss and the median optimizer-step time.
@@ -24,8 +24,9 @@ Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
 
 - ``full``: the recipe's demo GPT (4 layers, d = 128, 4 heads / 2 KV groups, SwiGLU 384,
   886 K parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
-  320 steps at 1× = 328 K tokens per run; 24 arms, 23 runs per seed (KL-SOAP at the spike
-  setting is the sweep's 4× run), two at a time, one rank and one thread each. Estimated ~30 min
+  320 steps at 1× = 328 K tokens per run; 24 arms, one run each per seed, two at a time, one
+  rank and one thread each; the stability arms at 4× the batch and 30× the LR, where a pilot on
+  seed 0 saw the stale refresh spike (``Scale.notes``). Estimated ~30 min
   for 2 seeds on an unloaded 2-core machine, from runs timed here on the loaded machine:
   forward/backward ~0.14 s per 1 K tokens on one thread (44 s per run at equal tokens), KL-SOAP's
   step 0.26–0.30 s (835 steps over its five sweep arms), the launcher's start-up ~9 CPU-s per
@@ -173,8 +174,8 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
         f"Scale: a {scale.num_layers}-layer d={scale.hidden_size} dense GPT on ~0.5 MB of English "
         "prose, not the paper's 0.6–72 B models on trillions of tokens; the stability arms "
         "(b)–(d) run at "
-        f"{scale.spike_mult}× the baseline batch and {scale.spike_lr_mult:g}× its LR, set before "
-        "any run and not tuned.",
+        f"{scale.spike_mult}× the baseline batch and {scale.spike_lr_mult:g}× its LR"
+        + (" (chosen by a pilot: see below)." if scale.notes else ", set before any run."),
         "Step times (d) were taken while the other runs of the study (and, on a shared machine, "
         "other jobs) used the cores: read them as same-run ratios.",
         *scale.notes,
