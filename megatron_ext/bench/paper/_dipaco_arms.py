@@ -104,7 +104,7 @@ SIZES: dict[str, list[str]] = {
     ],
 }
 #: documents of the Python Language Reference each size trains on
-CORPUS = {"quick": 400, "full": 1200}
+CORPUS = {"quick": 200, "full": 1200}
 
 
 def arm_overrides(

@@ -7,9 +7,10 @@ routing prefix (never scored), read to ``dipaco.eval_seq_length`` tokens. Each c
 :class:`~megatron_ext.bench.paper.claims.Claim` whose quantity is a perplexity difference signed
 so that the paper's claim is Q > 0.
 
-Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 8 evaluation documents: every
-comparison; 3 min 41 s for 2 seeds on this 2-core machine at a load average of ~20, imports and
-the tokenizer included; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
+Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 200 documents, 8 evaluation
+documents: every comparison; 44 s for 2 seeds on an idle 2-core machine, imports and the
+tokenizer included — 72 s with 400 documents, most of it the discriminative routing, which scores
+every document with every path; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
 vocabulary 1,024, sequence 96, batch 8, a 200-step base, 6 phases of τ = 20 = 120 steps per
 path, 1,200 documents, 128 evaluation documents of up to 208 tokens: about 14,000 path steps
 for 2 seeds, estimated at 25-30 minutes on this 2-core machine unloaded; not yet run). The
