@@ -38,7 +38,7 @@ def test_faults_step_reports_the_scenarios_figures(
 ) -> None:
     seen: list[tuple[str, list[str], Path]] = []
 
-    def fault_run(name: str, overrides: list[str], recipe: Any, logs: Path) -> dict[str, Any]:
+    def recorded_fault(name: str, overrides: list[str], recipe: Any, logs: Path) -> dict[str, Any]:
         seen.append(("fault", list(overrides), logs))
         return {
             "tasks_re_leased": 2,
@@ -49,13 +49,15 @@ def test_faults_step_reports_the_scenarios_figures(
             "events": [],
         }
 
-    def stopped_job_run(name: str, overrides: list[str], recipe: Any, logs: Path) -> dict[str, Any]:
+    def recorded_stopped_job(
+        name: str, overrides: list[str], recipe: Any, logs: Path
+    ) -> dict[str, Any]:
         seen.append(("stopped", list(overrides), logs))
         return {"before": BEFORE, "events": BEFORE + AFTER}
 
     differences = iter([0.0, 0.5])
-    monkeypatch.setattr(_dipaco_faults, "fault_run", fault_run)
-    monkeypatch.setattr(_dipaco_faults, "stopped_job_run", stopped_job_run)
+    monkeypatch.setattr(_dipaco_faults, "fault_run", recorded_fault)
+    monkeypatch.setattr(_dipaco_faults, "stopped_job_run", recorded_stopped_job)
     monkeypatch.setattr(_dipaco_faults, "max_abs_difference", lambda a, b: next(differences))
 
     out = dipaco._faults(tmp_path / "data", tmp_path, clean=None, clean_wall=10.0)

@@ -37,7 +37,6 @@ SPAWNS = frozenset(
         "run_ranks",
         "launch_run",
         "small_run",
-        "run_workers",
         "PostgresServer",
         "postgres_server",
         "fault_run",
