@@ -174,8 +174,10 @@ SCALES: dict[str, Scale] = {
         jobs=2,
         notes=(
             "Spike setting: the issue asks for the stability arms at a batch and LR where spikes "
-            "appear. At 4× the batch and 1× the LR neither SOAP arm spiked (the full run of "
-            "2026-12-03, seeds 1 and 2). A pilot on seed 0, which is not a study seed, ran the "
+            "appear. At 4× the batch and 1× the LR (the full run of 2026-12-03, seeds 1 and 2) "
+            "the stale arm spiked once in one seed (one loss and one gradient-norm spike) and "
+            "the per-step arm never: too few to tell from noise. A pilot on seed 0, which is not "
+            "a study seed, ran the "
             "stale and the per-step SOAP arms at 3×, 10× and 30× the LR: by the spike definition "
             "neither spiked at 3× or 10×; at 30× the stale arm had 4 gradient-norm spikes (one "
             "after each refresh from step 40 on) and the per-step arm none, so the study runs its "
