@@ -26,7 +26,7 @@ Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
   886 K parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
   320 steps at 1× = 328 K tokens per run; 24 arms, one run each per seed, two at a time, one
   rank and one thread each; the stability arms at 4× the batch and 30× the LR, where a pilot on
-  seed 0 saw the stale refresh spike (``Scale.notes``). 27.9 min for 2 seeds (48 runs) on a
+  seed 0 saw the stale refresh spike (``Scale.notes``). 25.0–27.9 min for 2 seeds (48 runs) on a
   quiet 2-core machine (2026-12-04); the estimate before, from runs timed on the loaded machine:
   forward/backward ~0.14 s per 1 K tokens on one thread (44 s per run at equal tokens), KL-SOAP's
   step 0.26–0.30 s (835 steps over its five sweep arms), the launcher's start-up ~9 CPU-s per
