@@ -12,18 +12,18 @@ The learning rate follows one cosine schedule over all ``phases · τ`` inner st
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.megatron.optimizer_factories import hyperparameters
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
 from megatron_ext.schedules.lr import LRSchedule
+
+from .guards import check_every_step_ran, check_finite_loss
 
 __all__ = ["InnerOptimizer", "inner_schedule", "inner_steps"]
 
@@ -109,14 +109,9 @@ def inner_steps(
             loss = loss_fn(model, part) / len(micro)
             loss.backward()
             value += float(loss.detach())
-        if not math.isfinite(value):
-            raise TrainingDivergedError(
-                f"{where} inner step {k}: loss is {value}; lower optimizer.lr or enable "
-                f"optimizer.clip_grad",
-                on_every_rank=False,
-            )
+        remedy = "lower optimizer.lr or enable optimizer.clip_grad"
+        check_finite_loss(value, where, k, "loss", remedy)
         optimizer.step(lr)
         losses.append(value)
-    if len(losses) != len(lrs):
-        raise ValueError(f"{where}: {len(lrs)} inner steps but only {len(losses)} batches")
+    check_every_step_ran(losses, lrs, where)
     return losses

@@ -11,18 +11,18 @@ moments persist across phases per path, as the gradient optimizer's state does.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.zo.directions import DirectionSplit
 from megatron_ext.zo.probes import probe_rows
 from megatron_ext.zo.spsa import ZOAdam
 from megatron_ext.zo.step import SPSABody, spsa_step
+
+from .guards import check_every_step_ran, check_finite_loss
 
 __all__ = ["SPSAInner", "spsa_inner_steps"]
 
@@ -101,13 +101,8 @@ def spsa_inner_steps(
     optimizer.model.eval()  # no dropout noise between the two sides of a difference
     for k, (lr, batch) in enumerate(zip(lrs, batches, strict=False)):
         value = optimizer.step(batch, mean_loss, lr, phase, first_step + k)
-        if not math.isfinite(value):
-            raise TrainingDivergedError(
-                f"{where} inner step {k}: SPSA loss is {value}; lower optimizer.lr or "
-                f"dipaco.spsa_eps",
-                on_every_rank=False,
-            )
+        remedy = "lower optimizer.lr or dipaco.spsa_eps"
+        check_finite_loss(value, where, k, "SPSA loss", remedy)
         out.append(value)
-    if len(out) != len(lrs):
-        raise ValueError(f"{where}: {len(lrs)} inner steps but only {len(out)} batches")
+    check_every_step_ran(out, lrs, where)
     return out
