@@ -3,7 +3,10 @@
 ``launch`` is defined here; every other sub-command (``train``, ``data``, ``bench``, ``soma``,
 ...) is declared in its package's ``cli.py`` and registered as an entry point
 (:mod:`megatron_ext.commands`).
-Errors that are the user's (a bad recipe, override or flag) print one line and exit 2.
+Every command runs inside one error boundary (:mod:`.boundary`): a user's error (a bad recipe,
+override, flag, file or path) prints one line and exits 2, an internal one keeps its traceback;
+options and ``key=value`` overrides may come in any order; ``--verbose`` anywhere shows the
+libraries' start-up noise (:mod:`megatron_ext.verbosity`), hidden by default.
 """
 
 from __future__ import annotations
@@ -14,13 +17,26 @@ import sys
 from collections.abc import Sequence
 
 from megatron_ext.commands import Command, add_recipe_arguments, commands
-from megatron_ext.errors import ConfigError
+from megatron_ext.launch.boundary import (
+    OneLineParser,
+    guarded,
+    parse_command_line,
+    take_verbose_flag,
+)
+from megatron_ext.verbosity import filter_native_stdout, quiet_libraries
 
 HEADER = """\
 megatron-ext: matrix optimizers, a layer-wise distributed optimizer, recipes and alternate
 trainers on top of megatron-core.
 """
-FOOTER = "RECIPE is a YAML file or the name of a shipped recipe (e.g. tiny_cpu_gpt)."
+FOOTER = (
+    "RECIPE is a YAML file or the name of a shipped recipe (e.g. tiny_cpu_gpt). --verbose (any "
+    "command) shows the libraries' warnings and gloo's connection lines, hidden by default."
+)
+#: commands whose processes may create gloo process groups (gloo prints a line per group)
+_GLOO_COMMANDS = frozenset(
+    {"train", "launch", "convert", "tools", "ckpt", "bench", "soma", "dipaco"}
+)
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of every registered command."""
     registered = commands()
     lines = [f"  megatron-ext {c.name:<6} {c.usage:<24} {c.help}" for c in registered.values()]
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="megatron-ext",
         description="\n".join([HEADER, *lines, "", FOOTER]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -98,14 +114,17 @@ def whole_lines() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``megatron-ext ARGV`` (default ``sys.argv[1:]``); returns the exit code. With
+    ``argv`` None (the real command) gloo's connection lines are filtered from stdout too."""
     whole_lines()
-    args = build_parser().parse_args(argv)
-    args.command_argv = list(sys.argv[1:] if argv is None else argv)  # as given (bench's meta)
-    try:
-        return commands()[args.command].run(args)
-    except ConfigError as exc:
-        print(f"megatron-ext: error: {exc}", file=sys.stderr)
-        return 2
+    given = list(sys.argv[1:] if argv is None else argv)
+    words = take_verbose_flag(given)
+    quiet_libraries()
+    args = parse_command_line(build_parser(), words)
+    args.command_argv = given  # as given (bench's meta)
+    if argv is None and args.command in _GLOO_COMMANDS and not getattr(args, "dry_run", False):
+        filter_native_stdout()
+    return guarded(lambda: commands()[args.command].run(args))
 
 
 if __name__ == "__main__":
