@@ -54,8 +54,15 @@ def _launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the exact command and environment (and, on a GPU host, the memory plan), "
-        "run nothing",
+        help="make every check the launch makes (recipe, data, tokenizer, vocabulary, run_dir, "
+        "port), print the exact command and environment (and, on a GPU host, the memory plan); "
+        "run and write nothing",
+    )
+    p.add_argument(
+        "--schedule-png",
+        metavar="PATH",
+        default=None,
+        help="with --dry-run: also plot the batch and LR schedule of a GPT recipe to PATH",
     )
     p.add_argument(
         "--no-fit-check",

@@ -129,14 +129,17 @@ def launch_main(args: argparse.Namespace) -> int:
         recipe, request.recipe, request.overrides, layout.nnodes, layout.nproc_per_node, host
     )
     if args.dry_run:
+        # every check the launch makes, writing nothing, before anything is printed
+        check_before_launch(recipe, layout.rdzv_endpoint, layout.node_rank, dry_run=True)
         print(format_dry_run(argv, env))
         # The batch stages and LR on tokens and an MoE preset's fields, for the reader (stderr:
-        # stdout stays a shell snippet); writes run_dir/schedule.png.
+        # stdout stays a shell snippet); the schedule's plot only where --schedule-png asks.
         print(
             f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}",
             file=sys.stderr,
         )
-        schedule = describe_schedule(recipe, layout.world_size)
+        png = getattr(args, "schedule_png", None)
+        schedule = describe_schedule(recipe, layout.world_size, Path(png) if png else None)
         if schedule:
             print(schedule, file=sys.stderr)
         model = recipe.sections.get("model")  # MoE: what the preset set, what the recipe

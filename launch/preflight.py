@@ -1,8 +1,11 @@
 """What the launcher checks on this node before any process starts (after the recipe itself).
 
 Each check that fails raises ``ConfigError`` (one line, exit 2): the dataset prefix exists or a
-source to build it from is given, the run directory is writable, the rendezvous port is free on
-the node that hosts it. Free disk for the next checkpoint is only a warning: the planner's
+source to build it from is given, the tokenizer file is one, the dataset's token ids fit the
+model's vocabulary (:mod:`.preflight_data`), the run directory is writable, the rendezvous port
+is free on the node that hosts it. ``launch --dry-run`` makes the same checks and writes
+nothing (the run directory is not created: the folder it would be created in must be
+writable). Free disk for the next checkpoint is only a warning: the planner's
 :func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and their
 optimizer state) leaves out file metadata and the data loader's state.
 
@@ -20,19 +23,28 @@ from pathlib import Path
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.preflight_data import check_tokenizer_and_vocabulary
 from megatron_ext.planner.plan import checkpoint_bytes
 
 __all__ = ["check_before_launch", "warn_if_disk_short"]
 
 
-def check_before_launch(recipe: Recipe, rdzv_endpoint: str | None, node_rank: int) -> None:
-    """Every check of this module, in order (see the module docstring)."""
+def check_before_launch(
+    recipe: Recipe, rdzv_endpoint: str | None, node_rank: int, *, dry_run: bool = False
+) -> None:
+    """Every check of this module, in order (see the module docstring); ``dry_run``: the same
+    checks, writing nothing."""
     check_data(recipe)
-    check_run_dir(Path(recipe.run_dir))
+    check_tokenizer_and_vocabulary(recipe)
+    if dry_run:
+        check_run_dir_could_be_written(Path(recipe.run_dir))
+    else:
+        check_run_dir(Path(recipe.run_dir))
     if rdzv_endpoint is not None and node_rank == 0:
         host, _, port = rdzv_endpoint.rpartition(":")
         check_port_free(host.strip("[]"), int(port))
-    warn_if_disk_short(recipe)
+    if not dry_run:
+        warn_if_disk_short(recipe)
 
 
 def check_data(recipe: Recipe) -> None:
@@ -65,6 +77,24 @@ def check_run_dir(run_dir: Path) -> None:
             f"run_dir={str(run_dir)!r} is not writable ({exc.strerror or exc}): choose another "
             "run_dir or fix its permissions"
         ) from None
+
+
+def check_run_dir_could_be_written(run_dir: Path) -> None:
+    """What :func:`check_run_dir` checks, without creating or writing anything: ``run_dir`` is a
+    writable folder, or the nearest existing folder above it is writable."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = ""
+    if not existing.is_dir():
+        problem = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable"
+    if problem:
+        raise ConfigError(
+            f"run_dir={str(run_dir)!r} is not writable ({problem}): choose another run_dir or "
+            "fix its permissions"
+        )
 
 
 def check_port_free(host: str, port: int) -> None:

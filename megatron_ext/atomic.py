@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "save_figure", "write_json"]
+__all__ = ["atomic_dir", "atomic_path", "save_figure", "write_json"]
 
 
 @contextmanager
@@ -25,7 +25,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     (matplotlib's ``savefig``, ``numpy.save``). The parent folder is created if missing.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    created = _make_parents(path)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
     try:
         yield tmp
@@ -34,7 +34,53 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        _remove_empty(created)
         raise
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder beside ``path`` to fill; on success it is renamed to ``path``
+    (which must not exist, or be an empty folder), on an exception removed with its contents:
+    a command that writes a folder of files (a converted checkpoint) leaves all of it or none.
+    """
+    import shutil
+
+    path = Path(path)
+    created = _make_parents(path)
+    tmp = path.with_name(f".{path.name}.partial{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        if path.is_dir():
+            path.rmdir()  # empty (an OSError otherwise: nothing of it is touched)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """Create ``path``'s missing parent folders; returns those created, deepest first."""
+    missing = []
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders :func:`_make_parents` created, where still empty (a failed write
+    leaves no empty folder behind)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def write_json(path: str | Path, data: Mapping[str, Any]) -> None:

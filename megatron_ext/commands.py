@@ -26,7 +26,16 @@ from dataclasses import dataclass
 
 from megatron_ext.registry import Registry
 
-__all__ = ["COMMANDS", "Command", "add_recipe_arguments", "commands", "register_command"]
+__all__ = [
+    "COMMANDS",
+    "Command",
+    "add_recipe_arguments",
+    "commands",
+    "fraction",
+    "positive_float",
+    "positive_int",
+    "register_command",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +71,40 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "overrides",
         nargs="*",
+        default=[],
         metavar="key=value",
         help="override recipe fields, e.g. optimizer.lr=3e-4 training.steps=20",
     )
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer of at least 1 (a count: steps, threads, tokens, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer: give 1 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a number above 0 (a temperature, a bandwidth, ...)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number: give more than 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse ``type``: a number in [0, 1] (a fraction, a cosine threshold)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
+    return value

@@ -342,7 +342,7 @@ def _recipe_file(tmp_path: Path, **training) -> str:
     raw = {
         "trainer": "gpt",
         "run_dir": str(tmp_path / "run"),
-        "data": {"path": "/data/tokens"},
+        "data": {"path": "/data/tokens", "source": ["python-stdlib"]},
         "model": {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4},
         "training": {"micro_batch_size": 2, "global_batch_size": 32, "steps": 100, **training},
         "launch": {"nproc_per_node_cpu": 2},
@@ -363,10 +363,15 @@ def _dry_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_prints_the_stage_table_and_writes_the_png(tmp_path: Path) -> None:
+    """The stage table on stderr; the plot only where ``--schedule-png`` asks (a dry run writes
+    nothing else: not even the run directory)."""
     recipe = _recipe_file(
         tmp_path, seq_length=64, lr_warmup_steps=10, lr_decay_style="WSD", lr_wsd_decay_steps=20
     )
-    proc = _dry_run(recipe, "training.step_batch_size_schedule=0:8 16K:16 64K:32")
+    png = tmp_path / "plots" / "schedule.png"
+    proc = _dry_run(
+        recipe, "training.step_batch_size_schedule=0:8 16K:16 64K:32", "--schedule-png", str(png)
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].split()[1:3] == ["-m", "torch.distributed.run"]
     reads, *lines = proc.stderr.splitlines()
@@ -382,8 +387,8 @@ def test_dry_run_prints_the_stage_table_and_writes_the_png(tmp_path: Path) -> No
     ]
     assert float(rows[1][6]) == pytest.approx(3e-4 * math.sqrt(16 / 32), rel=1e-3)
     assert "the run's last token" in lines[5] and "107,520" in lines[5]
-    png = tmp_path / "run" / "schedule.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_stage_that_does_not_split_stops_before_launch(tmp_path: Path) -> None:

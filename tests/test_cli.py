@@ -201,7 +201,7 @@ def test_launch_checks_this_node_before_any_rank_starts(tmp_path: Path) -> None:
     """A missing dataset (no data.source) and an unwritable run_dir stop the real launcher with
     one line and exit 2 before torchrun starts (so no rank repeats the message)."""
     recipe = write_recipe(tmp_path)  # data.path=/data/tokens, which does not exist
-    proc = run_cli("launch", recipe, f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = run_cli("launch", recipe, "data.source=[]", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "megatron-ext: error: data.path='/data/tokens': /data/tokens.bin and /data/tokens.idx "

@@ -213,6 +213,9 @@ def test_round_trip_the_recipes_dry_run_shows_the_scripts_schedule(converted) ->
         "launch",
         "moe.yaml",
         "--dry-run",
+        # the script's data and tokenizer are not on this machine (the dry run checks them)
+        "data.source=[python-stdlib]",
+        "data.tokenizer=byte",
         *("--nnodes", "4", "--node-rank", "0", "--nproc-per-node", "8"),
         *("--rdzv-endpoint", "node001:29611"),
         cwd=root,
@@ -449,7 +452,16 @@ def test_an_lr_schedule_longer_than_the_run_runs_as_in_megatron_lm(tmp_path: Pat
     (tmp_path / "args.txt").write_text(BASE + flags + "\n")
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    dry = _cli("launch", "r.yaml", "--dry-run", "--nproc-per-node", "1", cwd=tmp_path)
+    # the flags' dataset is not here: the dry run checks it, so build one from a source
+    dry = _cli(
+        "launch",
+        "r.yaml",
+        "data.source=[python-stdlib]",
+        "--dry-run",
+        "--nproc-per-node",
+        "1",
+        cwd=tmp_path,
+    )
     assert dry.returncode == 0, dry.stderr
     note = [line for line in dry.stderr.splitlines() if line.startswith("note: the LR")]
     assert note == [

@@ -24,10 +24,11 @@ GPU_HOST = HostInfo(gpus=8, cpus=96)
 
 
 def write_recipe(tmp_path: Path, **sections: dict) -> str:
-    """A valid small recipe (1 layer, global batch 64, micro batch 1), with ``sections`` merged."""
+    """A valid small recipe (1 layer, global batch 64, micro batch 1), with ``sections`` merged;
+    its dataset is built from ``data.source`` on first use (a dry run checks it is there)."""
     raw: dict = {
         "trainer": "gpt",
-        "data": {"path": "/data/tokens"},
+        "data": {"path": "/data/tokens", "source": ["python-stdlib"]},
         "model": {"num_layers": 1, "hidden_size": 64, "num_attention_heads": 4},
         "training": {"micro_batch_size": 1, "global_batch_size": 64},
         "launch": {"nproc_per_node_cpu": 2, "master_port": 29611},

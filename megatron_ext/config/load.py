@@ -68,8 +68,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a recipe is YAML text)") from None
     if data is None:
-        return {}
+        raise ConfigError(
+            f"{path}: the recipe is empty; start from a shipped one (e.g. tiny_cpu_gpt.yaml)"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}"

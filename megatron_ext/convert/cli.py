@@ -13,15 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from megatron_ext.commands import Command
+from megatron_ext.atomic import atomic_dir, write_json
+from megatron_ext.commands import Command, fraction, positive_int
+from megatron_ext.convert.inputs import read_json, reading_model
 from megatron_ext.errors import ConfigError
 
 WEIGHTS = "step_000000"
 FIELDS = "model.json"
 INITIAL_LOOP = {"step": 0, "consumed_samples": 0}
+#: ``convert check``'s thresholds: an fp32 conversion of the same weights agrees to ~1e-7 in
+#: cosine; another model (OLMoE weights against a Llama checkpoint) scores ~0
+DEFAULT_MIN_COSINE = 0.9999
+DEFAULT_MIN_AGREEMENT = 0.95
 HF_CONFIG = "hf_config.json"  # the HF config the weights came from: mcore-to-hf writes it back
+HF_FIX = "give a Hugging Face model folder (config.json and its *.safetensors weights, whole)"
+MCORE_FIX = "give a folder hf-to-mcore wrote, unchanged (or convert again)"
+CHECK_FIX = "give the HF folder and the hf-to-mcore folder of the same model"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +57,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("hf_dir", type=Path)
     c.add_argument("mcore_ckpt", type=Path, help="the OUT folder hf-to-mcore wrote")
     c.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    c.add_argument("--tokens", type=int, default=64, help="token ids per sequence (2 sequences)")
+    c.add_argument(
+        "--tokens", type=positive_int, default=64, help="token ids per sequence (2 sequences)"
+    )
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--min-cosine",
+        type=fraction,
+        default=DEFAULT_MIN_COSINE,
+        help=f"the logits' cosine similarity must reach this (default {DEFAULT_MIN_COSINE})",
+    )
+    c.add_argument(
+        "--min-argmax-agreement",
+        type=fraction,
+        default=DEFAULT_MIN_AGREEMENT,
+        help=f"fraction of positions whose top token must agree (default {DEFAULT_MIN_AGREEMENT})",
+    )
+    c.add_argument(
+        "--min-expert-agreement",
+        type=fraction,
+        default=DEFAULT_MIN_AGREEMENT,
+        help="per MoE layer, fraction of tokens routed to the same experts "
+        f"(default {DEFAULT_MIN_AGREEMENT})",
+    )
 
 
 def convert_main(args: argparse.Namespace) -> int:
@@ -58,6 +89,8 @@ def convert_main(args: argparse.Namespace) -> int:
 
     if args.convert_command == "mcore-to-hf":
         return _mcore_to_hf(args)
+    if args.convert_command == "hf-to-mcore":
+        _refuse_output(args.out)
     raw = read_hf_config(args.hf_dir)
     if args.convert_command == "hf-to-mcore":
         return _hf_to_mcore(args, raw)
@@ -70,17 +103,35 @@ def _load_hf(hf_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with reading_model(hf_dir, "the Hugging Face model", HF_FIX):
+        return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def _fields(hf_dir: Path, raw: dict, eps: float) -> dict:
+    """:func:`model_fields` of an HF config; a field it needs and lacks is the user's."""
+    from megatron_ext.convert.hf import model_fields
+
+    with reading_model(hf_dir / "config.json", "the model's fields", HF_FIX):
+        return model_fields(raw, eps)
+
+
+def _refuse_output(out: Path) -> None:
+    """``out`` must be a new folder (or an empty one) in a folder that can hold it."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not empty; choose a new output folder")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{out}: {parent} is a file, not a folder; choose another output")
 
 
 def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     # torch and the converters load only when a conversion runs (--help stays torch-free)
-    from megatron_ext.convert.hf import choose_epsilon, model_fields
+    from megatron_ext.convert.hf import choose_epsilon
 
-    if args.out.exists() and any(args.out.iterdir()):
-        raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
     eps = choose_epsilon(raw)
-    fields = model_fields(raw, eps.value)
+    fields = _fields(args.hf_dir, raw, eps.value)
     from megatron.core import dist_checkpointing
 
     from megatron_ext.convert.hf import hf_to_mcore_state
@@ -89,23 +140,28 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
 
     hf = _load_hf(args.hf_dir)
     full = {**hf.config.to_dict(), **raw}  # the loaded config fills what the file leaves out
-    fields = model_fields(full, eps.value)
-    gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / WEIGHTS).mkdir()
-    # A step-0 checkpoint: the GPT trainer starts from its weights alone (checkpoint.load=
-    # OUT/step_000000). world 0 matches no run, so no RNG streams are asked of it.
-    initial = {"model": gpt.sharded_state_dict(), "loop": INITIAL_LOOP, "world": 0}
-    fork_results_queue()
-    dist_checkpointing.save(initial, str(args.out / WEIGHTS))
-    (args.out / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+    fields = _fields(args.hf_dir, full, eps.value)
+    with reading_model(args.hf_dir, "the Hugging Face weights", HF_FIX):
+        state = hf_to_mcore_state(hf.state_dict(), fields)
+    gpt = build_mcore(fields, state)
     from megatron_ext.convert.recipe import RECIPE, continue_recipe, copy_tokenizer
 
-    tokenizer = copy_tokenizer(args.hf_dir, args.out)
-    recipe = continue_recipe(args.out, fields, raw["model_type"], WEIGHTS, tokenizer)
-    (args.out / RECIPE).write_text(recipe, encoding="utf-8")
-    hf_config = {**full, "rms_norm_eps": eps.value}
-    (args.out / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    # all of OUT or nothing: written in a temporary folder beside it, renamed at the end; the
+    # recipe names OUT, where the files will be
+    with atomic_dir(args.out) as tmp:
+        (tmp / WEIGHTS).mkdir()
+        # A step-0 checkpoint: the GPT trainer starts from its weights alone (checkpoint.load=
+        # OUT/step_000000). world 0 matches no run, so no RNG streams are asked of it.
+        initial = {"model": gpt.sharded_state_dict(), "loop": INITIAL_LOOP, "world": 0}
+        fork_results_queue()
+        dist_checkpointing.save(initial, str(tmp / WEIGHTS))
+        _write_manifest(tmp / WEIGHTS)
+        (tmp / FIELDS).write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
+        tokenizer = copy_tokenizer(args.hf_dir, tmp, named=args.out)
+        recipe = continue_recipe(args.out, fields, raw["model_type"], WEIGHTS, tokenizer)
+        (tmp / RECIPE).write_text(recipe, encoding="utf-8")
+        hf_config = {**full, "rms_norm_eps": eps.value}
+        (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
     print(
         f"wrote {args.out}/{WEIGHTS} and {args.out}/{FIELDS} ({raw['model_type']}, "
         f"{fields['num_layers']} layers); layernorm_epsilon={eps.value:g} from {eps.source}\n"
@@ -121,24 +177,52 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     return 0
 
 
+def _write_manifest(folder: Path) -> None:
+    """The step-0 checkpoint's manifest, as the trainer writes one (``ckpt verify`` checks it
+    like any other; one process wrote every file)."""
+    from megatron_ext.ckpt.manifest import (
+        build_manifest,
+        checkpoint_files,
+        hash_files,
+        write_manifest,
+    )
+
+    layout = dict.fromkeys(
+        (
+            "world_size",
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "data_parallel_size",
+        ),
+        1,
+    )
+    files = hash_files(folder, checkpoint_files(folder))
+    write_manifest(folder, build_manifest(files, step=0, recipe_hash="", layout=layout))
+
+
 def load_mcore(ckpt: Path):
     """The GPTModel ``hf-to-mcore`` wrote to ``ckpt``."""
     if not (ckpt / FIELDS).is_file() or not (ckpt / WEIGHTS).is_dir():
         raise ConfigError(f"{ckpt}: no {FIELDS} and {WEIGHTS}/ (write it with hf-to-mcore)")
     from megatron_ext.gpt.checkpoint import load_model_weights
 
-    fields = json.loads((ckpt / FIELDS).read_text(encoding="utf-8"))
-    gpt = _empty_mcore(fields)
-    load_model_weights(ckpt / WEIGHTS, gpt)
+    fields = read_json(ckpt / FIELDS, MCORE_FIX)
+    with reading_model(ckpt / FIELDS, "the model it describes", MCORE_FIX):
+        gpt = _empty_mcore(fields)
+    with reading_model(ckpt / WEIGHTS, f"the weights of the model in {FIELDS}", MCORE_FIX):
+        load_model_weights(ckpt / WEIGHTS, gpt)
     return gpt.eval()
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
-    if args.out.exists() and any(args.out.iterdir()):
-        raise ConfigError(f"{args.out} exists and is not empty; choose a new output folder")
+    _refuse_output(args.out)
     if (args.mcore_ckpt / HF_CONFIG).is_file():  # a hf-to-mcore folder: its own HF config
-        fields = json.loads((args.mcore_ckpt / FIELDS).read_text(encoding="utf-8"))
-        raw = json.loads((args.mcore_ckpt / HF_CONFIG).read_text(encoding="utf-8"))
+        fields = read_json(args.mcore_ckpt / FIELDS, MCORE_FIX)
+        raw = read_json(args.mcore_ckpt / HF_CONFIG, MCORE_FIX)
+        if "model_type" not in raw:
+            raise ConfigError(f"{args.mcore_ckpt / HF_CONFIG} has no model_type: {MCORE_FIX}")
         gpt = load_mcore(args.mcore_ckpt)
     elif args.recipe is not None:  # a GPT-trainer checkpoint: the HF config from the recipe
         gpt, fields, raw = _trainer_checkpoint(args)
@@ -155,8 +239,10 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     state = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     hf = AutoModelForCausalLM.from_config(config)
-    hf.load_state_dict(mcore_to_hf_state(state, fields), strict=True)
-    hf.save_pretrained(args.out)
+    with reading_model(args.mcore_ckpt, "the weights into the HF model", MCORE_FIX):
+        hf.load_state_dict(mcore_to_hf_state(state, fields), strict=True)
+    with atomic_dir(args.out) as tmp:
+        hf.save_pretrained(tmp)
     print(f"wrote {args.out} ({config.model_type}, rms_norm_eps={config.rms_norm_eps:g})")
     return 0
 
@@ -171,10 +257,17 @@ def _trainer_checkpoint(args: argparse.Namespace) -> tuple[object, dict, dict]:
             "folder such as run_dir/checkpoints/step_000100"
         )
     recipe = read_recipe(args.recipe[0], args.recipe[1:])
+    if recipe.trainer != "gpt":
+        raise ConfigError(
+            f"--recipe {args.recipe[0]} is a trainer={recipe.trainer} recipe: give the GPT "
+            "recipe that wrote the checkpoint"
+        )
     from megatron_ext.convert.from_trainer import hf_config_fields, hf_family, load_trainer_model
 
     hf_family(recipe.model)  # an unsupported family stops before the weights load
-    gpt, fields = load_trainer_model(args.mcore_ckpt, recipe)
+    fix = "give the recipe (and overrides) that wrote this checkpoint"
+    with reading_model(args.mcore_ckpt, "the checkpoint with this --recipe's model", fix):
+        gpt, fields = load_trainer_model(args.mcore_ckpt, recipe)
     model_type, raw = hf_config_fields(recipe, gpt.config, gpt.vocab_size)
     return gpt, fields, {"model_type": model_type, **raw}
 
@@ -198,11 +291,39 @@ def _check(args: argparse.Namespace, raw: dict) -> int:
     hf = _load_hf(args.hf_dir)
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, raw["vocab_size"], (2, args.tokens), generator=generator)
-    figures = compare(hf, gpt, tokens)
+    with reading_model(args.mcore_ckpt, f"a model comparable with {args.hf_dir}", CHECK_FIX):
+        figures = compare(hf, gpt, tokens)
     print(json.dumps(figures))
     if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, figures)
+    failed = parity_failures(figures, args)
+    if failed:
+        print(
+            f"megatron-ext: error: parity failed: {'; '.join(failed)} ({args.mcore_ckpt} is not "
+            f"a conversion of {args.hf_dir}, or the conversion is wrong)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def parity_failures(figures: dict, args: argparse.Namespace) -> list[str]:
+    """The figures of ``convert check`` below their thresholds, each as ``name value < min``."""
+    failed = []
+    if not figures["cosine"] >= args.min_cosine:
+        failed.append(f"cosine {figures['cosine']:.6f} < --min-cosine {args.min_cosine}")
+    if not figures["argmax_agreement"] >= args.min_argmax_agreement:
+        failed.append(
+            f"argmax agreement {figures['argmax_agreement']:.4f} < --min-argmax-agreement "
+            f"{args.min_argmax_agreement}"
+        )
+    for layer, agreement in enumerate(figures["expert_selection_agreement"]):
+        if not agreement >= args.min_expert_agreement:
+            failed.append(
+                f"layer {layer} expert agreement {agreement:.4f} < --min-expert-agreement "
+                f"{args.min_expert_agreement}"
+            )
+    return failed
 
 
 def add_tools_arguments(parser: argparse.ArgumentParser) -> None:
@@ -211,8 +332,8 @@ def add_tools_arguments(parser: argparse.ArgumentParser) -> None:
     e = sub.add_parser("eps-sweep", help="logit sensitivity to the RMSNorm epsilon (CSV + PNG)")
     e.add_argument("model", type=Path, help="an HF model directory or a hf-to-mcore folder")
     e.add_argument("--out", type=Path, default=Path("eps_sweep"), help="prefix of .csv/.png")
-    e.add_argument("--tokens", type=int, default=32)
-    e.add_argument("--sequences", type=int, default=16)
+    e.add_argument("--tokens", type=positive_int, default=32)
+    e.add_argument("--sequences", type=positive_int, default=16)
     e.add_argument("--seed", type=int, default=0)
 
 
@@ -222,11 +343,11 @@ def tools_main(args: argparse.Namespace) -> int:
     import torch
 
     from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
-    from megatron_ext.convert.hf import choose_epsilon, model_fields, read_hf_config
+    from megatron_ext.convert.hf import choose_epsilon, read_hf_config
 
     if (args.model / FIELDS).is_file():
         gpt = load_mcore(args.model)
-        fields = json.loads((args.model / FIELDS).read_text(encoding="utf-8"))
+        fields = read_json(args.model / FIELDS, MCORE_FIX)
         eps, source = fields["layernorm_epsilon"], f"{args.model / FIELDS}"
     else:
         from megatron_ext.convert.hf import hf_to_mcore_state
@@ -234,8 +355,9 @@ def tools_main(args: argparse.Namespace) -> int:
 
         raw = read_hf_config(args.model)
         choice = choose_epsilon(raw)
+        fields = _fields(args.model, raw, choice.value)
         hf = _load_hf(args.model)
-        fields = model_fields({**hf.config.to_dict(), **raw}, choice.value)
+        fields = _fields(args.model, {**hf.config.to_dict(), **raw}, choice.value)
         gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
         eps, source = choice.value, choice.source
     generator = torch.Generator().manual_seed(args.seed)

@@ -16,7 +16,6 @@ returned so the command can say it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,9 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    from megatron_ext.convert.inputs import read_json
+
+    raw = read_json(path, "give a Hugging Face model folder with its config.json as written")
     if raw.get("model_type") not in FAMILIES:
         raise ConfigError(
             f"{path}: model_type={raw.get('model_type')!r} is not supported; "

@@ -28,24 +28,26 @@ GPT2_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
 SENTENCEPIECE_FILE = "tokenizer.model"
 
 
-def copy_tokenizer(hf_dir: Path, out: Path) -> dict[str, str] | None:
+def copy_tokenizer(hf_dir: Path, out: Path, named: Path | None = None) -> dict[str, str] | None:
     """Copy the model's tokenizer from ``hf_dir`` to ``out/tokenizer/``; the recipe's ``data``
-    fields that read it (None when ``hf_dir`` holds no tokenizer)."""
+    fields that read it (None when ``hf_dir`` holds no tokenizer), with paths under ``named``
+    (default ``out``: a folder written under a temporary name names its final one)."""
     import shutil
 
     folder = out / TOKENIZER
+    final = (named or out) / TOKENIZER
     if (hf_dir / "tokenizer.json").is_file() or (hf_dir / "vocab.json").is_file():
         folder.mkdir()
         for name in {*HF_TOKENIZER_FILES, *GPT2_FILES}:
             if (hf_dir / name).is_file():
                 shutil.copy2(hf_dir / name, folder / name)
-        return {"tokenizer": "huggingface", "tokenizer_model": str(folder.resolve())}
+        return {"tokenizer": "huggingface", "tokenizer_model": str(final.resolve())}
     if (hf_dir / SENTENCEPIECE_FILE).is_file():
         folder.mkdir()
         shutil.copy2(hf_dir / SENTENCEPIECE_FILE, folder / SENTENCEPIECE_FILE)
         return {
             "tokenizer": "sentencepiece",
-            "tokenizer_model": str((folder / SENTENCEPIECE_FILE).resolve()),
+            "tokenizer_model": str((final / SENTENCEPIECE_FILE).resolve()),
         }
     return None
 

@@ -3,8 +3,8 @@
 ``megatron-ext launch RECIPE --dry-run`` prints :func:`describe_schedule`'s text: one row per
 batch stage (from step, from token, global batch, micro-batches per data-parallel rank, tokens
 per step, the learning rate at the stage's first step) and the token positions of the warmup's
-end and of the decay, then writes ``run_dir/schedule.png`` (global batch and learning rate
-against consumed tokens).
+end and of the decay; with ``--schedule-png PATH`` it also writes the plot there (global batch
+and learning rate against consumed tokens). A dry run writes nothing unless asked.
 
 No torch import (the launcher's dry run).
 """
@@ -121,9 +121,9 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
     return path
 
 
-def describe_schedule(recipe: Recipe, world_size: int) -> str | None:
+def describe_schedule(recipe: Recipe, world_size: int, png: Path | None = None) -> str | None:
     """The dry run's schedule text for a GPT recipe at ``world_size`` ranks (None for other
-    trainers), after writing ``run_dir/schedule.png``."""
+    trainers); with ``png``, after writing the plot there."""
     if recipe.trainer != "gpt":
         return None
     t, p = recipe.training, recipe.parallel
@@ -131,5 +131,7 @@ def describe_schedule(recipe: Recipe, world_size: int) -> str | None:
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
-    path = plot_schedule(schedule, Path(recipe.run_dir) / "schedule.png")
-    return f"{format_stage_table(schedule, t.micro_batch_size, dp)}\nwrote {path}"
+    table = format_stage_table(schedule, t.micro_batch_size, dp)
+    if png is None:
+        return table
+    return f"{table}\nwrote {plot_schedule(schedule, png)}"
