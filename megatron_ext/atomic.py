@@ -13,7 +13,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_dir", "atomic_path", "save_figure", "write_json"]
+__all__ = [
+    "atomic_dir",
+    "atomic_path",
+    "check_output_path",
+    "new_parents",
+    "save_figure",
+    "write_json",
+]
 
 
 @contextmanager
@@ -58,6 +65,39 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def check_output_path(path: str | Path, flag: str, *, folder: bool = False) -> Path:
+    """Refuse, before any work, an output ``path`` that cannot be written: a file (or, unless
+    ``folder``, a folder) already there in the wrong kind, or a file where a parent folder
+    belongs. Raises ``ConfigError`` naming ``flag``; returns ``path``."""
+    from megatron_ext.errors import ConfigError
+
+    path = Path(path)
+    if path.is_dir() and not folder:
+        raise ConfigError(f"{flag} {path} is a folder: give a file name (e.g. {path}/out)")
+    if path.exists() and folder and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file: give a folder")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {parent} is not writable; give another path")
+    return path
+
+
+@contextmanager
+def new_parents(path: str | Path) -> Iterator[None]:
+    """Create ``path``'s missing parent folders for a writer that manages its own files
+    (``data build``'s temporary names); on an exception remove those it created, if empty."""
+    created = _make_parents(Path(path))
+    try:
+        yield
+    except BaseException:
         _remove_empty(created)
         raise
 

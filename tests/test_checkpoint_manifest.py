@@ -180,6 +180,14 @@ def test_ckpt_verify_reports_each_checkpoint_and_what_auto_would_load(tmp_path):
         nothing.stderr.startswith("megatron-ext: error: ")
         and "no checkpoint here" in nothing.stderr
     )
+    (ckpts / "step_000010" / "manifest.json").unlink()  # as written before manifests
+    old = ckpt_verify(str(ckpts / "step_000010"))
+    assert old.returncode == 3 and "intact (no manifest.json: unverified)" in old.stdout
+    assert old.stderr.splitlines() == [
+        f"megatron-ext: error: {ckpts}/step_000010 has no manifest.json (written before "
+        f"manifests): it needs `megatron-ext ckpt upgrade {ckpts}/step_000010 "
+        f"{ckpts}/step_000010.upgraded` to be verified"
+    ]
 
 
 def test_the_trainers_pruning_never_deletes_the_checkpoint_it_resumed_from(tmp_path):

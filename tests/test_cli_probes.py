@@ -98,12 +98,21 @@ def _make_fixtures(root: Path) -> None:
         if manifest is not None:
             text = manifest if isinstance(manifest, str) else json.dumps(manifest)
             (step / "manifest.json").write_text(text)
+    other = root / "dipaco_original" / "queue.db"  # a copied run names the original's queue
     for run, files in {
-        "dipaco_badrun": {"run.json": "{garbage"},
-        "dipaco_badqueue": {"queue.db": "not a database, just text " * 40},
+        "dipaco_badrun": {"dipaco/run.json": "{garbage"},
+        "dipaco_badqueue": {
+            "dipaco/run.json": json.dumps({"queue": "sqlite:///dipaco_badqueue/queue.db"}),
+            "queue.db": "not a database, just text " * 40,
+        },
+        "dipaco_copied": {
+            "dipaco/run.json": json.dumps({"queue": f"sqlite:///{other}"}),
+            "queue.db": "",
+        },
+        "dipaco_original": {"queue.db": ""},
     }.items():
-        (root / run).mkdir()
         for name, text in files.items():
+            (root / run / name).parent.mkdir(parents=True, exist_ok=True)
             (root / run / name).write_text(text)
     (root / "results_badjson" / "bench").mkdir(parents=True)
     (root / "results_badjson" / "bench" / "figures.json").write_text("{garbage")
@@ -111,9 +120,10 @@ def _make_fixtures(root: Path) -> None:
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file and folder under ``root`` -> (size, mtime in ns)."""
+    """Every file under ``root`` -> (size, mtime in ns); every folder -> None (a temporary
+    file written and removed again changes its folder's mtime: that is no partial write)."""
     return {
-        str(p.relative_to(root)): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
         for p in sorted(root.rglob("*"))
     }
 
@@ -242,8 +252,9 @@ PROBES = [
     Probe("recipe from-megatron-args binary.bin -o out/r.yaml", "binary.bin"),
     Probe("recipe from-megatron-args empty_dir -o out/r.yaml", "empty_dir"),
     Probe("recipe from-megatron-args text.txt -o out/r.yaml", "text.txt"),
-    Probe("recipe from-megatron-args flags.txt -o out/r.yaml", "--num-layers"),
-    Probe("recipe from-megatron-args unknown_flags.txt -o out/r.yaml", "--no-such-megatron-flag"),
+    Probe("recipe from-megatron-args flags.txt -o out/r.yaml", "flags.txt"),
+    Probe("recipe from-megatron-args unknown_flags.txt -o out/r.yaml", "unknown_flags.txt"),
+    Probe("recipe from-megatron-args flags.txt -o empty_dir", "is a folder"),
     Probe("recipe from-megatron-args flags.txt -o afile/r.yaml", "afile"),
     Probe("recipe from-megatron-args flags.txt", "-o/--output"),
     # ---- data build
@@ -253,7 +264,7 @@ PROBES = [
     Probe("data build binary.bin --output out/d", "binary.bin"),
     Probe("data build empty_dir --output out/d", "empty_dir"),
     Probe("data build text.txt --output afile/d", "afile"),
-    Probe("data build text.txt --output empty_dir", "empty_dir"),
+    Probe("data build text.txt --output out/d --json-key", "expected one argument"),
     Probe("data build text.txt --output out/d --tokenizer nosuch", "invalid choice: 'nosuch'"),
     Probe("data build text.txt --output out/d --tokenizer sentencepiece", "--tokenizer-model"),
     Probe(
@@ -354,6 +365,7 @@ PROBES = [
     Probe("dipaco status empty_dir", "empty_dir"),
     Probe("dipaco status dipaco_badrun", "run.json"),
     Probe("dipaco status dipaco_badqueue", "queue.db"),
+    Probe("dipaco status dipaco_copied", "a copied run?"),
     # ---- docs
     Probe("docs results --results nosuch", "nosuch"),
     Probe("docs results --results afile", "afile"),

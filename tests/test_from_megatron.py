@@ -249,7 +249,8 @@ def test_a_missing_required_flag_is_exit_2(tmp_path: Path) -> None:
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
-        "megatron-ext: error: required Megatron-LM flag(s) missing: --num-attention-heads, "
+        "megatron-ext: error: args.txt: required Megatron-LM flag(s) missing: "
+        "--num-attention-heads, "
         "--micro-batch-size, --lr, --data-path, --train-iters or --train-samples, "
         "--global-batch-size or --step-batch-size-schedule"
     )

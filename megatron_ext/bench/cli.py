@@ -58,6 +58,10 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import begin_run
 
     module = benchmarks()[args.bench_name]
+    if hasattr(args, "recipe") and hasattr(args, "overrides"):
+        from megatron_ext.config.load import read_recipe
+
+        read_recipe(args.recipe, args.overrides)  # a typo stops here, before any run starts
     # every JSON this run writes carries it as meta; argv: what main() was given (in-process)
     begin_run(args.bench_name, module.ANCHOR, getattr(args, "command_argv", None))
     if args.quick:

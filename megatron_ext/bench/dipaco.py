@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.bench.common import write_json
+from megatron_ext.commands import positive_int
 
 DESCRIPTION = (
     "DiPaCo: bytes per outer step vs DDP, outer-step time split, queue latency on SQLite and "
@@ -71,7 +72,9 @@ ANCHOR = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4], help="queue clients")
-    parser.add_argument("--tasks", type=int, default=200, help="queue tasks per measurement")
+    parser.add_argument(
+        "--tasks", type=positive_int, default=200, help="queue tasks per measurement"
+    )
     parser.add_argument("--postgres", default="", help="a PostgreSQL URL (default: throwaway)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 4_000_000])
     parser.add_argument("--paths", type=int, nargs="+", default=[1, 4, 16])

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
 from megatron_ext.bench.common import optimizer_state_bytes, write_json
+from megatron_ext.commands import positive_int
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
@@ -107,9 +108,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     add_workload_arguments(parser)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (default 3)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=3, help="timed steps per mode (default 3)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run (default cpu)"
     )

@@ -39,10 +39,15 @@ BALANCE_RECIPE, BALANCE_OPTIMIZER = "gpt_1b", "muon"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", nargs="+", default=RECIPES, help="GPT recipes to plan")
-    p.add_argument("--gpus", nargs="+", type=int, default=GPU_COUNTS, help="GPU counts")
+    from megatron_ext.commands import positive_int
+    from megatron_ext.planner.gpus import GPUS
+
+    p.add_argument("--gpus", nargs="+", type=positive_int, default=GPU_COUNTS, help="GPU counts")
     p.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, help="optimizer.name values")
-    p.add_argument("--gpu", default="h100", help="GPU model (megatron-ext plan --gpu)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument(
+        "--gpu", default="h100", choices=sorted(GPUS), help="GPU model (megatron-ext plan --gpu)"
+    )
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--out", default="runs/bench_plan", help="folder of the table, PNG and JSON")
     p.add_argument("--json", default=None, help="also write the JSON here")
 
@@ -188,11 +193,28 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Every recipe a GPT recipe and every optimizer a registered one, before any row."""
+    from megatron_ext.config.load import read_recipe
+    from megatron_ext.optimizers.spec import OPTIMIZERS
+
+    for source in args.recipes:
+        trainer = read_recipe(source).trainer
+        if trainer != "gpt":
+            raise ConfigError(
+                f"--recipes {source}: a trainer={trainer} recipe; bench plan plans GPT recipes "
+                f"(e.g. {', '.join(RECIPES)})"
+            )
+    for name in args.optimizers:
+        OPTIMIZERS.get(name)
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import write_json
     from megatron_ext.planner.gpus import gpu_spec
 
     spec = gpu_spec(args.gpu)
+    _check_inputs(args)
     rows = [
         _row(source, optimizer, world, args)
         for source in args.recipes

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_ext.bench import common
 from megatron_ext.bench.common import read_metrics
+from megatron_ext.commands import positive_int
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "constant batch vs a doubling batch ramp at equal tokens: final losses, curves"
@@ -43,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="training.steps of the constant run, the recipe's schedule scaled with it (printed)",
     )
-    p.add_argument("--start", type=int, default=4, help="the ramp's first global batch")
-    p.add_argument("--double-every", type=int, default=32, help="optimizer steps per doubling")
+    p.add_argument("--start", type=positive_int, default=4, help="the ramp's first global batch")
+    p.add_argument(
+        "--double-every", type=positive_int, default=32, help="optimizer steps per doubling"
+    )
     p.add_argument("--last", type=int, default=20, help="K: final loss = mean of the last K")
     p.add_argument("--out", default="runs/bench_ramp", help="folder of the runs, PNG and JSON")
     p.add_argument("--json", default=None, help="also write the JSON here")

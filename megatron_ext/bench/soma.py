@@ -43,6 +43,7 @@ from typing import Any
 
 from megatron_ext.bench._soma_textbook import torch_nn_expert, torch_nn_loss_loop
 from megatron_ext.bench.common import write_json
+from megatron_ext.commands import positive_int
 
 DESCRIPTION = (
     "SOMA: batched SPSA perturbed-tokens/s (eager and fused) vs a per-probe loop, GFLOP/s vs "
@@ -73,15 +74,15 @@ ANCHOR = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--n-pert", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--d-model", type=positive_int, default=32)
+    parser.add_argument("--blocks", type=positive_int, default=2)
+    parser.add_argument("--n-pert", type=positive_int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed SPSA rounds (the fastest is reported)"
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     parser.add_argument(
         "--device",
         default="cpu",

@@ -5,8 +5,9 @@
 a run directory (its ``checkpoints/`` folder) or of a ``checkpoints/`` folder, against their
 manifests: one line per checkpoint (intact, written before manifests, or damaged: which file,
 what is wrong), then which one ``checkpoint.load: auto`` would resume from. Exit 0 when every
-checkpoint checked is intact, 1 when one is damaged, 2 when the path holds no checkpoint.
-Torch-free.
+checkpoint checked is intact, 1 when one is damaged, 3 when one has no manifest (written before
+manifests: an older layout, which ``ckpt upgrade`` rewrites with one), 2 when the path holds no
+checkpoint. A non-zero exit also says why in one stderr line. Torch-free.
 
 ``upgrade SRC DST``: a checkpoint in an older layout rewritten once in today's
 (:mod:`megatron_ext.ckpt.upgrade`; torch is imported when it runs).
@@ -15,11 +16,16 @@ Torch-free.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from megatron_ext.ckpt.manifest import MANIFEST
 from megatron_ext.ckpt.select import checkpoint_dirs, inspect, is_checkpoint, resume_order
 from megatron_ext.commands import Command
 from megatron_ext.errors import ConfigError
+
+#: ``ckpt verify``'s exit codes beyond 0 and 2 (bad input)
+DAMAGED, NEEDS_UPGRADE = 1, 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +70,25 @@ def verify_main(args: argparse.Namespace) -> int:
     if folder is not None:
         usable = [d for d in resume_order(folder) if verdicts[d].intact]
         print(f"checkpoint.load=auto resumes from: {usable[0] if usable else 'nothing intact'}")
-    return 0 if all(v.intact for v in verdicts.values()) else 1
+    damaged = [d for d, v in verdicts.items() if not v.intact]
+    if damaged:
+        print(
+            f"megatron-ext: error: {len(damaged)} of {len(dirs)} checkpoints damaged (the first: "
+            f"{damaged[0]}, {verdicts[damaged[0]].problems[0]}): a run skips them; restore them "
+            "or resume from an intact one",
+            file=sys.stderr,
+        )
+        return DAMAGED
+    old = [d for d, v in verdicts.items() if not v.manifest]
+    if old:
+        print(
+            f"megatron-ext: error: {old[0]}{f' and {len(old) - 1} more' if len(old) > 1 else ''}"
+            f" has no {MANIFEST} (written before manifests): it needs `megatron-ext ckpt upgrade "
+            f"{old[0]} {old[0].with_name(old[0].name + '.upgraded')}` to be verified",
+            file=sys.stderr,
+        )
+        return NEEDS_UPGRADE
+    return 0
 
 
 def ckpt_main(args: argparse.Namespace) -> int:

@@ -84,8 +84,18 @@ class OlderLayout:
 def saved_tensors(folder: Path) -> dict[str, TensorInfo]:
     """The tensors of the checkpoint ``folder`` by key, from its metadata (no tensor is read)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    metadata = dist_checkpointing.load_tensors_metadata(str(folder))
+    try:
+        metadata = dist_checkpointing.load_tensors_metadata(str(folder))
+    except (CheckpointingException, TypeError, ValueError, KeyError) as exc:
+        # megatron-core's own error on a metadata.json it cannot use (a TypeError when fields
+        # are missing): the folder is not a checkpoint it wrote, or it was damaged
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            f"{folder}: not a readable dist_checkpointing checkpoint ({first}): give a "
+            "checkpoint folder as a run wrote it"
+        ) from None
     return {k: TensorInfo(tuple(sh.global_shape), sh.dtype) for k, sh in metadata.items()}
 
 

@@ -53,8 +53,9 @@ __all__ = ["resolve_source", "upgrade", "upgrade_main"]
 
 def upgrade_main(args: argparse.Namespace) -> int:
     """Run ``megatron-ext ckpt upgrade`` (see the module docstring); returns the exit code."""
-    src = resolve_source(Path(args.src))
     dst = Path(args.dst)
+    _check_paths(Path(args.src), dst)  # as given: a run directory's inside is its too
+    src = resolve_source(Path(args.src))
     names = upgrade(src, dst)
     print(f"{dst}: {src} upgraded ({'; '.join(names)}); resume with checkpoint.load={dst}")
     return 0

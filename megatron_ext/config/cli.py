@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from megatron_ext.atomic import atomic_path, check_output_path
 from megatron_ext.commands import Command
 from megatron_ext.config.from_megatron import Conversion, convert
 from megatron_ext.config.load import recipe_from_dict
@@ -68,9 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def recipe_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
-        raise ConfigError(f"{source}: no such file")
+        raise ConfigError(f"{source}: no such file (give a file of Megatron-LM flags or a script)")
+    check_output_path(args.output, "-o")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{source} is not a text file: give Megatron-LM flags or a script"
+        ) from None
     options = shlex.split(args.script_options)
-    conversion = convert(read_megatron_args(source.read_text(), args.script_args, options))
+    try:
+        conversion = convert(read_megatron_args(text, args.script_args, options))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if conversion.model_changing and not args.allow_unmapped:
         dropped = "; ".join(
             f"{flag} ({reason})"
@@ -85,7 +96,8 @@ def recipe_main(args: argparse.Namespace) -> int:
     recipe = recipe_from_dict(conversion.recipe)  # a bad value stops here, nothing written
     recipe.check()
     text = render(conversion, str(source))
-    Path(args.output).write_text(text, encoding="utf-8")
+    with atomic_path(args.output) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     summary = [
         f"wrote {args.output}: {len(conversion.mapped)} flags mapped, "
         f"{len(conversion.launcher)} for the launcher, {len(conversion.unmapped)} not mapped",

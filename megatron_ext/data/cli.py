@@ -11,7 +11,8 @@ import argparse
 import time
 from typing import get_args
 
-from megatron_ext.commands import Command
+from megatron_ext.atomic import check_output_path, new_parents
+from megatron_ext.commands import Command, positive_int
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
 from megatron_ext.data.kinds import TokenizerKind
 from megatron_ext.errors import ConfigError
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t = dsub.add_parser("tokenizer", help="train a SentencePiece model on local text")
     t.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders, or 'python-stdlib'")
     t.add_argument("--output", required=True, help="model prefix (<output>.model)")
-    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--vocab-size", type=positive_int, default=4096)
     t.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
 
 
@@ -55,11 +56,13 @@ def data_main(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     resolve_inputs(args.inputs)  # a typo fails now, not after the imports below (seconds)
+    check_output_path(args.output + ".bin", "--output")
     from megatron_ext.data.build import build_indexed_dataset
     from megatron_ext.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_model)
-    stats = build_indexed_dataset(args.inputs, args.output, tokenizer, json_key=args.json_key)
+    with new_parents(args.output + ".bin"):
+        stats = build_indexed_dataset(args.inputs, args.output, tokenizer, json_key=args.json_key)
     print(
         f"wrote {stats.prefix}.bin/.idx: {stats.documents:,} documents, "
         f"{stats.tokens:,} tokens ({args.tokenizer} tokenizer, vocabulary "
@@ -71,6 +74,8 @@ def _build(args: argparse.Namespace) -> int:
 
 def _tokenizer(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    resolve_inputs(args.inputs)
+    check_output_path(args.output + ".model", "--output")
     documents = list(iter_documents(args.inputs))
     from megatron_ext.data.tokenizers import train_sentencepiece
 

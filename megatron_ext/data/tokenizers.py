@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -27,6 +28,7 @@ from typing import Any, Literal, get_args
 import sentencepiece
 from megatron.core.tokenizers import MegatronTokenizerBase
 
+from megatron_ext.atomic import atomic_path
 from megatron_ext.data.kinds import TokenizerKind, gpt2_files
 from megatron_ext.errors import ConfigError
 
@@ -112,7 +114,13 @@ class SentencePieceTokenizer(PretrainingTokenizer):
             )
         proto = path.read_bytes()
         super().__init__(path=str(path), config={})
-        self._model = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError:
+            raise ConfigError(
+                f"{path} is not a SentencePiece model: give a .model file (`megatron-ext data "
+                "tokenizer` trains one), or the tokenizer kind it is"
+            ) from None
         self._sha256 = hashlib.sha256(proto).hexdigest()
         self.eod = self._find_eod(path)
         pad = self._model.pad_id()
@@ -294,7 +302,6 @@ def train_sentencepiece(
     if not lines:
         raise ConfigError("no text to train a SentencePiece model on")
     output = Path(f"{output_prefix}.model")
-    output.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     try:
         sentencepiece.SentencePieceTrainer.train(
@@ -314,10 +321,16 @@ def train_sentencepiece(
             minloglevel=2,
         )
     except RuntimeError as exc:  # e.g. a vocabulary too large or too small for the corpus
+        most = re.search(r"Please set it to a value <= (\d+)", str(exc))
+        if most:
+            raise ConfigError(
+                f"--vocab-size {vocab_size} is more pieces than this text makes (at most "
+                f"{most.group(1)}): give --vocab-size {most.group(1)} or less, or more text"
+            ) from None
         raise ConfigError(
-            f"SentencePiece training (vocab_size={vocab_size}, {model_type}) failed: {exc}"
-        ) from exc
-    partial = output.with_name(output.name + ".partial")
-    partial.write_bytes(model.getvalue())
-    partial.replace(output)
+            f"SentencePiece training (vocab_size={vocab_size}, {model_type}) failed: "
+            f"{str(exc).strip().splitlines()[0]}"
+        ) from None
+    with atomic_path(output) as tmp:
+        tmp.write_bytes(model.getvalue())
     return output

@@ -7,7 +7,7 @@ import argparse
 import shlex
 import sys
 
-from megatron_ext.commands import Command, add_recipe_arguments
+from megatron_ext.commands import Command, add_recipe_arguments, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="claim the run's tasks until it is complete (join at any time, any number)",
     )
     add_recipe_arguments(w)
-    w.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks")
+    w.add_argument(
+        "--max-tasks", type=positive_int, default=None, help="stop after this many tasks"
+    )
     w.add_argument("--name", default="", help="worker name in the queue (default host:pid:id)")
     s = sub.add_parser("status", help="phases, tasks by state, workers, module versions")
     s.add_argument("run_dir", help="the run's run_dir")

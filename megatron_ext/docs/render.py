@@ -169,7 +169,13 @@ def tables(report: dict[str, Any]) -> list[str]:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    report = json.loads(path.read_text())
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"{path} is not valid JSON ({exc}): rerun the benchmark that wrote it "
+            "(`megatron-ext bench NAME --json PATH`) or remove it"
+        ) from None
     if not isinstance(report, dict) or not isinstance(report.get("meta"), dict):
         raise ConfigError(
             f"{path}: no `meta` (command, date, machine, anchor); write it through "
@@ -235,6 +241,11 @@ def render_all(root: Path) -> dict[Path, str]:
     if not root.is_dir():
         raise ConfigError(f"no results folder {root}")
     folders = sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("*.json")))
+    if not folders:
+        raise ConfigError(
+            f"{root} holds no benchmark JSON (expected {root}/NAME/*.json): give the results "
+            "folder (default docs/results), or write some with `megatron-ext bench NAME --json`"
+        )
     pages = {folder / f"{folder.name}.md": render_folder(folder) for folder in folders}
     pages[root / INDEX] = _index(root, folders)
     return pages

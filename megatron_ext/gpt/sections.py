@@ -20,6 +20,7 @@ from typing import ClassVar, Literal
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS
 from megatron_ext.data.kinds import TokenizerKind
+from megatron_ext.errors import ConfigError
 from megatron_ext.run.precision import Precision
 from megatron_ext.schedules.lr import DecayStyle, WsdDecayStyle
 
@@ -102,6 +103,22 @@ class DataConfig:
         "", help="SentencePiece .model file, or a Hugging Face tokenizer's folder"
     )
     split: str = spec("98,2,0", help="train,valid,test weights")
+
+    def __post_init__(self) -> None:
+        # megatron-core reads up to three comma-separated weights (missing ones are 0); checked
+        # here so a typo stops before launch, not in the ranks' dataset builder
+        parts = self.split.split(",")
+        try:
+            weights = [float(w) for w in parts]
+        except ValueError:
+            weights = []
+        if not 1 <= len(parts) <= 3 or len(weights) != len(parts) or min(weights, default=-1) < 0:
+            raise ConfigError(
+                f"data.split={self.split!r}: give up to three non-negative train,valid,test "
+                "weights, e.g. 98,2,0"
+            )
+        if sum(weights) <= 0:
+            raise ConfigError(f"data.split={self.split!r}: the weights sum to 0")
 
 
 @dataclass

@@ -52,7 +52,15 @@ def cluster_from_args(args: argparse.Namespace, nodes: int) -> Cluster:
     for flag, value in (("--nvlink-gbps", args.nvlink_gbps), ("--network-gbps", args.network_gbps)):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag} {value}: give a positive bandwidth")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu {args.mfu}: give a fraction in (0, 1], e.g. {DEFAULT_MFU}")
     gpu = gpu_spec(args.gpu, nvlink_gbps=args.nvlink_gbps, network_gbps=args.network_gbps)
+    if args.reserve_gb * 1e9 >= gpu.memory_bytes:
+        raise ConfigError(
+            f"--reserve-gb {args.reserve_gb:g} leaves nothing of the {gpu.kind}'s "
+            f"{gpu.memory_bytes / 1e9:g} GB: give less than that (default "
+            f"{DEFAULT_RESERVE_BYTES / 1e9:g})"
+        )
     return Cluster(gpu, nodes, args.gpus_per_node, int(args.reserve_gb * 1e9))
 
 

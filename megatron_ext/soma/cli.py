@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_ext.commands import Command
+from megatron_ext.commands import Command, positive_float, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = ssub.add_parser("eval", help="routed top-k test loss (nats/byte) of a trained run")
     e.add_argument("recipe", help="the run's recipe (path or shipped name)")
     e.add_argument("overrides", nargs="*", help="key=value overrides, as for launch")
-    e.add_argument("--k", type=int, default=None, help="experts per window (default recipe's)")
+    e.add_argument(
+        "--k", type=positive_int, default=None, help="experts per window (default recipe's)"
+    )
     e.add_argument("--throughput", action="store_true", help="also time routed inference")
     v = ssub.add_parser(
         "variance",
@@ -35,9 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("recipe")
     g.add_argument("overrides", nargs="*")
     g.add_argument("--prompt", required=True, help="text; routed on its first 256 bytes")
-    g.add_argument("--bytes", type=int, default=200, help="bytes to generate (default 200)")
-    g.add_argument("--k", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument(
+        "--bytes", type=positive_int, default=200, help="bytes to generate (default 200)"
+    )
+    g.add_argument("--k", type=positive_int, default=None)
+    g.add_argument("--temperature", type=positive_float, default=0.8)
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -51,6 +55,9 @@ def soma_main(args: argparse.Namespace) -> int:
 
         if args.probes < 2:
             raise ConfigError(f"--probes={args.probes} must be at least 2")
+        from megatron_ext.atomic import check_output_path
+
+        check_output_path(Path(args.out) / "variance.csv", "--out")  # before minutes of work
         for row in measure_paper_claims(args.out, probes_per_point=args.probes):
             print(
                 f"{row['experiment']:>11s} {row['x_label']}={row['x']}: measured "
@@ -67,13 +74,19 @@ def soma_main(args: argparse.Namespace) -> int:
     if not 1 <= k <= s.num_experts:
         raise ConfigError(f"--k={k} must be between 1 and soma.num_experts={s.num_experts}")
 
+    run_dir = Path(recipe.run_dir)
+    seed = run_dir / "soma" / "seed.pt"  # megatron_ext.soma.state.expert_path(run_dir, SEED)
+    if not seed.is_file():
+        raise ConfigError(
+            f"run_dir={str(run_dir)!r} holds no trained SOMA run (no {seed}): give the run_dir "
+            "of a finished `megatron-ext launch` of this recipe"
+        )
     from megatron_ext.soma.corpus import test_windows
     from megatron_ext.soma.layout import BodyLayout
     from megatron_ext.soma.report import load_experts
     from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
     from megatron_ext.soma.trainer import expert_shape
 
-    run_dir = Path(recipe.run_dir)
     windows, router = test_windows(recipe)  # a missing router artifact stops here
     layout = BodyLayout.from_shape(expert_shape(recipe))
     emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]

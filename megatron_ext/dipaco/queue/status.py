@@ -4,15 +4,34 @@ read from the run's queue (its URL is in ``RUN_DIR/dipaco/run.json``)."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_ext.dipaco.queue.task_queue import STATES, TaskQueue
-from megatron_ext.dipaco.queue.url import parse_queue_url
+from megatron_ext.dipaco.queue.url import QueueURL, parse_queue_url
 from megatron_ext.errors import ConfigError
 
 __all__ = ["run_status", "status_report"]
+
+
+def _own_queue(run_dir: Path, url: QueueURL) -> QueueURL:
+    """The queue to read. A copied run folder's run.json still names the original run's SQLite
+    queue: reading it would show the other run's state as this one's, so that is refused where
+    this folder has its own ``queue.db``. A relative SQLite path that does not resolve from
+    here (status run from another folder) is this folder's ``queue.db``."""
+    own = run_dir / "queue.db"
+    if url.backend != "sqlite" or url.path is None or not own.is_file():
+        return url
+    if not url.path.exists():
+        return parse_queue_url(f"sqlite:///{own}")
+    if url.path.resolve() != own.resolve():
+        raise ConfigError(
+            f"{run_dir}/dipaco/run.json names the queue {url.display}, not this folder's "
+            f"{own} (a copied run?): run status on the folder that queue belongs to"
+        )
+    return url
 
 
 def status_report(run_dir: str | Path) -> dict[str, Any]:
@@ -23,9 +42,23 @@ def status_report(run_dir: str | Path) -> dict[str, Any]:
             f"{run_dir} is not a DiPaCo run folder (no dipaco/run.json): give the run_dir of a "
             f"run a worker has started"
         )
-    info = json.loads(info_path.read_text(encoding="utf-8"))
-    url = parse_queue_url(info["queue"])
-    queue = TaskQueue(url, lease_seconds=1.0, max_attempts=1, worker="status")
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+        queue_text = info["queue"]
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
+        raise ConfigError(
+            f"{info_path} is not the run.json a DiPaCo run writes ({type(exc).__name__}: {exc}): "
+            "give the run_dir of an unmodified run"
+        ) from None
+    url = parse_queue_url(queue_text)
+    url = _own_queue(Path(run_dir), url)
+    try:
+        queue = TaskQueue(url, lease_seconds=1.0, max_attempts=1, worker="status")
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(
+            f"{url.display} is not a DiPaCo queue database ({exc}): give the run_dir of an "
+            "unmodified run"
+        ) from None
     try:
         counts = queue.counts()
         tasks = queue.db.query("SELECT id, state, result FROM dipaco_tasks ORDER BY id")
