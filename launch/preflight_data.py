@@ -38,6 +38,8 @@ def check_tokenizer_and_vocabulary(recipe: Recipe) -> None:
     data, model = recipe.sections.get("data"), recipe.sections.get("model")
     if data is None or not hasattr(data, "tokenizer"):
         return
+    if recipe.trainer == "dipaco" and data.source and not Path(data.tokenizer_model).exists():
+        return  # the DiPaCo trainer trains its SentencePiece model from data.source first
     vocab = _tokenizer_vocabulary(data.tokenizer, data.tokenizer_model)
     if model is not None and getattr(model, "vocab_size", None):
         vocab = int(model.vocab_size)
