@@ -98,8 +98,11 @@ def test_upgraded_checkpoints_with_fp32_norms_load(recipe_file, upgraded, tmp_pa
     # The old code continued with fp32 norms, this one with bf16 norms from the same masters.
     for new, ref in zip(result["losses"], old["steps_4_5"], strict=True):
         assert abs(new - ref) <= 2e-3 * ref, (result["losses"], old["steps_4_5"])
-    # Bit for bit what the load path gave the fixture itself before the upgrade replaced it.
-    assert result["losses"] == BEFORE_UPGRADE[optimizer]
+    # What the load path gave the fixture itself before the upgrade replaced it, within 1e-5
+    # relative: two bf16 CPU ranks are not bit-reproducible run to run under load (seen on a
+    # clean clone beside other suites: muon's step 5 5.273122787 vs 5.273135900, 2.5e-6), while
+    # the fp32-norm path this replaced differs by up to 2e-3 (the check above).
+    assert result["losses"] == pytest.approx(BEFORE_UPGRADE[optimizer], rel=1e-5, abs=0)
 
 
 def test_the_report_compares_at_matched_tokens():
