@@ -4,6 +4,7 @@ default, check reports parity in its JSON; bad input exits 2."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -54,6 +55,17 @@ def test_hf_to_mcore_then_check(tmp_path: Path) -> None:
     assert figures["max_abs_diff"] <= 1e-4 and figures["cosine"] >= 0.99999
     assert figures["argmax_agreement"] == 1.0
     assert figures["expert_selection_agreement"] == [1.0, 1.0]
+    # its checkpoint carries a manifest like a run's (was: "written before manifests")
+    from megatron_ext.ckpt.cli import verify_main
+
+    assert verify_main(argparse.Namespace(path=str(out / "step_000000"), sizes_only=False)) == 0
+    # another model's weights (same shapes) fail the parity: exit 1, one line naming the figures
+    other = tmp_path / "other"
+    tiny_qwen3_moe(initializer_range=0.2).save_pretrained(other)
+    proc = _cli("check", str(other), str(out))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("megatron-ext: error: parity failed: cosine ") and "argmax" in line
     back = tmp_path / "back"
     proc = _cli("mcore-to-hf", str(out), str(back))
     assert proc.returncode == 0, proc.stderr[-3000:]

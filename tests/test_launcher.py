@@ -310,7 +310,9 @@ def test_data_prefix_must_exist_unless_a_source_is_given(tmp_path: Path) -> None
     from megatron_ext.config.load import read_recipe
     from megatron_ext.launch.preflight import check_data
 
-    missing = read_recipe(write_recipe(tmp_path), ["data.path=" + str(tmp_path / "tok")])
+    missing = read_recipe(
+        write_recipe(tmp_path), ["data.path=" + str(tmp_path / "tok"), "data.source=[]"]
+    )
     with pytest.raises(ConfigError, match=r"tok\.bin and .*tok\.idx not found, and no data.source"):
         check_data(missing)
     check_data(read_recipe(write_recipe(tmp_path), ["data.source=[corpus/]"]))  # built at start

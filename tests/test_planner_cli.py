@@ -164,6 +164,8 @@ def test_launch_refuses_a_job_that_does_not_fit(
 ) -> None:
     monkeypatch.setattr(launcher, "probe_host", lambda: H100_HOST)
     run = [f"run_dir={tmp_path}", "--nnodes", "8", "--node-rank", "0"]
+    # the recipe's dataset and tokenizer live on the cluster; the dry run checks them
+    run += ["data.source=[python-stdlib]", "data.tokenizer=byte"]
     run += ["--rdzv-endpoint", "node0:29500", "--dry-run"]
     assert main(["launch", "gpt_8b", *TOO_BIG, *run]) == 2
     err = capsys.readouterr().err

@@ -20,6 +20,7 @@ from megatron_ext.atomic import atomic_dir, write_json
 from megatron_ext.commands import Command, fraction, positive_int
 from megatron_ext.convert.inputs import read_json, reading_model
 from megatron_ext.errors import ConfigError
+from megatron_ext.progress import step
 
 WEIGHTS = "step_000000"
 FIELDS = "model.json"
@@ -85,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def convert_main(args: argparse.Namespace) -> int:
     """Run ``megatron-ext convert ACTION``; returns the exit code."""
     # torch and the converters load only when a conversion runs (--help stays torch-free)
-    from megatron_ext.convert.hf import read_hf_config
+    with step("convert", "importing torch and megatron-core"):
+        from megatron_ext.convert.hf import read_hf_config
 
     if args.convert_command == "mcore-to-hf":
         return _mcore_to_hf(args)
@@ -99,15 +101,15 @@ def convert_main(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown convert action {args.convert_command!r}")
 
 
-def _load_hf(hf_dir: Path):
+def load_hf(hf_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    with reading_model(hf_dir, "the Hugging Face model", HF_FIX):
+    with step("convert", f"loading {hf_dir}"), reading_model(hf_dir, "the HF model", HF_FIX):
         return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
-def _fields(hf_dir: Path, raw: dict, eps: float) -> dict:
+def hf_fields(hf_dir: Path, raw: dict, eps: float) -> dict:
     """:func:`model_fields` of an HF config; a field it needs and lacks is the user's."""
     from megatron_ext.convert.hf import model_fields
 
@@ -131,24 +133,25 @@ def _hf_to_mcore(args: argparse.Namespace, raw: dict) -> int:
     from megatron_ext.convert.hf import choose_epsilon
 
     eps = choose_epsilon(raw)
-    fields = _fields(args.hf_dir, raw, eps.value)
+    fields = hf_fields(args.hf_dir, raw, eps.value)
     from megatron.core import dist_checkpointing
 
     from megatron_ext.convert.hf import hf_to_mcore_state
     from megatron_ext.convert.parity import build_mcore
     from megatron_ext.megatron.save_queue import fork_results_queue
 
-    hf = _load_hf(args.hf_dir)
+    hf = load_hf(args.hf_dir)
     full = {**hf.config.to_dict(), **raw}  # the loaded config fills what the file leaves out
-    fields = _fields(args.hf_dir, full, eps.value)
+    fields = hf_fields(args.hf_dir, full, eps.value)
     with reading_model(args.hf_dir, "the Hugging Face weights", HF_FIX):
         state = hf_to_mcore_state(hf.state_dict(), fields)
-    gpt = build_mcore(fields, state)
+    with step("convert", "building the megatron-core model"):
+        gpt = build_mcore(fields, state)
     from megatron_ext.convert.recipe import RECIPE, continue_recipe, copy_tokenizer
 
     # all of OUT or nothing: written in a temporary folder beside it, renamed at the end; the
     # recipe names OUT, where the files will be
-    with atomic_dir(args.out) as tmp:
+    with atomic_dir(args.out) as tmp, step("convert", f"writing {args.out}"):
         (tmp / WEIGHTS).mkdir()
         # A step-0 checkpoint: the GPT trainer starts from its weights alone (checkpoint.load=
         # OUT/step_000000). world 0 matches no run, so no RNG streams are asked of it.
@@ -288,10 +291,11 @@ def _check(args: argparse.Namespace, raw: dict) -> int:
     from megatron_ext.convert.parity import compare
 
     gpt = load_mcore(args.mcore_ckpt)
-    hf = _load_hf(args.hf_dir)
+    hf = load_hf(args.hf_dir)
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, raw["vocab_size"], (2, args.tokens), generator=generator)
-    with reading_model(args.mcore_ckpt, f"a model comparable with {args.hf_dir}", CHECK_FIX):
+    comparable = reading_model(args.mcore_ckpt, f"a model comparable with {args.hf_dir}", CHECK_FIX)
+    with comparable, step("convert", "running both models"):
         figures = compare(hf, gpt, tokens)
     print(json.dumps(figures))
     if args.json is not None:
@@ -326,52 +330,7 @@ def parity_failures(figures: dict, args: argparse.Namespace) -> list[str]:
     return failed
 
 
-def add_tools_arguments(parser: argparse.ArgumentParser) -> None:
-    """``eps-sweep MODEL``."""
-    sub = parser.add_subparsers(dest="tools_command", metavar="ACTION", required=True)
-    e = sub.add_parser("eps-sweep", help="logit sensitivity to the RMSNorm epsilon (CSV + PNG)")
-    e.add_argument("model", type=Path, help="an HF model directory or a hf-to-mcore folder")
-    e.add_argument("--out", type=Path, default=Path("eps_sweep"), help="prefix of .csv/.png")
-    e.add_argument("--tokens", type=positive_int, default=32)
-    e.add_argument("--sequences", type=positive_int, default=16)
-    e.add_argument("--seed", type=int, default=0)
-
-
-def tools_main(args: argparse.Namespace) -> int:
-    """``megatron-ext tools eps-sweep MODEL``: prints the table, writes CSV and PNG."""
-    # torch and the converters load only when a conversion runs (--help stays torch-free)
-    import torch
-
-    from megatron_ext.convert.eps_sweep import eps_sweep, write_sweep
-    from megatron_ext.convert.hf import choose_epsilon, read_hf_config
-
-    if (args.model / FIELDS).is_file():
-        gpt = load_mcore(args.model)
-        fields = read_json(args.model / FIELDS, MCORE_FIX)
-        eps, source = fields["layernorm_epsilon"], f"{args.model / FIELDS}"
-    else:
-        from megatron_ext.convert.hf import hf_to_mcore_state
-        from megatron_ext.convert.parity import build_mcore
-
-        raw = read_hf_config(args.model)
-        choice = choose_epsilon(raw)
-        fields = _fields(args.model, raw, choice.value)
-        hf = _load_hf(args.model)
-        fields = _fields(args.model, {**hf.config.to_dict(), **raw}, choice.value)
-        gpt = build_mcore(fields, hf_to_mcore_state(hf.state_dict(), fields))
-        eps, source = choice.value, choice.source
-    generator = torch.Generator().manual_seed(args.seed)
-    shape = (args.sequences, args.tokens)
-    tokens = torch.randint(0, fields["vocab_size"], shape, generator=generator)
-    rows = eps_sweep(gpt, eps, tokens)
-    print(f"correct epsilon {eps:g} (from {source})")
-    print("multiple,epsilon,cosine,argmax_agreement")
-    for r in rows:
-        print(f"{r['multiple']:g},{r['epsilon']:g},{r['cosine']:.8f},{r['argmax_agreement']:.4f}")
-    csv_path, png_path = write_sweep(rows, args.out, f"{args.model.name}: eps {eps:g}")
-    print(f"wrote {csv_path} and {png_path}")
-    return 0
-
+from megatron_ext.convert.eps_cli import add_tools_arguments, tools_main  # noqa: E402
 
 #: The ``megatron_ext.commands`` entry point ``tools`` (setup.py).
 TOOLS = Command(
