@@ -19,6 +19,7 @@ import contextlib
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -114,6 +115,12 @@ def _make_fixtures(root: Path) -> None:
         for name, text in files.items():
             (root / run / name).parent.mkdir(parents=True, exist_ok=True)
             (root / run / name).write_text(text)
+    # an indexed dataset (megatron-core's .idx header: magic, version, dtype code 8 = uint16)
+    # whose ids reach 300: beyond the byte tokenizer's 258
+    (root / "bigids.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8))
+    (root / "bigids.bin").write_bytes(struct.pack("<4H", 5, 300, 7, 2))
+    (root / "notidx.idx").write_bytes(b"garbage header")
+    (root / "notidx.bin").write_bytes(b"\x00\x01")
     (root / "results_badjson" / "bench").mkdir(parents=True)
     (root / "results_badjson" / "bench" / "figures.json").write_text("{garbage")
     (root / "results_nojson" / "bench").mkdir(parents=True)
@@ -223,6 +230,19 @@ PROBES = [
         "launch tiny_cpu_gpt --dry-run run_dir=out/x data.source=[text.txt] "
         "data.path=out/d data.tokenizer=sentencepiece data.tokenizer_model=text.txt",
         "text.txt",
+    ),
+    Probe(
+        "launch tiny_cpu_gpt --dry-run run_dir=out/x data.source=[] data.path=bigids",
+        "holds token id 300, beyond the model's vocabulary of 258",
+    ),
+    Probe(
+        "launch tiny_cpu_gpt --dry-run run_dir=out/x data.source=[] data.path=bigids "
+        "model.vocab_size=200",
+        "vocabulary of 200",
+    ),
+    Probe(
+        "launch tiny_cpu_gpt --dry-run run_dir=out/x data.source=[] data.path=notidx",
+        "not a megatron-core index file",
     ),
     # ---- train (the per-rank entry point) refuses a bad recipe before any process group
     Probe("train nosuch_recipe", "not found; shipped recipes"),
