@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from megatron_ext.commands import Command, positive_float, positive_int
+from megatron_ext.progress import step
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,10 +88,11 @@ def soma_main(args: argparse.Namespace) -> int:
     from megatron_ext.soma.state import SEED_EXPERT, expert_path, load_file
     from megatron_ext.soma.trainer import expert_shape
 
-    windows, router = test_windows(recipe)  # a missing router artifact stops here
-    layout = BodyLayout.from_shape(expert_shape(recipe))
-    emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]
-    experts = load_experts(run_dir, s.num_experts)
+    with step("soma", f"loading the router and {s.num_experts} experts of {run_dir}"):
+        windows, router = test_windows(recipe)  # a missing router artifact stops here
+        layout = BodyLayout.from_shape(expert_shape(recipe))
+        emb = load_file(expert_path(run_dir, SEED_EXPERT))["emb"]
+        experts = load_experts(run_dir, s.num_experts)
     if args.soma_command == "eval":
         import torch
 
@@ -109,18 +111,19 @@ def soma_main(args: argparse.Namespace) -> int:
 
     if args.bytes < 1:
         raise ConfigError(f"--bytes={args.bytes} must be at least 1")
-    text, chosen = generate(
-        args.prompt.encode("utf-8"),
-        args.bytes,
-        router,
-        experts,
-        emb,
-        layout,
-        k,
-        args.temperature,
-        args.seed,
-        s.route_bytes,
-    )
+    with step("soma", f"generating {args.bytes} bytes with {k} experts"):
+        text, chosen = generate(
+            args.prompt.encode("utf-8"),
+            args.bytes,
+            router,
+            experts,
+            emb,
+            layout,
+            k,
+            args.temperature,
+            args.seed,
+            s.route_bytes,
+        )
     print(f"[experts {chosen}]", file=sys.stderr)
     sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
     return 0
