@@ -4,7 +4,8 @@ What is hidden (each seen on every rank of every CPU run, none actionable there)
 
 * megatron-core's "Transformer Engine and Apex are not installed" / "Apex is not installed"
   warnings (one per module that falls back, five per rank), its "full scope is deprecated"
-  warning and its "GPTModel IS DEPRECATED" log line;
+  warning, its "GPTModel IS DEPRECATED" and "MCore's async save is deprecated" log lines (the
+  checkpoint writer is megatron-core's own, chosen here);
 * torch's "No CUDA runtime is found, using CUDA_HOME=..." log line (``torch.utils.cpp_extension``
   on a host with a CUDA toolkit but no GPU): it was the first stderr line of a failing
   ``data``/``convert``/``ckpt`` command, above the error itself;
@@ -67,6 +68,9 @@ def quiet_libraries() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
         _DropMessages("GPTModel IS DEPRECATED")
+    )
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(
+        _DropMessages("MCore's async save is deprecated")
     )
 
 
