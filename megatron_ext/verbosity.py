@@ -41,6 +41,7 @@ _LIBRARY_WARNINGS = (
 )
 _GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. .*\n")
 _END = b"\x00megatron-ext: end of stdout\n"
+_QUIETED = False
 
 
 def is_verbose() -> bool:
@@ -60,8 +61,10 @@ class _DropMessages(logging.Filter):
 def quiet_libraries() -> None:
     """Hide the library warnings and log lines listed in the module docstring (this process),
     unless verbose. Call before torch or megatron-core is imported."""
-    if is_verbose():
+    global _QUIETED
+    if is_verbose() or _QUIETED:
         return
+    _QUIETED = True  # once per process (the logging filters would pile up)
     for message in _LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     # torch's CUDA_HOME line: a WARNING of this logger, about a toolkit nothing here compiles with

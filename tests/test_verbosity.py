@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+from megatron_ext import verbosity
 from megatron_ext.verbosity import VERBOSE_VAR, quiet_libraries
 
 #: what a rank does: gloo's C++ prints straight to file descriptor 1, Python through sys.stdout
@@ -54,7 +55,9 @@ def test_library_warnings_are_hidden_unless_verbose(monkeypatch) -> None:
     for verbose, shown in ((False, ["something else"]), (True, messages)):
         if verbose:
             monkeypatch.setenv(VERBOSE_VAR, "1")
+        monkeypatch.setattr(verbosity, "_QUIETED", False)  # as in a fresh process
         with warnings.catch_warnings(record=True) as caught:
+            warnings.resetwarnings()  # without what main() installed earlier in this process
             warnings.simplefilter("always")
             quiet_libraries()
             for message in messages:
