@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
+from megatron_ext.distributed.grad_sync import GradSync
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, bucket_layout, plan_ownership
-from megatron_ext.distributed.reduce_scatter_v import reduce_scatter_v
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
 from megatron_ext.optimizers.spec import optimizer_spec
@@ -68,7 +68,7 @@ class Bucket:
     counts: list[int]  # elements per owner rank
     optimizers: dict[str, torch.optim.Optimizer]  # over this rank's parameters in the bucket
     first: str = ""  # the bucket's first parameter in forward order
-    buffer: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None  # the all-gather buffer, allocated at the first step
     pending: Pending | None = None
 
 
@@ -94,7 +94,9 @@ class LayerwiseOptimizer:
     overrides: Sequence[tuple[str, str]] = ()
     bucket_numel: int = 4_000_000
     tp_shards: Mapping[torch.Tensor, Any] | None = None  # TPShardInfo of tensor-parallel shards
-    events: list[tuple[str, int]] | None = None  # when a list: ("update"|"launch"|"wait", bucket)
+    # when a list: ("update"|"launch"|"wait", bucket) of the parameter all-gathers, and
+    # ("grad_launch"|"grad_wait", bucket) of the gradient reduce-scatters (:mod:`.grad_sync`)
+    events: list[tuple[str, int]] | None = None
 
     def __post_init__(self) -> None:
         self.rank, self.world = self.gather.rank, self.gather.world
@@ -125,7 +127,15 @@ class LayerwiseOptimizer:
         self.replicated = [n for n, _ in self.named_params if self.plan.owner[n] == replicated]
         self.replicated_optimizers = self._optimizers_for(self.replicated)
         self.buckets = self._build_buckets()
-        self.grad_wire = WireStats()  # reduce_grads payload, cumulative
+        # Gradients travel in the same buckets, rank-major, the replicated ones after them.
+        self.grad_sync = GradSync(
+            [([(n, p.numel()) for n, p in b.order], b.counts) for b in self.buckets],
+            [(n, self._params[n].numel()) for n in self.replicated],
+            self.rank,
+            self.world,
+            self.gather.group,
+            self.events,
+        )
 
     # -- construction ---------------------------------------------------------------------
     def _optimizers_for(self, members: Iterable[str]) -> dict[str, torch.optim.Optimizer]:
@@ -195,8 +205,10 @@ class LayerwiseOptimizer:
     def _launch(self, bucket: Bucket) -> None:
         """Round this rank's updated masters into their model parameters and the bucket (in the
         model dtype), then start the bucket's all-gather."""
-        first = bucket.order[0][1]
-        buffer = torch.empty(sum(bucket.counts), dtype=first.dtype, device=first.device)
+        if bucket.buffer is None:  # allocated once: the previous gather was waited for
+            first = bucket.order[0][1]
+            bucket.buffer = first.new_empty(sum(bucket.counts))
+        buffer = bucket.buffer
         offset = 0
         for name, p in bucket.order:
             if self.plan.owner[name] == self.rank:
@@ -205,7 +217,6 @@ class LayerwiseOptimizer:
                     p.copy_(master)
                 buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
             offset += p.numel()
-        bucket.buffer = buffer
         bucket.pending = self.gather.start(buffer, bucket.counts)
 
     @torch.no_grad()
@@ -220,7 +231,6 @@ class LayerwiseOptimizer:
                 p.copy_(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         bucket.pending = None
-        bucket.buffer = None
         self._record("wait", bucket.index)
 
     def finish(self) -> None:
@@ -250,41 +260,82 @@ class LayerwiseOptimizer:
                 master.copy_(p)
 
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
-        """Wait for each bucket in a forward pre-hook of the module holding its first parameter
-        (in forward order), so the all-gathers overlap the next forward pass up to the first
-        use of each bucket. ``model``'s parameter names must be the ones this optimizer has."""
+        """Wait for each bucket in a forward pre-hook of every module holding one of its
+        parameters (the first to run waits; the others find it done), so the all-gathers
+        overlap the next forward pass up to the first use of each bucket. Parameter
+        registration order is not always execution order (megatron-core's attention registers
+        ``linear_proj`` before ``linear_qkv``), so hooking one module could let a parameter be
+        used before its bucket arrived. ``model``'s parameter names must be this optimizer's."""
         holder = {}
         for module_name, module in model.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
                 holder[f"{module_name}.{param_name}" if module_name else param_name] = module
         handles = []
         for bucket in self.buckets:
-            if bucket.first not in holder:
-                raise ValueError(f"{bucket.first} is not a parameter of the given model")
+            modules: dict[int, torch.nn.Module] = {}
+            for name, _ in bucket.order:
+                if name not in holder:
+                    raise ValueError(f"{name} is not a parameter of the given model")
+                modules.setdefault(id(holder[name]), holder[name])
 
             def wait(_module: torch.nn.Module, _args: Any, bucket: Bucket = bucket) -> None:
                 self.wait_bucket(bucket)
 
-            handles.append(holder[bucket.first].register_forward_pre_hook(wait))
+            handles += [m.register_forward_pre_hook(wait) for m in modules.values()]
         return handles
 
-    # -- gradient sync: reduce-scatter-v to the owners ----------------------------------------
+    # -- gradient sync: reduce-scatter-v to the owners (:mod:`.grad_sync`) ------------------
+    @property
+    def grad_wire(self) -> WireStats:
+        """Payload bytes of the gradient reduce-scatters, cumulative (assignable, to reset)."""
+        return self.grad_sync.wire
+
+    @grad_wire.setter
+    def grad_wire(self, wire: WireStats) -> None:
+        self.grad_sync.wire = wire
+
+    def bind_grad_storage(self, storage: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+        """Lay the gradients out in ``storage`` (1-D; e.g. DDP's grad buffer), scaled by
+        ``scale`` before they are summed; returns each parameter's 1-D gradient view, which
+        the caller makes the gradient its backward accumulates into."""
+        return self.grad_sync.bind(storage, scale)
+
+    def grad_ready(self, name: str) -> None:
+        """Backward has completed ``name``'s gradient: a bucket whose gradients are all
+        complete starts its reduce-scatter-v (:meth:`.GradSync.grad_ready`)."""
+        self.grad_sync.grad_ready(name)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient bucket (starting any backward did not); afterwards the owned
+        and replicated gradients in the bound storage hold their sums over the ranks."""
+        self.grad_sync.finish()
+
     @torch.no_grad()
     def reduce_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Sum each gradient over the data-parallel ranks into its owner's copy, in place.
+        """Sum each gradient over the data-parallel ranks into its owner's copy, in place, for
+        gradients that live outside a bound storage.
 
-        ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). Per bucket one
-        variable-size reduce-scatter (:mod:`.reduce_scatter_v`); replicated parameters are
-        all-reduced. Afterwards only the owner's (and replicated) gradients hold sums; the
-        others keep local partial values, which nothing reads (norms and updates use owned
-        gradients only). Payload bytes are counted in :attr:`grad_wire`."""
-        group = self.gather.group
-        for name in self.replicated:
-            torch.distributed.all_reduce(grads[name], group=group)
-        for bucket in self.buckets:
-            names = [n for n, _ in bucket.order]
-            owned = [self.plan.owner[n] == self.rank for n in names]
-            reduce_scatter_v(grads, names, owned, bucket.counts, self.rank, group, self.grad_wire)
+        ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). They are
+        copied into the sync's own storage (allocated once), reduced bucket by bucket (a
+        variable-size reduce-scatter each, :mod:`.reduce_scatter_v`; the replicated ones in one
+        all-gather), and the owned and replicated sums copied back; the others keep local
+        partial values, which nothing reads (norms and updates use owned gradients only). At one
+        rank nothing is done. Payload bytes are counted in :attr:`grad_wire`."""
+        if self.world == 1:
+            return
+        sync = self.grad_sync
+        if sync.storage is None:
+            first = next(iter(grads.values()))
+            sync.allocate(first.dtype, first.device)
+        for name, view in sync.views.items():
+            g = grads[name]
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+        sync.finish()
+        for name, view in sync.views.items():
+            g = grads[name]
+            if self.holds(name) and g.data_ptr() != view.data_ptr():
+                g.copy_(view.view_as(g))
 
     # -- bookkeeping --------------------------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
