@@ -145,6 +145,10 @@ class GradSync:
             self._next -= 1
 
     def _launch(self, bucket: GradBucket) -> None:
+        if self.scale == 1.0 and self.world == 1:  # one rank's gradient is the sum: nothing
+            bucket.launched = True
+            self._record("grad_launch", bucket.index)
+            return
         region = self.storage[bucket.start : bucket.start + bucket.numel]
         if self.scale != 1.0:
             region.mul_(self.scale)  # DDP's gradient_scaling_factor, before the sum
@@ -156,6 +160,11 @@ class GradSync:
         self._record("grad_launch", bucket.index)
 
     def _launch_replicated(self) -> None:
+        if self.scale != 1.0 or self.world > 1:
+            self._launch_replicated_region()
+        self._record("grad_launch", -1)
+
+    def _launch_replicated_region(self) -> None:
         region = self.storage[self.replicated_start : self.numel]
         if self.scale != 1.0:
             region.mul_(self.scale)
@@ -166,7 +175,6 @@ class GradSync:
             size = region.element_size()
             self.replicated_wire.sent += region.numel() * size
             self.replicated_wire.received += (self.world - 1) * region.numel() * size
-        self._record("grad_launch", -1)
 
     @torch.no_grad()
     def finish(self) -> None:
