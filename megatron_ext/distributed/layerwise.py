@@ -30,6 +30,8 @@ import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
 from megatron_ext.distributed.grad_sync import GradSync
+from megatron_ext.distributed.layerwise_state import MASTER_KEY as MASTER_KEY  # re-exported
+from megatron_ext.distributed.layerwise_state import NamedState
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, bucket_layout, plan_ownership
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
@@ -45,7 +47,6 @@ PARAM_ATTRIBUTES = (
     "shared",
     "allreduce",
 )
-MASTER_KEY = "fp32_param"  # the master's entry in the name-keyed state
 
 
 def fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -73,7 +74,7 @@ class Bucket:
 
 
 @dataclass
-class LayerwiseOptimizer:
+class LayerwiseOptimizer(NamedState):
     """Step only the parameters this rank owns; all-gather the rest.
 
     Args:
@@ -337,7 +338,7 @@ class LayerwiseOptimizer:
             if self.holds(name) and g.data_ptr() != view.data_ptr():
                 g.copy_(view.view_as(g))
 
-    # -- bookkeeping --------------------------------------------------------------------------
+    # -- ownership and bookkeeping ----------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
         """Whether this rank counts ``name`` in global gradient statistics: the owner does, and
         rank 0 for replicated parameters, so each gradient is counted exactly once."""
@@ -362,10 +363,6 @@ class LayerwiseOptimizer:
     def state(self) -> dict[Any, Any]:
         return {k: v for opt in self.all_optimizers() for k, v in opt.state.items()}
 
-    # -- name-keyed state (independent of the data-parallel size and the plan) -----------------
-    def _master_names(self) -> dict[int, str]:
-        return {id(m): n for n, m in self.masters.items()}
-
     def saves(self, name: str) -> bool:
         """Whether this rank writes ``name``'s state: its owner, or rank 0 if replicated."""
         return self.counts_toward_norm(name)
@@ -373,57 +370,3 @@ class LayerwiseOptimizer:
     def holds(self, name: str) -> bool:
         """Whether this rank keeps state for ``name``: owned or replicated parameters."""
         return self.plan.owner[name] in (self.rank, OwnershipPlan.REPLICATED)
-
-    def named_state(self) -> dict[str, dict[str, Any]]:
-        """``{parameter name: {state key: value}}`` for every parameter this rank holds, with the
-        fp32 master of a low-precision parameter under ``"fp32_param"``.
-
-        Tensors are copies: the optimizers keep some state as views of stacked tensors (KL-SOAP
-        packs same-shape matrices), and a view would drag its whole stack into a file."""
-        names = self._master_names()
-        out: dict[str, dict[str, Any]] = {}
-        for opt in self.all_optimizers():
-            for p, st in opt.state.items():
-                out[names[id(p)]] = {
-                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()
-                }
-        for name, master in self.masters.items():
-            if master is not self._params[name]:
-                out.setdefault(name, {})[MASTER_KEY] = master.detach().clone()
-        return out
-
-    def load_named_state(self, named: Mapping[str, Mapping[str, Any]]) -> None:
-        """Install name-keyed state (from :meth:`named_state` of any data-parallel size) for every
-        parameter this rank holds; a held parameter missing from ``named`` is an error. A saved
-        fp32 master is copied into this rank's master (for an fp32 parameter: the parameter)."""
-        missing = [n for n in self._params if self.holds(n) and n not in named]
-        if missing:
-            raise ValueError(
-                f"optimizer state is missing for {len(missing)} parameters (e.g. {missing[0]}): "
-                f"the checkpoint was written for a different model or optimizer"
-            )
-        names = self._master_names()
-        for opt in self.all_optimizers():
-            by_id = {id(p): p for g in opt.param_groups for p in g["params"]}
-            opt.state.clear()
-            for pid, p in by_id.items():
-                st = {
-                    k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v
-                    for k, v in named[names[pid]].items()
-                    if k != MASTER_KEY
-                }
-                if st:  # a parameter never stepped has a master but no optimizer state yet
-                    opt.state[p] = st
-        with torch.no_grad():
-            for name, master in self.masters.items():
-                if MASTER_KEY in named[name]:
-                    master.copy_(named[name][MASTER_KEY])
-
-    def state_dict(self) -> dict[str, Any]:
-        """Name-keyed state of the parameters this rank holds (see :meth:`named_state`)."""
-        return {"state": self.named_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output; ``state["state"]`` may be the union of every saving
-        rank's dicts, written at any data-parallel size."""
-        self.load_named_state(state["state"])
