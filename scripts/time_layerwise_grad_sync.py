@@ -8,11 +8,12 @@ It builds the GPT trainer's run (megatron-core GPTModel + this project's DDP + t
 optimizer, :func:`megatron_ext.gpt.setup.setup`) on a generated corpus and times ``steps``
 iterations after ``warmup``: the whole ``train_step``, its ``optimizer.step()``, and the part
 of ``finish_grad_sync`` left after backward (the gradient sync not hidden behind backward).
-One more iteration runs under torch's profiler with ``profile_memory`` and counts the CPU
-allocator's allocations in it. Rank 0 writes medians over steps of the slowest rank and the
-ranks' peak RSS to ``--out``. It imports whatever ``megatron_ext`` is first on ``sys.path``,
-so the same script times two versions of the code (``PYTHONPATH=<old tree>``); nothing in it
-depends on the gradient path's internals.
+One more iteration counts the tensors the gradient sync allocates (a torch dispatch mode
+around ``finish_grad_sync`` and, where the sync runs from backward, around its DDP handler's
+``grad_ready``: every op output on a storage none of the op's inputs had). Rank 0 writes the
+medians over steps of the slowest rank, the allocation counts and each rank's peak RSS to
+``--out``. It imports whatever ``megatron_ext`` is first on ``sys.path``, so the same script
+times two versions of the code (``PYTHONPATH=<old tree>``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,32 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 TEXT = "\n".join(
     f"Paragraph {i}: the quick brown fox jumps over the lazy dog {i % 7} times, "
     f"while megatron trains a small model on byte {i % 13}."
     for i in range(2000)
 )
+
+
+class NewStorages(TorchDispatchMode):
+    """Counts op outputs on new storages (allocations) and their bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.count += 1
+                self.bytes += t.untyped_storage().nbytes()
+        return out
 
 
 def recipe(root: Path, args: argparse.Namespace, world: int) -> dict:
@@ -104,8 +125,8 @@ def main() -> None:
         exposed.append(time.perf_counter() - t0)
 
     run.model.finish_grad_sync = timed_finish
-    rows: dict[str, list[float]] = {"iteration_s": [], "step_s": [], "grad_sync_exposed_s": []}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows: dict[str, list[float]] = {"iteration_s": [], "step_s": [], "grad_sync_exposed_s": []}
     for i in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -115,15 +136,24 @@ def main() -> None:
             rows["iteration_s"].append(wall)
             rows["step_s"].append(result.optimizer_s)
             rows["grad_sync_exposed_s"].append(exposed[-1])
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        train_step(run, args.warmup + args.steps)
-    allocs = [e for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage > 0]
+    counter = NewStorages()
+
+    def counted(fn):
+        def run_counted(*a, **k):
+            with counter:
+                return fn(*a, **k)
+
+        return run_counted
+
+    run.model.finish_grad_sync = counted(run.model.finish_grad_sync)
+    handler = getattr(run.model, "_grad_sync", None)
+    if hasattr(handler, "grad_ready"):  # a sync started from backward
+        handler.grad_ready = counted(handler.grad_ready)
+    train_step(run, args.warmup + args.steps)
     mine = {
         **{k: v for k, v in rows.items()},
-        "allocations": len(allocs),
-        "allocated_bytes": sum(e.cpu_memory_usage for e in allocs),
+        "allocations": counter.count,
+        "allocated_bytes": counter.bytes,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_increase_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
         "loss": result.loss,
@@ -139,9 +169,10 @@ def main() -> None:
             "bucket_numel": args.bucket_numel,
             "load_average": os.getloadavg(),
             **{f"{k}_median": statistics.median(v) for k, v in slowest.items()},
-            "allocations_per_iteration": [r["allocations"] for r in everyone],
-            "allocated_bytes_per_iteration": [r["allocated_bytes"] for r in everyone],
+            "grad_sync_allocations": [r["allocations"] for r in everyone],
+            "grad_sync_allocated_bytes": [r["allocated_bytes"] for r in everyone],
             "peak_rss_mib": [r["peak_rss_mib"] for r in everyone],
+            "rss_increase_mib": [r["rss_increase_mib"] for r in everyone],
             "last_loss": mine["loss"],
         }
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -37,12 +37,18 @@ def test_gradient_sync_starts_before_backward_ends(ranks):
 
 
 def test_no_communication_buffer_is_allocated_per_step(ranks):
-    """The gradient storage, the receive buffers, the all-gather buffers and every main_grad
-    keep their addresses from step to step, and the sync's own ops create no storage."""
+    """The gradient storage, the receive buffers, the all-gather buffers, every main_grad and
+    every parameter keep their addresses from step to step, and the sync's own ops create no
+    storage. At DP=2 the parameters live in their buckets' all-gather buffers (gathered in
+    place); at DP=1 there is no all-gather buffer at all."""
     for rank in ranks:
         first, *later = rank["pointers"]
         assert all(p == first for p in later), rank["pointers"]
         assert rank["allocations"] == 0, rank["ops"]
+        if rank["world"] == 1:
+            assert first["gather"] == [] and not any(rank["params_in_buckets"])
+        else:
+            assert len(first["gather"]) == rank["buckets"] and all(rank["params_in_buckets"])
 
 
 def test_gradients_accumulate_in_ddp_buffer_and_equal_megatron_cores(ranks):

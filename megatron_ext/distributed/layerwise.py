@@ -8,14 +8,20 @@ one rank with exactly the single-process arithmetic, and the all-gather copies b
 
 Parameters are grouped into buckets in the order given (pass them in forward execution order);
 each bucket is one flat buffer laid out rank by rank, so rank r's updated matrices are one
-contiguous segment.  :meth:`LayerwiseOptimizer.step` launches a bucket's all-gather as soon as
-this rank's updates in it are done, so communication overlaps the updates of later buckets;
+contiguous segment. With more than one rank the parameters *live* in these buffers (their
+``.data`` is re-pointed at construction, as megatron-core's DDP does for its distributed
+optimizer): the optimizers update the owned segment in place and the all-gather writes the
+others' segments straight into the parameters, so nothing is copied or allocated per step.
+:meth:`LayerwiseOptimizer.step` launches a bucket's all-gather as soon as this rank's updates in
+it are done, so communication overlaps the updates of later buckets;
 :meth:`LayerwiseOptimizer.wait_bucket` (called by a forward pre-hook, or by ``finish``) waits
-for one bucket and copies it back into the parameters.
+for one bucket. At one rank there is nothing to gather and the parameters stay where they are.
+
+Gradients travel in the same buckets the other way (:mod:`.grad_sync`).
 
 Low-precision parameters (bf16) get an fp32 master copy only where this rank updates them (the
 parameters it owns, and the small replicated ones): the optimizers step the masters, the owner
-rounds each updated master into its model parameter and into the bucket, and the all-gather
+rounds each updated master into its model parameter (in the bucket), and the all-gather
 carries the model dtype. A rank therefore keeps fp32 masters (and optimizer state) for about
 1/dp of the model, and the wire carries half the bytes of an fp32 gather.
 """
@@ -69,7 +75,7 @@ class Bucket:
     counts: list[int]  # elements per owner rank
     optimizers: dict[str, torch.optim.Optimizer]  # over this rank's parameters in the bucket
     first: str = ""  # the bucket's first parameter in forward order
-    buffer: torch.Tensor | None = None  # the all-gather buffer, allocated at the first step
+    buffer: torch.Tensor | None = None  # holds the parameters (world > 1), rank-major
     pending: Pending | None = None
 
 
@@ -178,7 +184,23 @@ class LayerwiseOptimizer(NamedState):
                     first=layout.members[0],
                 )
             )
+            if self.world > 1:
+                self._move_into_buffer(buckets[-1])
         return buckets
+
+    @torch.no_grad()
+    def _move_into_buffer(self, bucket: Bucket) -> None:
+        """Give ``bucket`` one flat buffer in its parameters' dtype, rank-major, and make each
+        parameter a view of its segment (values unchanged; the ``Parameter`` objects, and so
+        the model's and the optimizers' references, stay the same)."""
+        first = bucket.order[0][1]
+        bucket.buffer = first.new_empty(sum(bucket.counts))
+        offset = 0
+        for _, p in bucket.order:
+            segment = bucket.buffer[offset : offset + p.numel()].view_as(p)
+            segment.copy_(p)
+            p.data = segment
+            offset += p.numel()
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -204,33 +226,23 @@ class LayerwiseOptimizer(NamedState):
             self.events.append((what, index))
 
     def _launch(self, bucket: Bucket) -> None:
-        """Round this rank's updated masters into their model parameters and the bucket (in the
-        model dtype), then start the bucket's all-gather."""
-        if bucket.buffer is None:  # allocated once: the previous gather was waited for
-            first = bucket.order[0][1]
-            bucket.buffer = first.new_empty(sum(bucket.counts))
-        buffer = bucket.buffer
-        offset = 0
+        """Round this rank's updated masters into their model parameters (in the model dtype,
+        inside the bucket), then start the bucket's all-gather (none at one rank)."""
         for name, p in bucket.order:
             if self.plan.owner[name] == self.rank:
                 master = self.masters[name]
                 if master is not p:
                     p.copy_(master)
-                buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
-            offset += p.numel()
-        bucket.pending = self.gather.start(buffer, bucket.counts)
+        if bucket.buffer is not None:
+            bucket.pending = self.gather.start(bucket.buffer, bucket.counts)
 
     @torch.no_grad()
     def wait_bucket(self, bucket: Bucket) -> None:
-        """Wait for ``bucket``'s all-gather and write the other ranks' parameters back."""
+        """Wait for ``bucket``'s all-gather: the other ranks' parameters have then arrived in
+        place."""
         if bucket.pending is None:
             return
-        buffer = bucket.pending.wait()
-        offset = 0
-        for name, p in bucket.order:
-            if self.plan.owner[name] != self.rank:
-                p.copy_(buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        bucket.pending.wait()
         bucket.pending = None
         self._record("wait", bucket.index)
 

@@ -7,7 +7,9 @@ writes ``OUT.<rank>.json`` with what the test checks:
 
 * ``events``: the optimizer's event log with ``("backward_end", -1)`` appended by a hook on the
   last gradient backward completes (the word embedding's) — the sync must start before it;
-* ``pointers``: per step, the data pointers of every communication buffer and ``main_grad``;
+* ``pointers``: per step, the data pointers of every communication buffer, ``main_grad`` and
+  parameter; ``params_in_buckets``: whether each bucketed parameter lives in its bucket's
+  all-gather buffer;
 * ``inside_ddp``: whether every ``main_grad`` is a view of DDP's own grad buffer;
 * ``calls``: per step, the collectives the gradient sync issued (``torch.distributed``'s
   functions wrapped and counted while the sync's code runs);
@@ -175,11 +177,18 @@ def main(out: str) -> None:
                 "replicated_recv": (
                     sync._replicated_recv.data_ptr() if sync._replicated_recv is not None else 0
                 ),
-                "gather": [b.buffer.data_ptr() for b in lw.buckets],
+                "gather": [b.buffer.data_ptr() for b in lw.buckets if b.buffer is not None],
                 "main_grad": [p.main_grad.data_ptr() for p in module.parameters()],
+                "params": [p.data_ptr() for p in module.parameters()],
             }
         )
     start, end = ddp_buffer.data_ptr(), ddp_buffer.data_ptr() + 4 * ddp_buffer.numel()
+    in_bucket = [
+        b.buffer is not None
+        and b.buffer.data_ptr() <= p.data_ptr() < b.buffer.data_ptr() + 4 * b.buffer.numel()
+        for b in lw.buckets
+        for _, p in b.order
+    ]
     result = {
         "world": world,
         "buckets": len(sync.buckets),
@@ -193,6 +202,7 @@ def main(out: str) -> None:
         "allocations": counter.allocations,
         "equal_to_mcore": equal_to_mcore,
         "recv_buffers": sum(b.recv is not None for b in sync.buckets),
+        "params_in_buckets": in_bucket,
     }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)
