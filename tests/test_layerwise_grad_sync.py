@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from megatron_ext.distributed.grad_sync import GradSync
 from tests.conftest import DIST, run_torchrun
 
 
@@ -85,3 +87,16 @@ def _split(events: list) -> list[list[tuple[str, int]]]:
         else:
             steps[-1].append((what, i))
     return steps
+
+
+def test_a_gradient_reported_twice_in_a_step_is_refused():
+    """Several micro-batches without DDP's no_sync would report a gradient complete more than
+    once and start its bucket on a partial sum: refused, naming the fix."""
+    sync = GradSync([([("a", 4), ("b", 2)], [6])], [("norm", 3)], rank=0, world=1, group=None)
+    sync.allocate(torch.float32, torch.device("cpu"))
+    sync.grad_ready("a")
+    with pytest.raises(RuntimeError, match=r"gradient of a .* no_sync"):
+        sync.grad_ready("a")
+    sync.grad_ready("b")
+    sync.finish()  # a new step starts afresh
+    sync.grad_ready("a")

@@ -48,7 +48,7 @@ class GradBucket:
     counts: list[int]  # elements per owner rank
     recv: torch.Tensor | None = None  # (world − 1, counts[rank]), allocated once
     handles: list[Any] = field(default_factory=list)
-    ready: int = 0  # parameters whose gradient backward has completed this step
+    ready: set[str] = field(default_factory=set)  # gradients backward completed this step
     launched: bool = False
 
     @property
@@ -136,10 +136,16 @@ class GradSync:
         index = self.bucket_of[name]
         if index < 0 or self.storage is None:
             return  # replicated gradients go together in finish()
-        self.buckets[index].ready += 1
+        ready = self.buckets[index].ready
+        if name in ready:
+            raise RuntimeError(
+                f"the gradient of {name} was reported complete twice before finish_grad_sync: "
+                "run every micro-batch but a step's last under DDP's no_sync()"
+            )
+        ready.add(name)
         while self._next >= 0:
             bucket = self.buckets[self._next]
-            if bucket.ready < len(bucket.names):
+            if len(bucket.ready) < len(bucket.names):
                 break
             self._launch(bucket)
             self._next -= 1
@@ -204,7 +210,8 @@ class GradSync:
                 start = bucket.start + own
                 owned = self.storage[start : start + bucket.counts[self.rank]]
                 fold_in_rank_order(owned, bucket.recv, self.rank)
-            bucket.handles, bucket.ready, bucket.launched = [], 0, False
+            bucket.handles, bucket.launched = [], False
+            bucket.ready.clear()
             self._record("grad_wait", bucket.index)
         self._next = len(self.buckets) - 1
 
