@@ -6,7 +6,9 @@ Run under torchrun (gloo), one thread per rank::
 
 It builds the GPT trainer's run (megatron-core GPTModel + this project's DDP + the layer-wise
 optimizer, :func:`megatron_ext.gpt.setup.setup`) on a generated corpus and times ``steps``
-iterations after ``warmup``: the whole ``train_step``, its ``optimizer.step()``, and the part
+iterations after ``warmup``: the whole ``train_step`` (wall time, and CPU time of the main
+thread and of the process: on a loaded host the CPU times do not count waiting for a core or a
+peer), its ``optimizer.step()``, and the part
 of ``finish_grad_sync`` left after backward (the gradient sync not hidden behind backward).
 One more iteration counts the tensors the gradient sync allocates (a torch dispatch mode
 around ``finish_grad_sync`` and, where the sync runs from backward, around its DDP handler's
@@ -126,14 +128,22 @@ def main() -> None:
 
     run.model.finish_grad_sync = timed_finish
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rows: dict[str, list[float]] = {"iteration_s": [], "step_s": [], "grad_sync_exposed_s": []}
+    rows: dict[str, list[float]] = {
+        "iteration_s": [],
+        "iteration_thread_cpu_s": [],
+        "iteration_process_cpu_s": [],
+        "step_s": [],
+        "grad_sync_exposed_s": [],
+    }
     for i in range(args.warmup + args.steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         result = train_step(run, i)
         wall = time.perf_counter() - t0
         if i >= args.warmup:
             rows["iteration_s"].append(wall)
+            rows["iteration_thread_cpu_s"].append(time.thread_time() - c0)
+            rows["iteration_process_cpu_s"].append(time.process_time() - p0)
             rows["step_s"].append(result.optimizer_s)
             rows["grad_sync_exposed_s"].append(exposed[-1])
     counter = NewStorages()
