@@ -38,6 +38,13 @@ class LayerwiseDomains:
         for part in self.parts:
             part.reduce_grads({n: grads[n] for n, _ in part.named_params})
 
+    def grad_ready(self, name: str) -> None:
+        self._of[name].grad_ready(name)
+
+    def finish_grad_sync(self) -> None:
+        for part in self.parts:
+            part.finish_grad_sync()
+
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
         return [h for part in self.parts for h in part.attach_forward_hooks(model)]
 

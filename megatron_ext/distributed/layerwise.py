@@ -8,14 +8,20 @@ one rank with exactly the single-process arithmetic, and the all-gather copies b
 
 Parameters are grouped into buckets in the order given (pass them in forward execution order);
 each bucket is one flat buffer laid out rank by rank, so rank r's updated matrices are one
-contiguous segment.  :meth:`LayerwiseOptimizer.step` launches a bucket's all-gather as soon as
-this rank's updates in it are done, so communication overlaps the updates of later buckets;
+contiguous segment. With more than one rank the parameters *live* in these buffers (their
+``.data`` is re-pointed at construction, as megatron-core's DDP does for its distributed
+optimizer): the optimizers update the owned segment in place and the all-gather writes the
+others' segments straight into the parameters, so nothing is copied or allocated per step.
+:meth:`LayerwiseOptimizer.step` launches a bucket's all-gather as soon as this rank's updates in
+it are done, so communication overlaps the updates of later buckets;
 :meth:`LayerwiseOptimizer.wait_bucket` (called by a forward pre-hook, or by ``finish``) waits
-for one bucket and copies it back into the parameters.
+for one bucket. At one rank there is nothing to gather and the parameters stay where they are.
+
+Gradients travel in the same buckets the other way (:mod:`.grad_sync`).
 
 Low-precision parameters (bf16) get an fp32 master copy only where this rank updates them (the
 parameters it owns, and the small replicated ones): the optimizers step the masters, the owner
-rounds each updated master into its model parameter and into the bucket, and the all-gather
+rounds each updated master into its model parameter (in the bucket), and the all-gather
 carries the model dtype. A rank therefore keeps fp32 masters (and optimizer state) for about
 1/dp of the model, and the wire carries half the bytes of an fp32 gather.
 """
@@ -29,8 +35,10 @@ from typing import Any
 import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
+from megatron_ext.distributed.grad_sync import GradSync
+from megatron_ext.distributed.layerwise_state import MASTER_KEY as MASTER_KEY  # re-exported
+from megatron_ext.distributed.layerwise_state import NamedState
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, bucket_layout, plan_ownership
-from megatron_ext.distributed.reduce_scatter_v import reduce_scatter_v
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
 from megatron_ext.optimizers.spec import optimizer_spec
@@ -45,7 +53,6 @@ PARAM_ATTRIBUTES = (
     "shared",
     "allreduce",
 )
-MASTER_KEY = "fp32_param"  # the master's entry in the name-keyed state
 
 
 def fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -68,12 +75,12 @@ class Bucket:
     counts: list[int]  # elements per owner rank
     optimizers: dict[str, torch.optim.Optimizer]  # over this rank's parameters in the bucket
     first: str = ""  # the bucket's first parameter in forward order
-    buffer: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None  # holds the parameters (world > 1), rank-major
     pending: Pending | None = None
 
 
 @dataclass
-class LayerwiseOptimizer:
+class LayerwiseOptimizer(NamedState):
     """Step only the parameters this rank owns; all-gather the rest.
 
     Args:
@@ -94,7 +101,9 @@ class LayerwiseOptimizer:
     overrides: Sequence[tuple[str, str]] = ()
     bucket_numel: int = 4_000_000
     tp_shards: Mapping[torch.Tensor, Any] | None = None  # TPShardInfo of tensor-parallel shards
-    events: list[tuple[str, int]] | None = None  # when a list: ("update"|"launch"|"wait", bucket)
+    # when a list: ("update"|"launch"|"wait", bucket) of the parameter all-gathers, and
+    # ("grad_launch"|"grad_wait", bucket) of the gradient reduce-scatters (:mod:`.grad_sync`)
+    events: list[tuple[str, int]] | None = None
 
     def __post_init__(self) -> None:
         self.rank, self.world = self.gather.rank, self.gather.world
@@ -125,7 +134,15 @@ class LayerwiseOptimizer:
         self.replicated = [n for n, _ in self.named_params if self.plan.owner[n] == replicated]
         self.replicated_optimizers = self._optimizers_for(self.replicated)
         self.buckets = self._build_buckets()
-        self.grad_wire = WireStats()  # reduce_grads payload, cumulative
+        # Gradients travel in the same buckets, rank-major, the replicated ones after them.
+        self.grad_sync = GradSync(
+            [([(n, p.numel()) for n, p in b.order], b.counts) for b in self.buckets],
+            [(n, self._params[n].numel()) for n in self.replicated],
+            self.rank,
+            self.world,
+            self.gather.group,
+            self.events,
+        )
 
     # -- construction ---------------------------------------------------------------------
     def _optimizers_for(self, members: Iterable[str]) -> dict[str, torch.optim.Optimizer]:
@@ -167,7 +184,23 @@ class LayerwiseOptimizer:
                     first=layout.members[0],
                 )
             )
+            if self.world > 1:
+                self._move_into_buffer(buckets[-1])
         return buckets
+
+    @torch.no_grad()
+    def _move_into_buffer(self, bucket: Bucket) -> None:
+        """Give ``bucket`` one flat buffer in its parameters' dtype, rank-major, and make each
+        parameter a view of its segment (values unchanged; the ``Parameter`` objects, and so
+        the model's and the optimizers' references, stay the same)."""
+        first = bucket.order[0][1]
+        bucket.buffer = first.new_empty(sum(bucket.counts))
+        offset = 0
+        for _, p in bucket.order:
+            segment = bucket.buffer[offset : offset + p.numel()].view_as(p)
+            segment.copy_(p)
+            p.data = segment
+            offset += p.numel()
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -193,34 +226,24 @@ class LayerwiseOptimizer:
             self.events.append((what, index))
 
     def _launch(self, bucket: Bucket) -> None:
-        """Round this rank's updated masters into their model parameters and the bucket (in the
-        model dtype), then start the bucket's all-gather."""
-        first = bucket.order[0][1]
-        buffer = torch.empty(sum(bucket.counts), dtype=first.dtype, device=first.device)
-        offset = 0
+        """Round this rank's updated masters into their model parameters (in the model dtype,
+        inside the bucket), then start the bucket's all-gather (none at one rank)."""
         for name, p in bucket.order:
             if self.plan.owner[name] == self.rank:
                 master = self.masters[name]
                 if master is not p:
                     p.copy_(master)
-                buffer[offset : offset + p.numel()].copy_(p.reshape(-1))
-            offset += p.numel()
-        bucket.buffer = buffer
-        bucket.pending = self.gather.start(buffer, bucket.counts)
+        if bucket.buffer is not None:
+            bucket.pending = self.gather.start(bucket.buffer, bucket.counts)
 
     @torch.no_grad()
     def wait_bucket(self, bucket: Bucket) -> None:
-        """Wait for ``bucket``'s all-gather and write the other ranks' parameters back."""
+        """Wait for ``bucket``'s all-gather: the other ranks' parameters have then arrived in
+        place."""
         if bucket.pending is None:
             return
-        buffer = bucket.pending.wait()
-        offset = 0
-        for name, p in bucket.order:
-            if self.plan.owner[name] != self.rank:
-                p.copy_(buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        bucket.pending.wait()
         bucket.pending = None
-        bucket.buffer = None
         self._record("wait", bucket.index)
 
     def finish(self) -> None:
@@ -250,43 +273,84 @@ class LayerwiseOptimizer:
                 master.copy_(p)
 
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
-        """Wait for each bucket in a forward pre-hook of the module holding its first parameter
-        (in forward order), so the all-gathers overlap the next forward pass up to the first
-        use of each bucket. ``model``'s parameter names must be the ones this optimizer has."""
+        """Wait for each bucket in a forward pre-hook of every module holding one of its
+        parameters (the first to run waits; the others find it done), so the all-gathers
+        overlap the next forward pass up to the first use of each bucket. Parameter
+        registration order is not always execution order (megatron-core's attention registers
+        ``linear_proj`` before ``linear_qkv``), so hooking one module could let a parameter be
+        used before its bucket arrived. ``model``'s parameter names must be this optimizer's."""
         holder = {}
         for module_name, module in model.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
                 holder[f"{module_name}.{param_name}" if module_name else param_name] = module
         handles = []
         for bucket in self.buckets:
-            if bucket.first not in holder:
-                raise ValueError(f"{bucket.first} is not a parameter of the given model")
+            modules: dict[int, torch.nn.Module] = {}
+            for name, _ in bucket.order:
+                if name not in holder:
+                    raise ValueError(f"{name} is not a parameter of the given model")
+                modules.setdefault(id(holder[name]), holder[name])
 
             def wait(_module: torch.nn.Module, _args: Any, bucket: Bucket = bucket) -> None:
                 self.wait_bucket(bucket)
 
-            handles.append(holder[bucket.first].register_forward_pre_hook(wait))
+            handles += [m.register_forward_pre_hook(wait) for m in modules.values()]
         return handles
 
-    # -- gradient sync: reduce-scatter-v to the owners ----------------------------------------
+    # -- gradient sync: reduce-scatter-v to the owners (:mod:`.grad_sync`) ------------------
+    @property
+    def grad_wire(self) -> WireStats:
+        """Payload bytes of the gradient reduce-scatters, cumulative (assignable, to reset)."""
+        return self.grad_sync.wire
+
+    @grad_wire.setter
+    def grad_wire(self, wire: WireStats) -> None:
+        self.grad_sync.wire = wire
+
+    def bind_grad_storage(self, storage: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+        """Lay the gradients out in ``storage`` (1-D; e.g. DDP's grad buffer), scaled by
+        ``scale`` before they are summed; returns each parameter's 1-D gradient view, which
+        the caller makes the gradient its backward accumulates into."""
+        return self.grad_sync.bind(storage, scale)
+
+    def grad_ready(self, name: str) -> None:
+        """Backward has completed ``name``'s gradient: a bucket whose gradients are all
+        complete starts its reduce-scatter-v (:meth:`.GradSync.grad_ready`)."""
+        self.grad_sync.grad_ready(name)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every gradient bucket (starting any backward did not); afterwards the owned
+        and replicated gradients in the bound storage hold their sums over the ranks."""
+        self.grad_sync.finish()
+
     @torch.no_grad()
     def reduce_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Sum each gradient over the data-parallel ranks into its owner's copy, in place.
+        """Sum each gradient over the data-parallel ranks into its owner's copy, in place, for
+        gradients that live outside a bound storage.
 
-        ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). Per bucket one
-        variable-size reduce-scatter (:mod:`.reduce_scatter_v`); replicated parameters are
-        all-reduced. Afterwards only the owner's (and replicated) gradients hold sums; the
-        others keep local partial values, which nothing reads (norms and updates use owned
-        gradients only). Payload bytes are counted in :attr:`grad_wire`."""
-        group = self.gather.group
-        for name in self.replicated:
-            torch.distributed.all_reduce(grads[name], group=group)
-        for bucket in self.buckets:
-            names = [n for n, _ in bucket.order]
-            owned = [self.plan.owner[n] == self.rank for n in names]
-            reduce_scatter_v(grads, names, owned, bucket.counts, self.rank, group, self.grad_wire)
+        ``grads[name]``: this rank's contribution (already scaled, e.g. by 1/dp). They are
+        copied into the sync's own storage (allocated once), reduced bucket by bucket (a
+        variable-size reduce-scatter each, :mod:`.reduce_scatter_v`; the replicated ones in one
+        all-gather), and the owned and replicated sums copied back; the others keep local
+        partial values, which nothing reads (norms and updates use owned gradients only). At one
+        rank nothing is done. Payload bytes are counted in :attr:`grad_wire`."""
+        if self.world == 1:
+            return
+        sync = self.grad_sync
+        if sync.storage is None:
+            first = next(iter(grads.values()))
+            sync.allocate(first.dtype, first.device)
+        for name, view in sync.views.items():
+            g = grads[name]
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+        sync.finish()
+        for name, view in sync.views.items():
+            g = grads[name]
+            if self.holds(name) and g.data_ptr() != view.data_ptr():
+                g.copy_(view.view_as(g))
 
-    # -- bookkeeping --------------------------------------------------------------------------
+    # -- ownership and bookkeeping ----------------------------------------------------------
     def counts_toward_norm(self, name: str) -> bool:
         """Whether this rank counts ``name`` in global gradient statistics: the owner does, and
         rank 0 for replicated parameters, so each gradient is counted exactly once."""
@@ -311,10 +375,6 @@ class LayerwiseOptimizer:
     def state(self) -> dict[Any, Any]:
         return {k: v for opt in self.all_optimizers() for k, v in opt.state.items()}
 
-    # -- name-keyed state (independent of the data-parallel size and the plan) -----------------
-    def _master_names(self) -> dict[int, str]:
-        return {id(m): n for n, m in self.masters.items()}
-
     def saves(self, name: str) -> bool:
         """Whether this rank writes ``name``'s state: its owner, or rank 0 if replicated."""
         return self.counts_toward_norm(name)
@@ -322,57 +382,3 @@ class LayerwiseOptimizer:
     def holds(self, name: str) -> bool:
         """Whether this rank keeps state for ``name``: owned or replicated parameters."""
         return self.plan.owner[name] in (self.rank, OwnershipPlan.REPLICATED)
-
-    def named_state(self) -> dict[str, dict[str, Any]]:
-        """``{parameter name: {state key: value}}`` for every parameter this rank holds, with the
-        fp32 master of a low-precision parameter under ``"fp32_param"``.
-
-        Tensors are copies: the optimizers keep some state as views of stacked tensors (KL-SOAP
-        packs same-shape matrices), and a view would drag its whole stack into a file."""
-        names = self._master_names()
-        out: dict[str, dict[str, Any]] = {}
-        for opt in self.all_optimizers():
-            for p, st in opt.state.items():
-                out[names[id(p)]] = {
-                    k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()
-                }
-        for name, master in self.masters.items():
-            if master is not self._params[name]:
-                out.setdefault(name, {})[MASTER_KEY] = master.detach().clone()
-        return out
-
-    def load_named_state(self, named: Mapping[str, Mapping[str, Any]]) -> None:
-        """Install name-keyed state (from :meth:`named_state` of any data-parallel size) for every
-        parameter this rank holds; a held parameter missing from ``named`` is an error. A saved
-        fp32 master is copied into this rank's master (for an fp32 parameter: the parameter)."""
-        missing = [n for n in self._params if self.holds(n) and n not in named]
-        if missing:
-            raise ValueError(
-                f"optimizer state is missing for {len(missing)} parameters (e.g. {missing[0]}): "
-                f"the checkpoint was written for a different model or optimizer"
-            )
-        names = self._master_names()
-        for opt in self.all_optimizers():
-            by_id = {id(p): p for g in opt.param_groups for p in g["params"]}
-            opt.state.clear()
-            for pid, p in by_id.items():
-                st = {
-                    k: v.detach().clone().to(p.device) if torch.is_tensor(v) else v
-                    for k, v in named[names[pid]].items()
-                    if k != MASTER_KEY
-                }
-                if st:  # a parameter never stepped has a master but no optimizer state yet
-                    opt.state[p] = st
-        with torch.no_grad():
-            for name, master in self.masters.items():
-                if MASTER_KEY in named[name]:
-                    master.copy_(named[name][MASTER_KEY])
-
-    def state_dict(self) -> dict[str, Any]:
-        """Name-keyed state of the parameters this rank holds (see :meth:`named_state`)."""
-        return {"state": self.named_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output; ``state["state"]`` may be the union of every saving
-        rank's dicts, written at any data-parallel size."""
-        self.load_named_state(state["state"])

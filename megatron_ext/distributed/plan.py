@@ -176,7 +176,10 @@ class BucketLayout:
 
     def gather_bytes(self, rank: int, element_bytes: int) -> tuple[int, int]:
         """(sent, received) payload bytes of ``rank`` in the bucket's all-gather-v: its own
-        segment out, everyone else's in (what :class:`~.allgather_v.WireStats` counts)."""
+        segment out, everyone else's in (what :class:`~.allgather_v.WireStats` counts); at one
+        rank there is no all-gather (the parameters are updated where they are): (0, 0)."""
+        if len(self.counts) == 1:
+            return 0, 0
         own = self.counts[rank]
         return own * element_bytes, (self.numel - own) * element_bytes
 

@@ -1,34 +1,84 @@
 """megatron-core's ``DistributedDataParallel``, with a gradient synchronisation an optimizer
 can take over.
 
-megatron-core's schedule calls ``finalize_model_grads`` after the last micro-batch, which calls
-each model chunk's ``finish_grad_sync``: an all-reduce (or reduce-scatter for its distributed
-optimizer) of every gradient bucket. The layer-wise optimizer only needs each gradient on the
-rank that owns it, so it replaces that step with a variable-size reduce-scatter to the owners
-(:meth:`MegatronExtOptimizer.take_over_grad_sync`). Until an optimizer does, this class is
-megatron-core's DDP unchanged.
+megatron-core's DDP accumulates each parameter's gradient into ``param.main_grad`` (a view of
+its fp32 grad buffer) from a hook on the parameter's gradient accumulator, and its schedule
+calls ``finalize_model_grads`` after the last micro-batch, which calls each model chunk's
+``finish_grad_sync``: an all-reduce (or reduce-scatter for its distributed optimizer) of every
+bucket. The layer-wise optimizer only needs each gradient on the rank that owns it, so it
+takes that step over (:meth:`MegatronExtOptimizer.take_over_grad_sync`): it lays DDP's grad
+buffer out its own way (:meth:`DistributedDataParallel.grad_storage`), hears from the same
+hook when each gradient is complete (so its reduce-scatter-v starts during backward), and
+finishes in ``finish_grad_sync``. Until an optimizer does, this class is megatron-core's DDP
+unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from megatron.core.distributed import DistributedDataParallel as McDistributedDataParallel
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "GradSyncHandler"]
+
+
+class GradSyncHandler(Protocol):
+    """What takes over DDP's gradient sync."""
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """``param.main_grad`` is complete for this step (its last micro-batch)."""
+
+    def finish(self) -> None:
+        """Leave every gradient the optimizer reads summed over the data-parallel ranks."""
 
 
 class DistributedDataParallel(McDistributedDataParallel):
     """megatron-core's DDP; :meth:`hand_grad_sync_to` replaces its gradient reduction."""
 
-    _grad_sync: Callable[[], None] | None = None
+    _grad_sync: GradSyncHandler | None = None
 
-    def hand_grad_sync_to(self, sync: Callable[[], None]) -> None:
-        """From now on ``finish_grad_sync`` scales each bucket as DDP would (its
-        ``gradient_scaling_factor``, e.g. 1/dp) and then calls ``sync`` instead of reducing:
-        ``sync`` must leave every gradient its caller reads summed over the data-parallel
-        ranks."""
+    def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
+        """DDP's hook (accumulate into ``main_grad``), then, on the last micro-batch of a step
+        (outside ``no_sync``), tell the handler the gradient is complete."""
+        ddp_hook = super()._make_backward_post_hook(param)
+
+        def hook(*unused: Any) -> None:
+            ddp_hook(*unused)
+            sync = self._grad_sync
+            group = self.param_to_bucket_group.get(param)
+            if sync is not None and group is not None and group.is_last_microbatch:
+                sync.grad_ready(param)
+
+        return hook
+
+    def grad_storage(self, params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, float]:
+        """The grad buffer holding every one of ``params`` (its whole 1-D ``grad_data``) and
+        the factor DDP scales it by before reducing (``gradient_scaling_factor``, e.g. 1/dp).
+
+        The caller may lay the buffer out anew and point ``main_grad`` at its views: with the
+        sync handed over, DDP's own code only zeroes and scales the buffer as a whole."""
+        buffers = self.buffers + self.expert_parallel_buffers
+        holders = {id(b) for p in params for b in buffers if p in b.param_index_map}
+        if len(holders) != 1:
+            raise ValueError(
+                f"the {len(params)} parameters lie in {len(holders)} DDP gradient buffers; "
+                "the layer-wise gradient sync needs each optimizer domain in one buffer "
+                "(one parameter dtype per domain)"
+            )
+        (buffer,) = (b for b in buffers if id(b) in holders)
+        if len(buffer.param_index_map) != len(params):
+            raise ValueError(
+                f"the DDP gradient buffer holds {len(buffer.param_index_map)} parameters, "
+                f"the layer-wise optimizer domain {len(params)}: it cannot lay it out alone"
+            )
+        return buffer.grad_data, float(buffer.gradient_scaling_factor)
+
+    def hand_grad_sync_to(self, sync: GradSyncHandler) -> None:
+        """From now on backward reports complete gradients to ``sync`` and
+        ``finish_grad_sync`` calls ``sync.finish()`` instead of reducing; ``sync`` scales the
+        gradients as DDP would."""
         self._grad_sync = sync
 
     @torch.no_grad()
@@ -36,8 +86,4 @@ class DistributedDataParallel(McDistributedDataParallel):
         if self._grad_sync is None:
             super().finish_grad_sync(force_all_reduce=force_all_reduce)
             return
-        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
-            for bucket in bucket_group.buckets:
-                if bucket.gradient_scaling_factor != 1.0:
-                    bucket.grad_data *= bucket.gradient_scaling_factor
-        self._grad_sync()
+        self._grad_sync.finish()

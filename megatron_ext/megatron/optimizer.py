@@ -214,20 +214,33 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return True
 
     def take_over_grad_sync(self, model: Any) -> bool:
-        """With the layer-wise optimizer, replace DDP's gradient all-reduce by a reduce-scatter-v
-        to the owners (:meth:`LayerwiseOptimizer.reduce_grads`): each rank receives only the
-        gradients it updates, about half an all-reduce's bytes. ``model`` is
-        :class:`megatron_ext.megatron.ddp.DistributedDataParallel`, which keeps DDP's scaling
-        of each bucket (1/dp) before the sum. Returns whether it did."""
+        """With the layer-wise optimizer, replace DDP's gradient all-reduce by bucketed
+        reduce-scatter-v to the owners started from backward (:mod:`~megatron_ext.distributed.
+        grad_sync`): each rank receives only the gradients it updates, about half an
+        all-reduce's bytes, and nothing is copied or allocated per step.
+
+        ``model`` is :class:`megatron_ext.megatron.ddp.DistributedDataParallel`. Each optimizer
+        domain's gradients are laid out anew in its DDP grad buffer (bucket by bucket, rank-
+        major), ``main_grad`` re-pointed at the new views (their current values moved along),
+        and DDP's scaling (1/dp) applied per bucket before the sum. Returns whether it did."""
         if not self._layerwise():
             return False
-        names, params = self.master_names, self.model_params
-
-        def reduce_to_owners() -> None:
-            grads = {n: p.main_grad for n, p in zip(names, params, strict=True)}
-            self.optimizer.reduce_grads(grads)
-
-        model.hand_grad_sync_to(reduce_to_owners)
+        opt = self.optimizer
+        parts = opt.parts if hasattr(opt, "parts") else [opt]
+        param_of = dict(zip(self.master_names, self.model_params, strict=True))
+        part_of: dict[torch.nn.Parameter, tuple[Any, str]] = {}
+        for part in parts:
+            names = [n for n, _ in part.named_params]
+            storage, scale = model.grad_storage([param_of[n] for n in names])
+            before = {n: param_of[n].main_grad.clone() for n in names}  # once, at setup
+            views = part.bind_grad_storage(storage, scale)
+            storage.zero_()
+            for name in names:
+                p = param_of[name]
+                p.main_grad = views[name].view_as(p)
+                p.main_grad.copy_(before[name])
+                part_of[p] = (part, name)
+        model.hand_grad_sync_to(_LayerwiseGradSync(part_of, parts))
         return True
 
     def grad_sync_bytes(self) -> dict[str, int] | None:
@@ -319,3 +332,22 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
         return {"layerwise": state}
+
+
+class _LayerwiseGradSync:
+    """DDP's gradient-sync handler for the layer-wise optimizer's domains: a completed
+    gradient goes to its domain (:meth:`LayerwiseOptimizer.grad_ready`), ``finish`` waits for
+    every domain's reduce-scatters."""
+
+    def __init__(
+        self, part_of: dict[torch.nn.Parameter, tuple[Any, str]], parts: Sequence[Any]
+    ) -> None:
+        self.part_of, self.parts = part_of, parts
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        part, name = self.part_of[param]
+        part.grad_ready(name)
+
+    def finish(self) -> None:
+        for part in self.parts:
+            part.finish_grad_sync()
