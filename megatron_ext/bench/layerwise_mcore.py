@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import write_json
+from megatron_ext.bench.common import set_anchor, write_json
 from megatron_ext.bench.trust import load_check, ratio_spread
 
 ARMS = ("megatron_core", "megatron_ext")
@@ -45,6 +45,7 @@ ANCHOR = (
     "on the same model, data and Muon settings, interleaved step by step in the same run "
     "(ratios: megatron-ext / megatron-core)"
 )
+MMAP_THRESHOLD = 128 * 1024
 #: the JSON's top-level keys of an ``--against megatron-core`` run
 JSON_KEYS = ("against", "model", "settings", "load", "runs", "trajectories", "notes", "meta")
 NOTES = [
@@ -90,6 +91,7 @@ def run_against(args: argparse.Namespace) -> int:
             f"divide by every --dp (largest {max(args.dp)}); pick a multiple of it"
         )
         return 2
+    set_anchor(ANCHOR)
     sizes = sorted(set(args.dp))
     load = load_check(min(max(sizes), os.cpu_count() or 1), "bench layerwise")
     print(
@@ -140,6 +142,10 @@ def _launch(n: int, depth: int, args: argparse.Namespace) -> list[dict[str, Any]
             f"--budget={args.budget}", f"--max-steps={args.max_rounds}", f"--out={out}",
         ]  # fmt: skip
         env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        # glibc: blocks of 128 KiB and more mmapped and unmapped on free, whatever was freed
+        # before (no dynamic threshold): each arm's peak is its own, not hidden in the heap
+        # the other arm's iteration left behind
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
         proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(f"layers={depth} DP={n}: the ranks failed (exit {proc.returncode}); output:")

@@ -5,7 +5,9 @@ soma``, ``bench precision``) measures it the same way, through this module:
 
 * **interleaved**: one *round* times every arm once, in alternating order (A B, then B A, ...:
   :func:`round_order`), so a slow minute of a shared machine falls on both arms, not on one;
-* **repeated**: rounds continue until the ratio's spread is at most ``--spread`` (default
+* **repeated**: rounds continue (:func:`timed_rounds`, :func:`run_interleaved`, or a
+  benchmark's own loop over :func:`round_order` and :class:`Repeat`) until the ratio's spread is
+  at most ``--spread`` (default
   :data:`DEFAULT_SPREAD`, ±5 %) or the time budget ``--budget`` runs out
   (:class:`Repeat`); at least ``min_rounds`` rounds (the benchmark's ``--steps``) are kept;
 * **spread**: the ratio is the median of the per-round ratios (arm time / baseline time, the
@@ -96,7 +98,7 @@ def ratio_spread(ratios: Sequence[float]) -> RatioSpread:
     return RatioSpread(statistics.median(xs), xs[lo], xs[hi], n)
 
 
-def round_order(names: Sequence[str], round_index: int) -> list[str]:
+def round_order(names: Sequence[Any], round_index: int) -> list[Any]:
     """The arms' order in round ``round_index``: as given on even rounds, reversed on odd."""
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
@@ -141,6 +143,29 @@ class Repeat:
             "max_rounds": self.max_rounds,
             "stopped": self.reason,
         }
+
+
+def timed_rounds(
+    fns: Sequence[Callable[[], Any]],
+    repeat: Repeat,
+    ratios_of: Callable[[list[list[float]]], Sequence[Sequence[float]]],
+    sync: Callable[[], Any] = lambda: None,
+) -> list[list[float]]:
+    """Wall seconds of each function in each round, called in :func:`round_order` until
+    ``repeat`` stops on ``ratios_of(times so far)`` (the per-round ratios whose spread counts);
+    ``sync`` waits for queued device work (CUDA) before each clock reading."""
+    times: list[list[float]] = [[] for _ in fns]
+    rounds = 0
+    while True:
+        for i in round_order(range(len(fns)), rounds):
+            sync()
+            t0 = time.perf_counter()
+            fns[i]()
+            sync()
+            times[i].append(time.perf_counter() - t0)
+        rounds += 1
+        if repeat.done(rounds, ratios_of(times)):
+            return times
 
 
 def run_interleaved(
