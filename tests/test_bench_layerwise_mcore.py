@@ -58,9 +58,10 @@ def test_loss_trajectories_agree_over_20_steps(runs, dp: int) -> None:
     # the parameters moved (a frozen model would agree trivially) and moved alike
     assert len(set(core)) == STEPS
     assert max(runs[dp][0]["param_rel_diff"].values()) < 1e-4
-    assert (
-        "LayerWiseDistributedOptimizer over TensorParallelMuon"
-        in runs[dp][0]["arms"]["megatron_core"]
+    # megatron-core's layer-wise optimizer over EO's Muon and AdamW, each in its FP32Optimizer
+    assert runs[dp][0]["arms"]["megatron_core"] == (
+        "megatron-core LayerWiseDistributedOptimizer[FP32Optimizer(TensorParallelMuon), "
+        "FP32Optimizer(AdamW)]; fp32, legacy layout, overlap_grad_reduce=True"
     )
 
 
@@ -118,3 +119,30 @@ def test_compat_docstring_lists_every_replaced_call() -> None:
         if not module:
             module, _, call = dotted.rpartition(".")
         assert module in doc and call.rsplit(".", 1)[-1] in doc, dotted
+
+
+def test_the_gpu_script_dry_runs_here_and_refuses_to_run_without_a_gpu(capsys) -> None:
+    from scripts.gpu_mcore_layerwise import main
+
+    assert main(["--dry-run", "--out", "x.json", "--gpus", "4"]) == 0
+    said = capsys.readouterr().out
+    assert "imports ok" in said
+    for part in ("--device cuda", "--precision bf16", "--mcore-layout padded", "--dp 1 2 4"):
+        assert part in said, part
+    if not torch.cuda.is_available():
+        assert main(["--out", "x.json"]) == 2
+        assert "no CUDA GPU visible" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option", [["--precision", "bf16"], ["--mcore-layout", "padded"]])
+def test_what_needs_a_gpu_is_refused_on_the_cpu_in_one_line(option, capsys) -> None:
+    import argparse
+
+    from megatron_ext.bench import layerwise
+
+    parser = argparse.ArgumentParser()
+    layerwise.add_arguments(parser)
+    args = parser.parse_args(["--against", "megatron-core", *option])
+    assert layerwise.run(args) == 2
+    said = capsys.readouterr().out.strip()
+    assert "\n" not in said and "accept only torch.cuda tensors" in said

@@ -41,7 +41,7 @@ from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 from megatron_ext.megatron.cpu_compat_layerwise import wrap_fp32_inner_optimizers
 from megatron_ext.megatron.ddp import DistributedDataParallel as ExtDDP
 from megatron_ext.megatron.drop_in import get_megatron_optimizer as ext_get_megatron_optimizer
-from megatron_ext.megatron.model import build_gpt_model
+from megatron_ext.megatron.model import build_gpt_model, half_precision_module
 
 ARMS = ("megatron_core", "megatron_ext")
 WEIGHT_DECAY = 0.01
@@ -60,16 +60,42 @@ class Arm:
         """Bytes of optimizer state (momenta, Adam moments; fp32 masters: none, the fp32
         parameters are their own) this rank holds."""
         if self.name == "megatron_core":
-            return sum(
-                optimizer_state_bytes(o.optimizer) for o in self.optimizer.chained_optimizers
-            )
+            return _state_bytes(self.optimizer)
         return (
             optimizer_state_bytes(self.optimizer.optimizer)
             + self.optimizer.optimizer.master_bytes()
         )
 
     def params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.module.named_parameters())
+        module = self.model.module
+        module = getattr(module, "module", module)  # inside Float16Module (bf16)
+        return dict(module.named_parameters())
+
+
+def describe(optimizer: Any) -> str:
+    """``Chained[Wrapper(TorchOptimizer), ...]``: megatron-core's optimizer tree by class."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return f"{type(optimizer).__name__}[{', '.join(describe(o) for o in chained)}]"
+    inner = getattr(optimizer, "optimizer", None)
+    return f"{type(optimizer).__name__}({type(inner).__name__})"
+
+
+def _state_bytes(optimizer: Any) -> int:
+    """State bytes of megatron-core's optimizer tree: chained optimizers (the layer-wise one,
+    a DistributedOptimizer beside it on the padded path) down to their torch optimizers, with
+    the fp32 masters of its bf16 wrappers."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return sum(_state_bytes(o) for o in chained)
+    masters = sum(
+        p.numel() * p.element_size()
+        for group in getattr(optimizer, "shard_fp32_from_float16_groups", None)
+        or getattr(optimizer, "fp32_from_float16_groups", None)
+        or []
+        for p in group
+    )
+    return optimizer_state_bytes(optimizer.optimizer) + masters
 
 
 def model_config(layers: int, hidden: int, vocab: int) -> ModelConfig:
@@ -84,7 +110,7 @@ def model_config(layers: int, hidden: int, vocab: int) -> ModelConfig:
     )
 
 
-def muon_config(lr: float, extra_scale: float) -> OptimizerConfig:
+def muon_config(lr: float, extra_scale: float, bf16: bool = False) -> OptimizerConfig:
     """megatron-core's ``OptimizerConfig`` both arms are given (module docstring)."""
     config = OptimizerConfig(
         optimizer="muon",
@@ -92,7 +118,8 @@ def muon_config(lr: float, extra_scale: float) -> OptimizerConfig:
         min_lr=0.0,
         weight_decay=WEIGHT_DECAY,
         clip_grad=1.0,
-        bf16=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         muon_momentum=0.95,
         muon_nesterov=False,
         muon_split_qkv=False,
@@ -108,26 +135,40 @@ def muon_config(lr: float, extra_scale: float) -> OptimizerConfig:
 
 def build_arms(
     layers: int, hidden: int, vocab: int, seq: int, lr: float, extra_scale: float,
-    overlap_grad_reduce: bool,
+    overlap_grad_reduce: bool, precision: str = "fp32", mcore_layout: str = "legacy",
 ) -> dict[str, Arm]:  # fmt: skip
-    """Both arms from one initialisation (the second model loads the first's weights)."""
+    """Both arms from one initialisation (the second model loads the first's weights).
+
+    ``precision``: ``fp32``, or ``bf16`` (megatron-core's ``Float16Module`` around both models;
+    fp32 masters in both optimizers: megatron-core's ``Float16OptimizerWithFloat16Params``,
+    megatron-ext's masters for what each rank updates). ``mcore_layout``: ``legacy``
+    (megatron-core's DDP all-reduces whole gradients, its layer-wise optimizer assigns matrices
+    ping-pong by size and all-gathers them unpadded) or ``padded`` (as Megatron-LM's
+    ``get_model`` wraps it by default: Megatron-LM's own ``wrap_model_chunks_with_ddp`` with the
+    layer-wise parameter layout -- shard-aligned padded buckets, a reduce-scatter, the
+    parameter all-gather from DDP's buffer, AdamW on a DistributedOptimizer beside it)."""
     cfg = model_config(layers, hidden, vocab)
     modules = [
-        build_gpt_model(cfg, ParallelConfig(), "fp32", vocab_size=vocab, seq_length=seq)
+        build_gpt_model(cfg, ParallelConfig(), precision, vocab_size=vocab, seq_length=seq)
         for _ in ARMS
     ]
     modules[1].load_state_dict(modules[0].state_dict())
+    wrapped = [half_precision_module(m) for m in modules]
 
-    core_model = McDDP(
-        modules[0].config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=False,
-        ),
-        modules[0],
+    core_ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=False,
     )
-    core_config = muon_config(lr, extra_scale)
+    if mcore_layout == "padded":
+        from megatron.training.training import wrap_model_chunks_with_ddp
+
+        (core_model,) = wrap_model_chunks_with_ddp(
+            [wrapped[0]], modules[0].config, core_ddp, use_layer_wise_distributed_optimizer=True
+        )
+    else:
+        core_model = McDDP(modules[0].config, core_ddp, wrapped[0])
+    core_config = muon_config(lr, extra_scale, precision == "bf16")
     core_opt = mc_get_megatron_optimizer(core_config, [core_model])
     wrap_fp32_inner_optimizers(core_opt, core_config)
     if getattr(core_opt, "config", None) is None:
@@ -138,9 +179,9 @@ def build_arms(
         DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         ),
-        modules[1],
+        wrapped[1],
     )
-    ext_config = muon_config(lr, extra_scale)
+    ext_config = muon_config(lr, extra_scale, precision == "bf16")
     ext_config.use_layer_wise_distributed_optimizer = False  # megatron-ext's is layer-wise
     ext_config.match_update_rms = False  # a megatron-ext field, taken by the drop-in
     ext_opt = ext_get_megatron_optimizer(ext_config, [ext_model])
@@ -171,9 +212,8 @@ def build_arms(
             "megatron_core",
             core_model,
             core_opt,
-            f"megatron-core {type(core_opt).__name__} over "
-            f"{', '.join(type(o.optimizer).__name__ for o in core_opt.chained_optimizers)}"
-            f" (FP32Optimizer); DDP all-reduce, overlap_grad_reduce={overlap_grad_reduce}",
+            f"megatron-core {describe(core_opt)}"
+            f"; {precision}, {mcore_layout} layout, overlap_grad_reduce={overlap_grad_reduce}",
         ),
         "megatron_ext": Arm(
             "megatron_ext",
@@ -193,7 +233,7 @@ def train_step(arm: Arm, tokens: torch.Tensor, clocks: Any) -> float:
     with the arms interleaved, neither's communication may run on into the other's iteration.
     ``clocks.span(name)`` brackets each part. Returns this rank's mean token loss."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    position_ids = torch.arange(inputs.shape[1]).expand_as(inputs)
+    position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
     with clocks.span("fwd_bwd_sync"):
         arm.model.zero_grad_buffer()
         arm.optimizer.zero_grad()

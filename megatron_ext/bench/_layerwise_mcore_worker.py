@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,16 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _memory_now(cuda: bool) -> int:
+    """KiB in use: the CUDA allocator's on a GPU, the resident set on a CPU host."""
+    return torch.cuda.memory_allocated() // 1024 if cuda else _status_kib("VmRSS")
+
+
+def _memory_peak(cuda: bool) -> int:
+    """KiB at the peak since the last reset (CUDA allocator, or ``VmHWM``)."""
+    return torch.cuda.max_memory_allocated() // 1024 if cuda else _status_kib("VmHWM")
+
+
 def _reset_peak() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -64,17 +75,21 @@ def _reset_peak() -> bool:
 
 
 class Clocks:
-    """Thread CPU, process CPU and wall seconds per named span, for the current step."""
+    """Thread CPU, process CPU and wall seconds per named span, for the current step (``sync``
+    waits for queued GPU work at both ends, so that wall time covers it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Any = lambda: None) -> None:
         self.now: dict[str, dict[str, float]] = {}
+        self.sync = sync
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
+        self.sync()
         t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         try:
             yield
         finally:
+            self.sync()
             self.now[name] = {
                 "thread": time.thread_time() - t0,
                 "process": time.process_time() - p0,
@@ -106,39 +121,49 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=0.05)
     parser.add_argument("--budget", type=float, default=60.0)
     parser.add_argument("--no-overlap-grad-reduce", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--mcore-layout", choices=("legacy", "padded"), default="legacy")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    env = init_distributed(ParallelConfig(), seed=1234, master_port=29500)
-    apply_cpu_compat_layerwise()
+    cuda = args.device == "cuda"
+    if cuda:  # one GPU per rank, NCCL
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # one compute thread per rank, gloo
+        torch.set_num_threads(1)
+    backend = "nccl" if cuda else "gloo"
+    env = init_distributed(ParallelConfig(backend=backend), seed=1234, master_port=29500)
+    apply_cpu_compat_layerwise()  # nothing on a CUDA host
     rank, dp = dist.get_rank(), dist.get_world_size()
     if args.global_batch % dp:
         raise SystemExit(f"--global-batch {args.global_batch} is not divisible by DP={dp}")
     rss_base_kib = _status_kib("VmRSS")
     arms = build_arms(
         args.layers, args.hidden, args.vocab, args.seq, args.lr, args.extra_scale,
-        overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce, precision=args.precision,
+        mcore_layout=args.mcore_layout,
     )  # fmt: skip
     rss_built_kib = _status_kib("VmRSS")
     wire = CollectiveBytes()
     wire.install()
-    clocks = Clocks()
-    peak_ok = _reset_peak()
+    clocks = Clocks(torch.cuda.synchronize if cuda else lambda: None)
+    peak_ok = cuda or _reset_peak()
     rows: dict[str, list[dict[str, Any]]] = {a: [] for a in ARMS}
     repeat = Repeat(args.spread, args.budget, min_rounds=args.steps, max_rounds=args.max_steps)
     slowest: dict[str, list[float]] = {a: [] for a in ARMS}
     step = 0
     while True:
         tokens = batch(step, args.global_batch, args.seq, args.vocab, rank, dp)
+        tokens = tokens.to(torch.cuda.current_device() if cuda else "cpu")
         for name in round_order(ARMS, step):
             arm = arms[name]
             dist.barrier()
-            rss0 = _status_kib("VmRSS")
-            _reset_peak()
+            rss0 = _memory_now(cuda)
+            _reset_peak() if not cuda else torch.cuda.reset_peak_memory_stats()
             with clocks.span("iteration"):
                 loss = _step_counted(arm, tokens, clocks, wire)
-            peak = _status_kib("VmHWM") - rss0 if peak_ok else None
+            peak = _memory_peak(cuda) - rss0 if peak_ok else None
             mean = torch.tensor([loss], dtype=torch.float64)
             dist.all_reduce(mean)  # outside any counted phase
             rows[name].append(
@@ -170,7 +195,10 @@ def main() -> None:
 
     core, ext = (arms[a].params() for a in ARMS)
     param_diff = {
-        n: float((core[n] - ext[n]).norm() / core[n].norm().clamp_min(1e-30)) for n in core
+        n: float(
+            (core[n].float() - ext[n].float()).norm() / core[n].float().norm().clamp_min(1e-30)
+        )
+        for n in core
     }
     result = {
         "rank": rank,
@@ -182,6 +210,10 @@ def main() -> None:
         "state_bytes": {a: arms[a].state_bytes() for a in ARMS},
         "rss_kib": {"start": rss_base_kib, "built": rss_built_kib, "end": _status_kib("VmRSS")},
         "peak_rss_measured": peak_ok,
+        "peak_memory": "CUDA allocator" if cuda else "resident set (VmHWM - VmRSS before)",
+        "device": args.device,
+        "precision": args.precision,
+        "mcore_layout": args.mcore_layout,
         "param_rel_diff": param_diff,
         "parameters": sum(p.numel() for p in core.values()),
         "rows": rows,

@@ -155,8 +155,6 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or any(n < 1 for n in args.dp):
         print("bench layerwise: --steps, --rounds and every --dp must be >= 1, --warmup >= 0")
         return 2
-    if args.against:
-        return run_against(args)
     if args.device == "cuda":
         import torch
 
@@ -167,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{max(args.dp)} GPUs and torch sees {gpus}; lower --dp or use --device cpu"
             )
             return 2
+    if args.against:
+        return run_against(args)
     ranks = (
         "NCCL ranks, one GPU each"
         if args.device == "cuda"

@@ -82,9 +82,25 @@ def add_against_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--global-batch", type=int, default=8, help="--against: sequences per step (default 8)"
     )
+    parser.add_argument(
+        "--mcore-layout",
+        choices=("legacy", "padded"),
+        default="legacy",
+        help="--against: megatron-core's parameter layout: legacy (whole-gradient all-reduce, "
+        "unpadded all-gather; default) or padded (Megatron-LM's default wrap: shard-aligned "
+        "buckets, reduce-scatter, buffer all-gather)",
+    )
 
 
 def run_against(args: argparse.Namespace) -> int:
+    if args.device == "cpu" and (args.precision == "bf16" or args.mcore_layout == "padded"):
+        print(
+            "bench layerwise --against megatron-core: megatron-core's bf16 optimizer "
+            "(Float16OptimizerWithFloat16Params) and its padded layout's DistributedOptimizer "
+            "accept only torch.cuda tensors; on a CPU host use --precision fp32 --mcore-layout "
+            "legacy, or run --device cuda (scripts/gpu_mcore_layerwise.py)"
+        )
+        return 2
     if args.global_batch % max(args.dp):
         print(
             f"bench layerwise --against megatron-core: --global-batch {args.global_batch} must "
@@ -95,7 +111,8 @@ def run_against(args: argparse.Namespace) -> int:
     sizes = sorted(set(args.dp))
     load = load_check(min(max(sizes), os.cpu_count() or 1), "bench layerwise")
     print(
-        f"megatron-core's LayerWiseDistributedOptimizer vs megatron-ext's, Muon fp32, GPT "
+        f"megatron-core's LayerWiseDistributedOptimizer ({args.mcore_layout} layout) vs "
+        f"megatron-ext's, Muon, {args.precision} on {args.device}, GPT "
         f"hidden {args.hidden}, vocab {args.vocab}, {args.global_batch}x{args.seq_length} "
         f"tokens/step; layers {args.depths}, DP {sizes}; >= {args.steps} interleaved steps, "
         f"until the iteration ratio's spread <= {args.spread:.0%} or {args.budget:g} s"
@@ -115,6 +132,10 @@ def run_against(args: argparse.Namespace) -> int:
         "against": "megatron-core",
         "model": {"hidden": args.hidden, "vocab": args.vocab, "depths": args.depths},
         "settings": {
+            "device": args.device,
+            "precision": args.precision,
+            "mcore_layout": args.mcore_layout,
+            "clock": "wall (CUDA-synchronised)" if args.device == "cuda" else "thread CPU",
             "seq_length": args.seq_length,
             "global_batch": args.global_batch,
             "min_steps": args.steps,
@@ -140,8 +161,12 @@ def _launch(n: int, depth: int, args: argparse.Namespace) -> list[dict[str, Any]
             f"--seq={args.seq_length}", f"--global-batch={args.global_batch}",
             f"--steps={args.steps}", f"--warmup={args.warmup}", f"--spread={args.spread}",
             f"--budget={args.budget}", f"--max-steps={args.max_rounds}", f"--out={out}",
+            f"--device={args.device}", f"--precision={args.precision}",
+            f"--mcore-layout={args.mcore_layout}",
         ]  # fmt: skip
-        env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = dict(os.environ)
+        if args.device == "cpu":
+            env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         # glibc: blocks of 128 KiB and more mmapped and unmapped on free, whatever was freed
         # before (no dynamic threshold): each arm's peak is its own, not hidden in the heap
         # the other arm's iteration left behind
@@ -161,6 +186,7 @@ def _timed(rows: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
 def summarise(ranks: list[dict[str, Any]], min_steps: int) -> dict[str, Any]:
     """One (depth, DP) run's figures from its ranks' records (module docstring)."""
     warmup = ranks[0]["warmup"]
+    primary = "wall" if ranks[0].get("device") == "cuda" else "thread"  # the ratio's clock
     rows = {a: [_timed(r["rows"][a], warmup) for r in ranks] for a in ARMS}
     steps = len(rows["megatron_core"][0])
     out: dict[str, Any] = {"dp": ranks[0]["world"], "steps_run": ranks[0]["steps_run"]}
@@ -177,13 +203,12 @@ def summarise(ranks: list[dict[str, Any]], min_steps: int) -> dict[str, Any]:
         return [max(rk[i]["clocks"][span][clock] for rk in rows[arm]) for i in range(steps)]
 
     for span, label in (("iteration", "iteration"), ("step", "step"), ("fwd_bwd_sync", "fbs")):
-        for clock in ("thread", "wall"):
+        for suffix, clock in (("", primary), ("_wall", "wall")):
             core, ext = slowest("megatron_core", span, clock), slowest("megatron_ext", span, clock)
             est = ratio_spread([e / c for e, c in zip(ext, core, strict=True)])
-            suffix = "" if clock == "thread" else "_wall"
             out[f"{label}_ratio{suffix}"] = est.median
             out[f"{label}_ratio{suffix}_spread"] = est.spread
-            if clock == "thread":
+            if not suffix:
                 out[f"{label}_cpu_s_core"] = statistics.median(core)
                 out[f"{label}_cpu_s_ext"] = statistics.median(ext)
 
