@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megatron_ext.megatron.cpu_compat_layerwise as compat
-from megatron_ext.bench.layerwise_mcore import ARMS, summarise
+from megatron_ext.bench._layerwise_mcore import ARMS, summarise
 from tests.conftest import run_torchrun
 
 STEPS = 20

@@ -1,4 +1,4 @@
-"""The shared timing rules of the benchmarks (``megatron_ext.bench.trust``): interleaved order,
+"""The shared timing rules of the benchmarks (``megatron_ext.bench._trust``): interleaved order,
 the median ratio's confidence interval, when repeating stops, the load warning."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from megatron_ext.bench import trust
-from megatron_ext.bench.trust import Repeat, load_check, ratio_spread, round_order, run_interleaved
+from megatron_ext.bench import _trust as trust
+from megatron_ext.bench._trust import Repeat, load_check, ratio_spread, round_order, run_interleaved
 
 
 def _coverage(n: int, lo: int, hi: int) -> float:

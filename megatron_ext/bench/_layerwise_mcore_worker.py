@@ -2,7 +2,7 @@
 
 Builds both arms (:mod:`._layerwise_mcore_arms`: megatron-core's ``LayerWiseDistributedOptimizer``
 and megatron-ext's, same GPT, same initial weights, same Muon settings) and trains them on the
-same batches, interleaved step by step (A B, then B A: :func:`~.trust.round_order`).  Per arm
+same batches, interleaved step by step (A B, then B A: :func:`~._trust.round_order`).  Per arm
 and step it records, on this rank:
 
 * the loss (averaged over the data-parallel ranks) and, at the end, each parameter's max
@@ -18,7 +18,7 @@ and step it records, on this rank:
   bytes held.
 
 After ``--steps`` steps it continues until the iteration-time ratio's spread (slowest rank per
-step, :func:`~.trust.ratio_spread`) is at most ``--spread``, ``--budget`` seconds have passed, or
+step, :func:`~._trust.ratio_spread`) is at most ``--spread``, ``--budget`` seconds have passed, or
 ``--max-steps``; rank 0 decides and tells the others.  Writes ``OUT/rank<r>.json``.
 
 Usage: python -m torch.distributed.run --standalone --nproc-per-node N
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench._collective_bytes import CollectiveBytes
 from megatron_ext.bench._layerwise_mcore_arms import ARMS, build_arms, train_step
-from megatron_ext.bench.trust import Repeat, round_order
+from megatron_ext.bench._trust import Repeat, round_order
 from megatron_ext.gpt.sections import ParallelConfig
 from megatron_ext.megatron.cpu_compat_layerwise import apply_cpu_compat_layerwise
 from megatron_ext.megatron.parallel import init_distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ext.bench.trust import ratio_spread
+from megatron_ext.bench._trust import ratio_spread
 
 #: the timed pairs (ours, theirs) whose per-round ratios decide when to stop repeating
 RATIO_PAIRS = {
@@ -27,7 +27,7 @@ def pair_ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
 
 
 def spreads(times: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
-    """Each pair's median per-round ratio with its ≈95 % CI (:func:`~.trust.ratio_spread`)."""
+    """Each pair's median per-round ratio with its ≈95 % CI (:func:`~._trust.ratio_spread`)."""
     return {name: ratio_spread(r).as_dict() for name, r in pair_ratios(times).items()}
 
 

@@ -23,13 +23,13 @@ Figures, per DP size (never pass/fail):
 * the ownership plan's compute and memory imbalance (max / mean of its cost model per rank), and
   the measured compute imbalance (max / mean of the ranks' CPU seconds).
 
-The DP=n / DP=1 ratio is measured in rounds (:mod:`megatron_ext.bench.trust`): each round
+The DP=n / DP=1 ratio is measured in rounds (:mod:`megatron_ext.bench._trust`): each round
 launches every DP size once, in alternating order, until the speedup ratios' spread is at most
 ``--spread`` or ``--budget`` seconds pass (at least ``--rounds`` rounds); the ratio is the
 median of the per-round ratios, printed with its spread.
 
 ``--against megatron-core`` runs megatron-core's own ``LayerWiseDistributedOptimizer`` beside
-megatron-ext's on a GPT instead (:mod:`megatron_ext.bench.layerwise_mcore`).
+megatron-ext's on a GPT instead (:mod:`megatron_ext.bench._layerwise_mcore`).
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench._layerwise_mcore import add_against_arguments, run_against
 from megatron_ext.bench._layerwise_report import print_report, targets
-from megatron_ext.bench.common import write_json
-from megatron_ext.bench.layerwise_mcore import add_against_arguments, run_against
-from megatron_ext.bench.optimizers import Workload, add_workload_arguments
-from megatron_ext.bench.trust import (
+from megatron_ext.bench._trust import (
     Repeat,
     add_trust_arguments,
     load_check,
     ratio_spread,
     round_order,
 )
+from megatron_ext.bench.common import write_json
+from megatron_ext.bench.optimizers import Workload, add_workload_arguments
 
 DESCRIPTION = (
     "layer-wise distributed optimizer at several DP sizes on the reference workload: step time, "
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     slowest: dict[int, list[float]] = {n: [] for n in sizes}
     repeat = Repeat(args.spread, args.budget, min_rounds=args.rounds, max_rounds=args.max_rounds)
     rounds = 0
-    while True:  # rounds of one launch per DP size, alternating order (bench.trust)
+    while True:  # rounds of one launch per DP size, alternating order (bench._trust)
         for n in round_order(sizes, rounds):
             started = time.perf_counter()
             ranks = _launch(n, args)

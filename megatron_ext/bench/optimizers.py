@@ -9,7 +9,7 @@ orthogonality error ‖O − UVᵀ‖_F/‖UVᵀ‖_F, and optimizer state in by
 importable its Muon and KL-SOAP run in the same process and the ratios (our time / theirs) are
 reported. Figures only, never pass/fail.
 
-Timing (:mod:`megatron_ext.bench.trust`): by default every mode is built first and the steps run
+Timing (:mod:`megatron_ext.bench._trust`): by default every mode is built first and the steps run
 in rounds, one step of each mode per round in alternating order, at least ``--steps`` rounds and
 more until the per-round ratios of the compared pairs (``RATIO_PAIRS``: ours / Emerging-
 Optimizers') have a spread of at most ``--spread``, or ``--budget`` seconds pass; each pair's
@@ -30,9 +30,9 @@ from megatron_ext.bench._optimizers_report import (
     print_table,
     spreads,
 )
+from megatron_ext.bench._trust import Repeat, add_trust_arguments, load_check, round_order
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
 from megatron_ext.bench.common import optimizer_state_bytes, write_json
-from megatron_ext.bench.trust import Repeat, add_trust_arguments, load_check, round_order
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "time Muon / MOP / KL-SOAP / AdamW / Lion on the reference workload (figures + JSON)"
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             for opt, params in running.values():
                 timed_step(opt, params)
         rounds = 0
-        while True:  # rounds until every pair's ratio is tight enough (bench.trust)
+        while True:  # rounds until every pair's ratio is tight enough (bench._trust)
             for mode in round_order(list(running), rounds):
                 times[mode].append(timed_step(*running[mode]))
             rounds += 1

@@ -21,7 +21,7 @@ Printed and written (``precision.json``, ``precision.png``):
   CUDA, the process's peak resident set on CPU (labelled);
 * each precision's step time against the first's: the median of the per-step ratios (step i
   of this run over step i of the first, the first step left out) with its ≈95 % CI spread
-  (:func:`megatron_ext.bench.trust.ratio_spread`). The precisions are whole launches, one after
+  (:func:`megatron_ext.bench._trust.ratio_spread`). The precisions are whole launches, one after
   another, so they cannot be interleaved step by step: a load average above the cores the runs
   use is warned about and recorded (``load``), and the ratio is to be read with it;
 * one PNG: the loss curves overlaid, and each precision's per-step loss minus the first's.
@@ -37,7 +37,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.trust import load_check, ratio_spread
+from megatron_ext.bench._trust import load_check, ratio_spread
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe once per precision, same start: loss deltas, tokens/s, MFU, memory"

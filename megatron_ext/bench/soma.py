@@ -25,7 +25,7 @@ share of the CPU's FMA peak (:func:`~megatron_ext.soma.native.fma_peak_gflops`, 
 every round; torch's matmul is not always near it, and a forward may then beat the "ceiling"),
 and the peak resident memory
 added by the batched update the trainer runs (native where built, else eager). Every variant is
-timed in the same rounds (alternating order, :mod:`megatron_ext.bench.trust`: at least
+timed in the same rounds (alternating order, :mod:`megatron_ext.bench._trust`: at least
 ``--repeats``, more until the loops' per-round ratios to the eager forward have a spread of at
 most ``--spread`` or ``--budget`` seconds pass) and reports its fastest round (medians, and the
 speedup's per-round median with its spread, in the JSON).
@@ -46,14 +46,14 @@ from typing import Any
 
 from megatron_ext.bench._soma_report import print_spsa
 from megatron_ext.bench._soma_textbook import torch_nn_expert, torch_nn_loss_loop
-from megatron_ext.bench.common import write_json
-from megatron_ext.bench.trust import (
+from megatron_ext.bench._trust import (
     Repeat,
     add_trust_arguments,
     load_check,
     ratio_spread,
     timed_rounds,
 )
+from megatron_ext.bench.common import write_json
 
 DESCRIPTION = (
     "SOMA: batched SPSA perturbed-tokens/s (eager and fused) vs a per-probe loop, GFLOP/s vs "

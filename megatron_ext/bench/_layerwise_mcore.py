@@ -7,7 +7,7 @@ For each depth (``--depths``) and DP size (``--dp``), torchrun starts that many 
 settings, megatron-core's ``LayerWiseDistributedOptimizer`` fp32 through
 :mod:`megatron_ext.megatron.cpu_compat_layerwise` on a CPU host) and trains them on the same
 batches, interleaved step by step, until the iteration-time ratio's spread is at most
-``--spread`` or ``--budget`` seconds pass (at least ``--steps`` steps; :mod:`.trust`).
+``--spread`` or ``--budget`` seconds pass (at least ``--steps`` steps; :mod:`._trust`).
 
 Figures per (depth, DP), ours / megatron-core where a ratio (never pass/fail):
 
@@ -36,8 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench._trust import load_check, ratio_spread
 from megatron_ext.bench.common import set_anchor, write_json
-from megatron_ext.bench.trust import load_check, ratio_spread
 
 ARMS = ("megatron_core", "megatron_ext")
 ANCHOR = (
