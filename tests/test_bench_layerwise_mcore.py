@@ -146,3 +146,26 @@ def test_what_needs_a_gpu_is_refused_on_the_cpu_in_one_line(option, capsys) -> N
     assert layerwise.run(args) == 2
     said = capsys.readouterr().out.strip()
     assert "\n" not in said and "accept only torch.cuda tensors" in said
+
+
+def test_the_byte_counter_also_wraps_megatron_cores_bound_aliases() -> None:
+    """megatron-core's gradient buffer binds reduce-scatter and all-gather to module names at
+    import (its padded layout calls them there): they are counted too, and restored after."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+    import torch.distributed as dist
+
+    from megatron_ext.bench._collective_bytes import CollectiveBytes
+
+    before = (buffers.dist_reduce_scatter_func, buffers.dist_all_gather_func, dist.all_reduce)
+    wire = CollectiveBytes()
+    wire.install()
+    try:
+        assert buffers.dist_reduce_scatter_func is not before[0]
+        assert buffers.dist_all_gather_func is not before[1] and dist.all_reduce is not before[2]
+    finally:
+        wire.uninstall()
+    assert (
+        buffers.dist_reduce_scatter_func,
+        buffers.dist_all_gather_func,
+        dist.all_reduce,
+    ) == before

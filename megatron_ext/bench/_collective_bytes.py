@@ -60,6 +60,7 @@ class CollectiveBytes:
         self.phase: str | None = None
         self.totals: dict[tuple[str, str], dict[str, float]] = defaultdict(_zero)
         self._originals: dict[str, Any] = {}
+        self._aliases: list[tuple[Any, str, Any]] = []
 
     @contextlib.contextmanager
     def counting(self, phase: str) -> Iterator[None]:
@@ -75,15 +76,32 @@ class CollectiveBytes:
         return {kind: self.totals.pop((phase, kind), _zero()) for kind in ("gather", "reduce")}
 
     def install(self) -> None:
+        """Wrap the collectives of :data:`WRAPPED` in ``torch.distributed``, and the aliases
+        megatron-core's gradient buffer binds to two of them when it is imported
+        (``dist_reduce_scatter_func``, ``dist_all_gather_func``: its padded layout's
+        reduce-scatter and buffer all-gather)."""
         for name in WRAPPED:
             original = getattr(dist, name)
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, original))
+        try:
+            import megatron.core.distributed.param_and_grad_buffer as buffers
+        except ImportError:  # megatron-core absent: only torch.distributed's names
+            return
+        by_function = {id(fn): name for name, fn in self._originals.items()}
+        for alias in ("dist_reduce_scatter_func", "dist_all_gather_func"):
+            fn = getattr(buffers, alias, None)
+            if id(fn) in by_function:
+                self._aliases.append((buffers, alias, fn))
+                setattr(buffers, alias, self._wrap(by_function[id(fn)], fn))
 
     def uninstall(self) -> None:
         for name, original in self._originals.items():
             setattr(dist, name, original)
+        for module, alias, original in self._aliases:
+            setattr(module, alias, original)
         self._originals.clear()
+        self._aliases.clear()
 
     def _add(self, kind: str, sent: float, received: float) -> None:
         if self.phase is None:

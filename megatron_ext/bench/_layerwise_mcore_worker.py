@@ -17,6 +17,9 @@ and step it records, on this rank:
   ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM``), and the optimizer-state
   bytes held.
 
+With ``--device cuda`` (one GPU per rank, NCCL) the clocks wait for the GPU at both ends of
+each span, the iteration ratio is of wall time, and peak memory is the CUDA allocator's.
+
 After ``--steps`` steps it continues until the iteration-time ratio's spread (slowest rank per
 step, :func:`~._trust.ratio_spread`) is at most ``--spread``, ``--budget`` seconds have passed, or
 ``--max-steps``; rank 0 decides and tells the others.  Writes ``OUT/rank<r>.json``.
@@ -160,11 +163,14 @@ def main() -> None:
             arm = arms[name]
             dist.barrier()
             rss0 = _memory_now(cuda)
-            _reset_peak() if not cuda else torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                _reset_peak()
             with clocks.span("iteration"):
                 loss = _step_counted(arm, tokens, clocks, wire)
             peak = _memory_peak(cuda) - rss0 if peak_ok else None
-            mean = torch.tensor([loss], dtype=torch.float64)
+            mean = torch.tensor([loss], dtype=torch.float64, device=tokens.device)
             dist.all_reduce(mean)  # outside any counted phase
             rows[name].append(
                 {
@@ -178,8 +184,9 @@ def main() -> None:
         step += 1
         if step <= args.warmup:
             continue
-        # the slowest rank's iteration thread-CPU time per arm, this step
-        mine = [rows[a][-1]["clocks"]["iteration"]["thread"] for a in ARMS]
+        # the slowest rank's iteration time per arm, this step (thread CPU; GPU: wall)
+        clock = "wall" if cuda else "thread"
+        mine = [rows[a][-1]["clocks"]["iteration"][clock] for a in ARMS]
         everyone: list[Any] = [None] * dp
         dist.all_gather_object(everyone, mine)
         for i, a in enumerate(ARMS):
@@ -187,7 +194,8 @@ def main() -> None:
         ratios = [
             x / y for x, y in zip(slowest["megatron_ext"], slowest["megatron_core"], strict=True)
         ]
-        stop = torch.tensor([int(rank == 0 and repeat.done(step - args.warmup, [ratios]))])
+        done = rank == 0 and repeat.done(step - args.warmup, [ratios])
+        stop = torch.tensor([int(done)], device=tokens.device)
         dist.broadcast(stop, src=0)
         if int(stop):
             break
