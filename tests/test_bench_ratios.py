@@ -4,7 +4,7 @@ orthogonality error"), with the like-for-like quintic ratio beside it."""
 
 from __future__ import annotations
 
-from megatron_ext.bench.optimizers import _ratios
+from megatron_ext.bench._optimizers_report import headline_ratios as _ratios
 
 
 def _entry(seconds: float, error: float | None, state: int = 1) -> dict:

@@ -52,6 +52,13 @@ def check_optimizers(report: dict[str, Any], out: str, folder: Path) -> None:
     assert 8 * numel <= results["adamw"]["state_bytes"] <= 8 * numel + 64 * len(shapes)
     assert results["kl_soap_qr"]["state_bytes"] > 8 * numel
     assert report["ratios"]["kl_soap_state_vs_emerging"] == 1.0
+    # interleaved by default; --quick: one round, then the budget (0 s) stops it
+    repeat = report["interleave"] is True and report["repeat"]
+    assert repeat["rounds"] == 1 and "budget" in repeat["stopped"]
+    assert repeat["pair_ratios"]["muon_quintic_vs_emerging"]["median"] == pytest.approx(
+        results["muon_quintic"]["s_per_step"] / results["emerging_muon"]["s_per_step"]
+    )
+    assert "muon_quintic_vs_emerging: median per-round ratio" in out
 
 
 def check_layerwise(report: dict[str, Any], out: str, folder: Path) -> None:
@@ -78,6 +85,9 @@ def check_soma(report: dict[str, Any], out: str, folder: Path) -> None:
     for name, diff in spsa["max_loss_difference_vs_batched_eager"].items():
         assert diff < 1e-5, name  # every variant computes the same losses
     assert spsa["speedup"] == pytest.approx(spsa["naive_s"] / spsa["batched_s"], rel=1e-9)
+    # one round (--quick): its per-round speedup is the fastest-round one, no spread yet
+    assert spsa["rounds"] == 1 and spsa["speedup_rounds"]["spread"] is None
+    assert spsa["speedup_rounds"]["median"] == pytest.approx(spsa["speedup"], rel=1e-9)
     for sweep in ("equal_total", "equal_expert"):
         rows = report["inference"][sweep]["rows"]
         assert [r["n_experts"] for r in rows] == [8, 32], sweep
@@ -127,6 +137,8 @@ def check_precision(report: dict[str, Any], out: str, folder: Path) -> None:
         assert _finite_positive(r["tokens_per_s_per_device"]) and r["mfu"] > 0
         assert r["memory"]["peak_rss_bytes"] > 0 and r["memory"]["peak_allocated_bytes"] is None
     assert (folder / "precision.png").stat().st_size > 10_000
+    assert fp32["step_time_vs_reference"]["median"] == 1.0  # each step over itself
+    assert report["load"]["interleaved"] is False and "step time bf16 / fp32" in out
 
 
 def check_ramp(report: dict[str, Any], out: str, folder: Path) -> None:

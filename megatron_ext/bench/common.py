@@ -221,6 +221,13 @@ def begin_run(benchmark: str, anchor: str, argv: Sequence[str] | None = None) ->
     return _RUN_META
 
 
+def set_anchor(anchor: str) -> None:
+    """Replace this run's ``meta.anchor`` (a benchmark whose option picks another baseline,
+    e.g. ``bench layerwise --against megatron-core``); nothing when no run was begun."""
+    if _RUN_META is not None:
+        _RUN_META["anchor"] = anchor
+
+
 def run_meta() -> dict[str, Any]:
     """This run's ``meta`` (:func:`begin_run`); a benchmark run outside ``megatron-ext bench``
     has none, and writing its JSON then stops with that said (a results file without its

@@ -23,7 +23,13 @@ Figures, per DP size (never pass/fail):
 * the ownership plan's compute and memory imbalance (max / mean of its cost model per rank), and
   the measured compute imbalance (max / mean of the ranks' CPU seconds).
 
-megatron-core's own ``LayerWiseDistributedOptimizer`` is not run: see ``MEGATRON_CORE_NOTE``.
+The DP=n / DP=1 ratio is measured in rounds (:mod:`megatron_ext.bench._trust`): each round
+launches every DP size once, in alternating order, until the speedup ratios' spread is at most
+``--spread`` or ``--budget`` seconds pass (at least ``--rounds`` rounds); the ratio is the
+median of the per-round ratios, printed with its spread.
+
+``--against megatron-core`` runs megatron-core's own ``LayerWiseDistributedOptimizer`` beside
+megatron-ext's on a GPT instead (:mod:`megatron_ext.bench._layerwise_mcore`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench._layerwise_mcore import add_against_arguments, run_against
+from megatron_ext.bench._layerwise_report import print_report, targets
+from megatron_ext.bench._trust import (
+    Repeat,
+    add_trust_arguments,
+    load_check,
+    ratio_spread,
+    round_order,
+)
 from megatron_ext.bench.common import write_json
 from megatron_ext.bench.optimizers import Workload, add_workload_arguments
 
@@ -47,12 +62,10 @@ DESCRIPTION = (
     "imbalance, gradient/parameter-sync bytes, exposed communication (figures + JSON)"
 )
 
-TARGET_SPEEDUP_DP4 = 0.28
-TARGET_COMPUTE_IMBALANCE = 1.05
 MEGATRON_CORE_NOTE = (
-    "megatron-core's LayerWiseDistributedOptimizer: not compared -- in megatron-core 0.19.2 its "
-    "bf16 path wraps the optimizers in Float16OptimizerWithFloat16Params, which accepts only "
-    "torch.cuda tensors, and its fp32 path chains raw torch optimizers; it needs a GPU"
+    "megatron-core's LayerWiseDistributedOptimizer: compared on a GPT by "
+    "`megatron-ext bench layerwise --against megatron-core` (this workload is bare matrices, "
+    "without the model and DDP its optimizer needs)"
 )
 GRAD_SYNC_NOTE = (
     "gradient sync: each rank starts from its own share (gradient / dp) and the layer-wise "
@@ -62,7 +75,15 @@ GRAD_SYNC_NOTE = (
 )
 
 
-QUICK = {"dp": [1, 2], "layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0}
+QUICK = {
+    "dp": [1, 2],
+    "layers": 1,
+    "width": 128,
+    "experts": 2,
+    "steps": 1,
+    "warmup": 0,
+    "budget": 0.0,
+}
 EXAMPLE = "megatron-ext bench layerwise --quick --json runs/bench_layerwise.json"
 #: the JSON's top-level keys; ``dp`` holds one entry per DP size that ran
 JSON_KEYS = (
@@ -94,7 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="muon",
         help="matrix optimizer (default muon)",
     )
-    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per launch (default 3); --against: interleaved steps at least "
+        "(default 20)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="launch rounds at least (default 1; see --spread)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument(
         "--bucket-numel",
@@ -115,11 +145,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu: gloo ranks, one thread each (default); cuda: NCCL ranks, one GPU each",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    add_trust_arguments(parser, budget_s=60.0)
+    add_against_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.warmup < 0 or any(n < 1 for n in args.dp):
-        print("bench layerwise: --steps must be >= 1, --warmup >= 0 and every --dp >= 1")
+    if args.steps is None:
+        args.steps = 20 if args.against else 3
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or any(n < 1 for n in args.dp):
+        print("bench layerwise: --steps, --rounds and every --dp must be >= 1, --warmup >= 0")
         return 2
     if args.device == "cuda":
         import torch
@@ -131,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{max(args.dp)} GPUs and torch sees {gpus}; lower --dp or use --device cpu"
             )
             return 2
+    if args.against:
+        return run_against(args)
     ranks = (
         "NCCL ranks, one GPU each"
         if args.device == "cuda"
@@ -144,23 +180,46 @@ def run(args: argparse.Namespace) -> int:
         f"{args.precision}); {ranks}; {args.warmup} warmup + {args.steps} timed steps"
     )
     sizes = sorted(set(args.dp))
+    cores = min(max(sizes), os.cpu_count() or 1)
+    load = load_check(cores, "bench layerwise") if args.device == "cpu" else None
     per_dp: dict[str, dict[str, Any]] = {}
     fingerprints: dict[int, list[int]] = {}
-    for n in sizes:
-        started = time.perf_counter()
-        ranks = _launch(n, args)
-        if ranks is None:
-            return 1
-        per_dp[str(n)] = _summarise(ranks)
-        fingerprints[n] = ranks[0]["fingerprint"]
-        print(f"  DP={n}: done in {time.perf_counter() - started:.1f} s")
+    slowest: dict[int, list[float]] = {n: [] for n in sizes}
+    repeat = Repeat(args.spread, args.budget, min_rounds=args.rounds, max_rounds=args.max_rounds)
+    rounds = 0
+    while True:  # rounds of one launch per DP size, alternating order (bench._trust)
+        for n in round_order(sizes, rounds):
+            started = time.perf_counter()
+            ranks = _launch(n, args)
+            if ranks is None:
+                return 1
+            per_dp[str(n)] = _summarise(ranks)
+            slowest[n].append(per_dp[str(n)]["slowest_step_s"])
+            fingerprints[n] = ranks[0]["fingerprint"]
+            print(f"  round {rounds + 1}, DP={n}: done in {time.perf_counter() - started:.1f} s")
+        rounds += 1
+        per_round = [[a / b for a, b in zip(slowest[n], slowest[1], strict=True)] for n in sizes]
+        if 1 not in slowest or repeat.done(rounds, per_round):
+            break
+    repeat.reason = repeat.reason or "no DP=1 run: no ratio to repeat for"
     base = per_dp.get("1")
-    speedup = {
-        n: (d["slowest_step_s"] / base["slowest_step_s"] if base else None)
-        for n, d in per_dp.items()
-    }
+    speedup: dict[str, Any] = {}
     for n, d in per_dp.items():
+        d["slowest_step_s"] = statistics.median(slowest[int(n)])  # over rounds
+        d["rounds_slowest_step_s"] = slowest[int(n)]
+        est = (
+            ratio_spread([a / b for a, b in zip(slowest[int(n)], slowest[1], strict=True)])
+            if base
+            else None
+        )
+        speedup[n] = est.median if est else None
+        d["speedup_spread"] = est.as_dict() if est else None
         d["params_equal_dp1"] = fingerprints[int(n)] == fingerprints[1] if base else None
+    notes = [GRAD_SYNC_NOTE, MEGATRON_CORE_NOTE, f"rounds: {rounds}, stopped: {repeat.reason}"]
+    if load is not None:
+        notes.append(f"load average at the start {load['load_average']} on {load['cores']} cores")
+        if load["warning"]:
+            notes.append(load["warning"])
     report: dict[str, Any] = {
         "optimizer": args.optimizer,
         "workload": {
@@ -182,10 +241,10 @@ def run(args: argparse.Namespace) -> int:
         ),
         "dp": per_dp,
         "speedup_ratio": speedup,
-        "targets": _targets(per_dp, speedup),
-        "notes": [GRAD_SYNC_NOTE, MEGATRON_CORE_NOTE],
+        "targets": targets(per_dp, speedup),
+        "notes": notes,
     }
-    _print_report(report)
+    print_report(report)
     write_json(report, args.json)
     return 0
 
@@ -282,104 +341,3 @@ def _summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "ranks_agree": all(r["ranks_agree"] for r in ranks),
         "per_rank": per_rank,
     }
-
-
-def _targets(per_dp: dict[str, dict[str, Any]], speedup: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, as figures with a met/not-met flag each (never an exit code)."""
-    targets: dict[str, Any] = {}
-    if speedup.get("4") is not None:
-        targets["dp4_speedup_ratio"] = {
-            "value": speedup["4"],
-            "target": f"<= {TARGET_SPEEDUP_DP4}",
-            "met": speedup["4"] <= TARGET_SPEEDUP_DP4,
-        }
-    worst = max(d["compute_imbalance"] for d in per_dp.values())
-    targets["compute_imbalance"] = {
-        "value": worst,
-        "target": f"<= {TARGET_COMPUTE_IMBALANCE}",
-        "met": worst <= TARGET_COMPUTE_IMBALANCE,
-    }
-    targets["zero_padding"] = {
-        "value": all(d["param_sync_exact"] for d in per_dp.values()),
-        "target": "param-sync bytes received == bytes of parameters not owned, every rank",
-        "met": all(d["param_sync_exact"] for d in per_dp.values()),
-    }
-    multi = [d for n, d in per_dp.items() if int(n) > 1]
-    if multi:
-        targets["grad_sync_below_allreduce"] = {
-            "value": max(d["grad_sync_bytes"] for d in multi),
-            "target": "gradient-sync bytes below a ring all-reduce's",
-            "met": all(d["grad_sync_bytes"] < d["grad_sync_bytes_allreduce"] for d in multi),
-        }
-    return targets
-
-
-def _mb(x: float) -> str:
-    return f"{x / 1e6:,.1f}"
-
-
-def _print_report(report: dict[str, Any]) -> None:
-    print()
-    header = (
-        f"{'DP':>3s} {'rank':>4s} {'cpu s':>7s} {'proc s':>7s} {'wall s':>7s} {'step s':>7s} "
-        f"{'exposed':>8s} {'GFLOP':>7s} {'MiB st':>7s} {'MiB m+s':>7s} {'ag sent MB':>10s} "
-        f"{'ag recv MB':>10s} "
-        f"{'=unowned':>8s} {'AR MB':>7s} {'RS MB':>7s}"
-    )
-    print(header)
-    for n, d in report["dp"].items():
-        for p in d["per_rank"]:
-            print(
-                f"{n:>3s} {p['rank']:>4d} {p['compute_cpu_s']:7.3f} "
-                f"{p['compute_process_cpu_s']:7.3f} {p['compute_wall_s']:7.3f} "
-                f"{p['step_wall_s']:7.3f} {p['exposed_comm_s']:8.3f} {p['plan_gflop']:7.1f} "
-                f"{p['plan_state_mib']:7.1f} {p['master_mib'] + p['state_mib']:7.1f} "
-                f"{_mb(p['param_sync_bytes_sent']):>10s} "
-                f"{_mb(p['param_sync_bytes_recv']):>10s} "
-                f"{'yes' if p['param_sync_exact'] else 'NO':>8s} "
-                f"{_mb(p['grad_sync_bytes_allreduce']):>7s} "
-                f"{_mb(max(p['grad_sync_bytes_sent'], p['grad_sync_bytes_recv'])):>7s}"
-            )
-    print(
-        "cpu s: optimizer-update CPU time of the rank's thread per step (the step time); proc s:"
-        " process CPU over the same spans (gloo threads included); wall s: wall time of the "
-        "updates; step s: wall time of step() (updates + copies + all-gather launches); "
-        "exposed: wall time in finish(); GFLOP / MiB st: the plan's cost model; MiB m+s: fp32 "
-        "masters + optimizer state the rank holds (measured); ag: parameter "
-        "all-gather payload per step; =unowned: received exactly the bytes of parameters owned "
-        "elsewhere; AR: gradient-sync bytes per rank a ring all-reduce would move each way; RS: "
-        "the measured reduce-scatter-v to the owners (max of sent, received)"
-    )
-    print()
-    print(
-        f"{'DP':>3s} {'slowest s':>9s} {'ratio':>6s} {'wall s':>7s} {'exposed':>8s} "
-        f"{'plan imb':>8s} {'meas imb':>8s} {'mem imb':>7s} {'meas mem':>8s} {'buckets':>7s} "
-        f"{'agree':>5s} "
-        f"{'=DP1':>5s}"
-    )
-    for n, d in report["dp"].items():
-        ratio = report["speedup_ratio"][n]
-        equal = d["params_equal_dp1"]
-        print(
-            f"{n:>3s} {d['slowest_step_s']:9.3f} "
-            f"{'-' if ratio is None else f'{ratio:.3f}':>6s} {d['slowest_step_wall_s']:7.3f} "
-            f"{d['exposed_comm_s']:8.3f} {d['compute_imbalance']:8.3f} "
-            f"{d['measured_compute_imbalance']:8.3f} {d['memory_imbalance']:7.3f} "
-            f"{d['measured_memory_imbalance']:8.3f} "
-            f"{d['buckets']:7d} {'yes' if d['ranks_agree'] else 'NO':>5s} "
-            f"{'-' if equal is None else ('yes' if equal else 'no'):>5s}"
-        )
-    print(
-        "slowest s: slowest rank's update CPU s per step; ratio: / DP=1; meas mem: max / mean "
-        "over ranks of the masters + state held; agree: every rank ends "
-        "with the same parameters (bit-exact); =DP1: the same bits as the DP=1 run"
-    )
-    print()
-    for name, t in report["targets"].items():
-        value = t["value"]
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-        if name == "grad_sync_below_allreduce":
-            shown = f"{_mb(value)} MB per rank"
-        print(f"target {name}: {shown} vs {t['target']}: {'met' if t['met'] else 'not met'}")
-    for note in report["notes"]:
-        print(note)

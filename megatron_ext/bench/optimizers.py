@@ -7,7 +7,14 @@ N(0, 1e-3²). Prints, per optimizer and mode: seconds per step (median over ``--
 ``--warmup``), Newton–Schulz GFLOP/s against the machine's measured fp32 matmul rate, the
 orthogonality error ‖O − UVᵀ‖_F/‖UVᵀ‖_F, and optimizer state in bytes. If Emerging-Optimizers is
 importable its Muon and KL-SOAP run in the same process and the ratios (our time / theirs) are
-reported. Figures only, never pass/fail."""
+reported. Figures only, never pass/fail.
+
+Timing (:mod:`megatron_ext.bench._trust`): by default every mode is built first and the steps run
+in rounds, one step of each mode per round in alternating order, at least ``--steps`` rounds and
+more until the per-round ratios of the compared pairs (``RATIO_PAIRS``: ours / Emerging-
+Optimizers') have a spread of at most ``--spread``, or ``--budget`` seconds pass; each pair's
+median per-round ratio and its spread are printed and written (``repeat``). A load average above
+the threads used is warned about."""
 
 from __future__ import annotations
 
@@ -17,6 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.bench._optimizers_report import (
+    headline_ratios,
+    pair_ratios,
+    print_table,
+    spreads,
+)
+from megatron_ext.bench._trust import Repeat, add_trust_arguments, load_check, round_order
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
 from megatron_ext.bench.common import optimizer_state_bytes, write_json
 from megatron_ext.commands import positive_int
@@ -86,10 +100,20 @@ class Workload:
         return f"{len(shapes)} matrices, {sum(m * n for m, n in shapes):,} parameters"
 
 
-QUICK = {"layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0}
+QUICK = {"layers": 1, "width": 128, "experts": 2, "steps": 1, "warmup": 0, "budget": 0.0}
 EXAMPLE = "megatron-ext bench optimizers --quick --json runs/bench_optimizers.json"
 #: the JSON's top-level keys; ``results`` holds one entry per mode that ran
-JSON_KEYS = ("workload", "machine", "steps", "warmup", "interleave", "results", "ratios", "meta")
+JSON_KEYS = (
+    "workload",
+    "machine",
+    "steps",
+    "warmup",
+    "interleave",
+    "results",
+    "ratios",
+    "repeat",
+    "meta",
+)
 #: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
 ANCHOR = (
     "Emerging-Optimizers' Muon and KL-SOAP timed in the same run (ratios: ours / theirs); "
@@ -109,7 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     add_workload_arguments(parser)
     parser.add_argument(
-        "--steps", type=positive_int, default=3, help="timed steps per mode (default 3)"
+        "--steps",
+        type=positive_int,
+        default=3,
+        help="timed steps per mode at least (default 3; more until --spread or --budget)",
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
@@ -118,11 +145,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interleave",
-        action="store_true",
-        help="build every mode first and time their steps round-robin (step 1 of each mode, "
-        "then step 2, ...), so that load from other processes hits all modes alike; needs the "
-        "state of all modes in memory at once",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="build every mode first and time their steps in rounds (step 1 of each mode, "
+        "then step 2 in reverse order, ...), so that load from other processes hits all modes "
+        "alike (default); --no-interleave runs the modes one after another, one in memory at "
+        "a time",
     )
+    add_trust_arguments(parser)
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -220,16 +250,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"{mode}: skipped (emerging-optimizers is not importable)")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     states: dict[str, int] = {}
+    load = load_check(args.threads if args.device == "cpu" else 1, "bench optimizers")
+    repeat = Repeat(args.spread, args.budget, min_rounds=args.steps, max_rounds=args.max_rounds)
     if args.interleave:
         running = {}
         for mode in modes:
             params = [torch.nn.Parameter(w.clone()) for w in weights]
             running[mode] = (factories[mode](params), params)
-        for i in range(args.warmup + args.steps):
-            for mode, (opt, params) in running.items():
-                elapsed = timed_step(opt, params)
-                if i >= args.warmup:
-                    times[mode].append(elapsed)
+        for _ in range(args.warmup):
+            for opt, params in running.values():
+                timed_step(opt, params)
+        rounds = 0
+        while True:  # rounds until every pair's ratio is tight enough (bench._trust)
+            for mode in round_order(list(running), rounds):
+                times[mode].append(timed_step(*running[mode]))
+            rounds += 1
+            if repeat.done(rounds, list(pair_ratios(times).values())):
+                break
         states = {mode: optimizer_state_bytes(opt) for mode, (opt, _) in running.items()}
         del running
     else:
@@ -242,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
                     times[mode].append(elapsed)
             states[mode] = optimizer_state_bytes(opt)
             del opt, params
+        repeat.reason = f"--no-interleave: {args.steps} steps per mode, not repeated"
 
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
@@ -291,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
             entry["ns_fraction_of_matmul_rate"] = entry["ns_gflops"] / matmul_gflops
         results[mode] = entry
 
-    ratios = _ratios(results, matmul_gflops)
+    ratios = headline_ratios(results, matmul_gflops)
     report = {
         "workload": {
             "layers": workload.layers,
@@ -311,8 +349,14 @@ def run(args: argparse.Namespace) -> int:
         "interleave": args.interleave,
         "results": results,
         "ratios": ratios,
+        "repeat": {
+            **repeat.as_dict(),
+            "rounds": len(next(iter(times.values()), [])),
+            "pair_ratios": spreads(times),
+            "load": load,
+        },
     }
-    _print_table(report)
+    print_table(report)
     write_json(report, args.json)
     return 0
 
@@ -344,75 +388,3 @@ def _mean_error(torch: Any, outs: list[Any], polar: list[Any]) -> float:
         for o, p in zip(outs, polar, strict=True)
     ]
     return sum(errs) / len(errs)
-
-
-def _ratios(
-    results: dict[str, dict[str, Any]], matmul_gflops: float | None = None
-) -> dict[str, float | str | None]:
-    """The headline ratios (ours / Emerging-Optimizers', step times unless named otherwise).
-
-    ``kl_soap_floor_vs_emerging`` is the ratio KL-SOAP would reach if every flop of its step's
-    model (:func:`~megatron_ext.optimizers.kl_soap_flops`) ran at ``matmul_gflops``, the rate of
-    one large fp32 matmul measured in the same run: no implementation of this algorithm at these
-    flops gets below it on that machine.
-    """
-
-    def ratio(ours: str, theirs: str, key: str = "s_per_step") -> float | None:
-        if ours in results and theirs in results:
-            return results[ours][key] / results[theirs][key]
-        return None
-
-    # The target compares at equal or lower orthogonality error: the fastest of our Muon modes
-    # whose error is not above Emerging-Optimizers' (5 quintic steps); the like-for-like figure
-    # (the same 5 quintic steps) is reported beside it.
-    best = None
-    if "emerging_muon" in results:
-        limit = results["emerging_muon"]["ortho_error"]
-        eligible = [
-            m
-            for m in results
-            if m.startswith("muon_")
-            and results[m]["ortho_error"] is not None
-            and results[m]["ortho_error"] <= limit * (1 + 1e-3)
-        ]
-        best = min(eligible, key=lambda m: results[m]["s_per_step"], default=None)
-    floor = None
-    ours = results.get("kl_soap_qr", {})
-    if matmul_gflops and "gflop_per_step" in ours and "emerging_kl_soap" in results:
-        at_matmul_rate = ours["gflop_per_step"] / matmul_gflops
-        floor = at_matmul_rate / results["emerging_kl_soap"]["s_per_step"]
-    return {
-        "muon_vs_emerging": None if best is None else ratio(best, "emerging_muon"),
-        "muon_vs_emerging_mode": best,
-        "muon_quintic_vs_emerging": ratio("muon_quintic", "emerging_muon"),
-        "muon_plain_vs_emerging": ratio("muon_quintic_plain", "emerging_muon"),
-        "kl_soap_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap"),
-        "kl_soap_state_vs_emerging": ratio("kl_soap_qr", "emerging_kl_soap", "state_bytes"),
-        "kl_soap_floor_vs_emerging": floor,
-        # the Newton–Schulz inverse root against the eigenbasis one (both refresh by qr)
-        "kl_soap_ns_root_vs_eigenbasis": ratio("kl_soap_ns_root", "kl_soap_qr"),
-    }
-
-
-def _print_table(report: dict[str, Any]) -> None:
-    machine, work = report["machine"], report["workload"]
-    print(
-        f"workload: {work['matrices']} matrices, {work['parameters']:,} parameters, fp32, "
-        f"{machine['threads']} threads; matmul {machine['matmul_gflops_fp32']:.1f} GFLOP/s"
-    )
-    # GFLOP/s: Newton–Schulz flops for Muon, the whole step's flop model for KL-SOAP (qr)
-    header = f"{'mode':22s} {'s/step':>8s} {'min':>8s} {'GFLOP/s':>11s} {'of mm':>6s} "
-    print(header + f"{'ortho err':>10s} {'state bytes':>14s}")
-    for mode, r in report["results"].items():
-        rate = r.get("ns_gflops", r.get("gflops"))
-        share = r.get("ns_fraction_of_matmul_rate", r.get("fraction_of_matmul_rate"))
-        gflops = "-" if rate is None else f"{rate:.1f}"
-        frac = "-" if share is None else f"{share:.0%}"
-        err = f"{r['ortho_error']:.2e}" if r["ortho_error"] is not None else "-"
-        print(
-            f"{mode:22s} {r['s_per_step']:8.3f} {r['s_per_step_min']:8.3f} {gflops:>11s} "
-            f"{frac:>6s} {err:>10s} {r['state_bytes']:>14,d}"
-        )
-    for name, value in report["ratios"].items():
-        shown = "-" if value is None else value if isinstance(value, str) else f"{value:.3f}"
-        print(f"{name}: {shown}")

@@ -19,6 +19,11 @@ Printed and written (``precision.json``, ``precision.png``):
   convention; labelled), or on a CPU host against the measured fp32 matmul rate of one rank's
   threads (labelled: a CPU has no BF16 peak on record); peak memory allocated and reserved on
   CUDA, the process's peak resident set on CPU (labelled);
+* each precision's step time against the first's: the median of the per-step ratios (step i
+  of this run over step i of the first, the first step left out) with its ≈95 % CI spread
+  (:func:`megatron_ext.bench._trust.ratio_spread`). The precisions are whole launches, one after
+  another, so they cannot be interleaved step by step: a load average above the cores the runs
+  use is warned about and recorded (``load``), and the ratio is to be read with it;
 * one PNG: the loss curves overlaid, and each precision's per-step loss minus the first's.
 """
 
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench._trust import load_check, ratio_spread
 from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe once per precision, same start: loss deltas, tokens/s, MFU, memory"
@@ -57,6 +64,7 @@ JSON_KEYS = (
     "device",
     "start_checkpoint",
     "noise_run",
+    "load",
     "meta",
 )
 #: the baseline this benchmark's ratios are against (``meta.anchor`` of its JSON)
@@ -120,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
         if reason is not None:  # fail closed before the first run
             raise ConfigError(reason)
     out = Path(args.out)
+    launch = recipe.launch  # threads_per_rank 0: the ranks share every core
+    cores = launch.nproc_per_node_cpu * launch.threads_per_rank or os.cpu_count() or 1
+    load = load_check(len(device.names) if device.gpus else cores, "bench precision")
     common = [*overrides, "checkpoint.save_interval=0", "checkpoint.save_at_end=false"]
     reference = precisions[0]
     start = out / reference / "checkpoints" / "step_000000"
@@ -147,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         "device": device.describe(),
         "start_checkpoint": str(start),
         "noise_run": noise_name if args.noise else None,
+        "load": {**load, "interleaved": False, "why": "each precision is its own launch"},
     }
     print(format_report(report))
     plot(report, runs, out / "precision.png", f"{args.recipe} {' '.join(overrides)}".strip())
@@ -171,6 +183,7 @@ def read_run(run_dir: Path, last: int) -> dict[str, Any]:
         "tokens_per_s_per_device": summary["tokens_per_s_per_rank"],
         "tflops_per_device": summary["tflops_per_rank"],
         "step_time_s": statistics.median(r["step_time_s"] for r in train[1:] or train),
+        "step_times_s": [r["step_time_s"] for r in train[1:] or train],
         "memory": summary.get("memory"),
     }
 
@@ -232,6 +245,9 @@ def build_report(
             "tflops_per_device": r["tflops_per_device"],
             "mfu": mfu,
             "step_time_s": r["step_time_s"],
+            "step_time_vs_reference": ratio_spread(
+                [a / b for a, b in zip(r["step_times_s"], reference["step_times_s"], strict=True)]
+            ).as_dict(),
             "memory": r["memory"],
         }
     return {
@@ -281,6 +297,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['tokens_per_s_per_device']:>10.0f} {r['tflops_per_device']:>11.4f} {mfu:>7} "
             f"{_mib(alloc):>10} {_mib(resv):>10} "
             f"{_mib(mem.get('peak_rss_bytes')):>9}"
+        )
+    for p, r in res.items():
+        t = r["step_time_vs_reference"]
+        spread = "n/a" if t["spread"] is None else f"±{100 * t['spread']:.1f}%"
+        lines.append(
+            f"step time {p} / {ref}: median per-step ratio {t['median']:.3f} ({spread}; "
+            f"runs one after another, not interleaved)"
         )
     basis = next((r["memory"]["basis"] for r in res.values() if r["memory"]), "not reported")
     lines.append(f"MFU against: {report['mfu_basis']}; memory (rank 0): {basis}")

@@ -25,7 +25,10 @@ share of the CPU's FMA peak (:func:`~megatron_ext.soma.native.fma_peak_gflops`, 
 every round; torch's matmul is not always near it, and a forward may then beat the "ceiling"),
 and the peak resident memory
 added by the batched update the trainer runs (native where built, else eager). Every variant is
-timed in the same round-robin rounds and reports its fastest round (medians in the JSON).
+timed in the same rounds (alternating order, :mod:`megatron_ext.bench._trust`: at least
+``--repeats``, more until the loops' per-round ratios to the eager forward have a spread of at
+most ``--spread`` or ``--budget`` seconds pass) and reports its fastest round (medians, and the
+speedup's per-round median with its spread, in the JSON).
 
 Routed inference: the two sweeps of :mod:`._soma_inference` (equal total parameters, equal
 expert size) with the ratio N=256 / N=8 beside the paper's 9.19×. ``--inference-sweep`` runs
@@ -41,7 +44,15 @@ import threading
 import time
 from typing import Any
 
+from megatron_ext.bench._soma_report import print_spsa
 from megatron_ext.bench._soma_textbook import torch_nn_expert, torch_nn_loss_loop
+from megatron_ext.bench._trust import (
+    Repeat,
+    add_trust_arguments,
+    load_check,
+    ratio_spread,
+    timed_rounds,
+)
 from megatron_ext.bench.common import write_json
 from megatron_ext.commands import positive_int
 
@@ -57,6 +68,7 @@ QUICK = {
     "batch": 4,
     "seq": 64,
     "repeats": 1,
+    "budget": 0.0,
     "experts": [8, 32],
     "windows": 16,
     "inference_repeats": 1,
@@ -80,8 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed SPSA rounds (the fastest is reported)"
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed SPSA rounds at least (the fastest is reported; more until --spread or "
+        "--budget)",
     )
+    add_trust_arguments(parser, budget_s=60.0)
     parser.add_argument("--threads", type=positive_int, default=2, help="torch threads (default 2)")
     parser.add_argument(
         "--device",
@@ -167,21 +184,6 @@ class PeakRSS:
         self.added_bytes = self._peak - self._base
 
 
-def _interleaved_times(fns: list[Any], repeats: int, sync: Any = lambda: None) -> list[list[float]]:
-    """Wall seconds of each function in each round, timed round-robin (one call of each per
-    round) so that background load on a shared host hits all of them alike; ``sync`` waits for
-    queued device work (CUDA) before each clock reading."""
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
 def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -196,6 +198,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    load = load_check(1 if cuda else args.threads, "bench soma")
     shape = ExpertShape(d_embed=32, d_model=args.d_model, num_blocks=args.blocks)
     layout = BodyLayout.from_shape(shape)
     gen = torch.Generator().manual_seed(0)
@@ -255,7 +258,17 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
                 peaks.append(fma_peak_gflops(args.threads, repeats=1))
 
         timed = [*batched.values(), *loops.values(), measure_rates]
-        rounds = _interleaved_times(timed, args.repeats, sync)[:-1]
+        n_batched = len(batched)
+
+        def loop_over_eager(times: list[list[float]]) -> list[list[float]]:
+            """Per round, each loop's time over the eager batched forward's."""
+            return [
+                [a / b for a, b in zip(times[i], times[0], strict=True)]
+                for i in range(n_batched, n_batched + len(loops))
+            ]
+
+        repeat = Repeat(args.spread, args.budget, args.repeats, args.max_rounds)
+        rounds = timed_rounds(timed, repeat, loop_over_eager, sync)[:-1]
         seconds = [min(t) for t in rounds]
         ref = batched["eager"]()
         diffs = {name: float((fn() - ref).abs().max()) for name, fn in {**batched, **loops}.items()}
@@ -264,6 +277,14 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     best = min(batched_s, key=batched_s.__getitem__)
     anchor = min(anchors, key=anchors.__getitem__)
     naive_s = anchors[anchor]
+    per_round = [
+        a / b
+        for a, b in zip(
+            rounds[n_batched + list(loops).index(anchor)],
+            rounds[list(batched).index(best)],
+            strict=True,
+        )
+    ]
     flops = forward_flops_per_token(args.d_model, 32, args.blocks) * pert_tokens
     rate, peak = max(rates), max(peaks, default=None)
     ceiling = naive_s / (flops / (rate * 1e9))
@@ -277,7 +298,10 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
             "body_parameters": layout.numel,
             "perturbed_tokens_per_update": pert_tokens,
         },
-        "rounds": args.repeats,
+        "rounds": len(rounds[0]),
+        # the speedup per round (same round's anchor loop / best batched) and its spread
+        "speedup_rounds": ratio_spread(per_round).as_dict(),
+        "repeat": {**repeat.as_dict(), "load": load},
         "seconds_all_rounds": dict(zip([*batched, *loops], rounds, strict=True)),
         "median_s": {
             name: statistics.median(t) for name, t in zip([*batched, *loops], rounds, strict=True)
@@ -316,57 +340,6 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _print_spsa(spsa: dict[str, Any], threads: int) -> None:
-    s = spsa["shape"]
-    print(
-        f"SPSA losses of {2 * s['n_pert']} perturbed bodies (d={s['d_model']}, D={s['blocks']}, "
-        f"{s['body_parameters']:,} params), B={s['batch']} T={s['seq']}, on {spsa['device']}"
-        f"{f', {threads} threads' if spsa['device'] == 'cpu' else ''}, fastest of "
-        f"{spsa['rounds']} rounds"
-    )
-    if not spsa["fused_available"]:
-        print(f"  fused scan UNAVAILABLE ({spsa['fused_unavailable_reason']})")
-    if not spsa["native_available"] and spsa["device"] == "cpu":
-        print(f"  native C recurrence UNAVAILABLE ({spsa['native_unavailable_reason']})")
-    tokens = s["perturbed_tokens_per_update"]
-    print(f"  {'':24s} {'s/update':>10s} {'perturbed tok/s':>16s}")
-    for name, sec in spsa["anchors_s"].items():
-        tag = " (anchor)" if name == spsa["naive_anchor"] else ""
-        print(f"  {name + ' loop' + tag:24s} {sec:10.3f} {tokens / sec:16,.0f}")
-    for name, sec in spsa["batched_variants_s"].items():
-        print(f"  {'batched ' + name:24s} {sec:10.3f} {tokens / sec:16,.0f}")
-    fused = spsa["fused_vs_eager"]
-    print(
-        f"  speedup {spsa['speedup']:.2f}x (batched {spsa['batched_best']}) vs the "
-        f"{spsa['naive_anchor']} loop, target >= 2x; eager {spsa['speedup_eager']:.2f}x"
-        + (f"; fused/eager {fused:.2f}x" if fused else "")
-        + (f"; native/eager {spsa['native_vs_eager']:.2f}x" if spsa["native_vs_eager"] else "")
-        + f"; {spsa['speedup_vs_own_kernels_loop']:.2f}x vs the own-kernels loop"
-    )
-    print(
-        f"  ceiling here {spsa['speedup_ceiling']:.1f}x (the anchor at {spsa['naive_gflops']:.1f} "
-        f"GFLOP/s vs matmul {spsa['matmul_gflops']:.1f}): reached "
-        f"{spsa['fraction_of_ceiling']:.0%} (target >= 55%); batched {spsa['gflops']:.1f} GFLOP/s"
-        f" = {spsa['fraction_of_matmul_rate']:.0%} of matmul; peak +{spsa['peak_mem_mb']:.0f} MB"
-        f" ({spsa['peak_mem_variant']})"
-    )
-    if spsa["fma_peak_gflops"]:
-        print(
-            f"  FMA peak of the kernels' vectors {spsa['fma_peak_gflops']:.1f} GFLOP/s: "
-            f"batched {spsa['fraction_of_fma_peak']:.0%} of it, torch's matmul "
-            f"{spsa['matmul_fraction_of_fma_peak']:.0%}"
-            + (
-                " (slower than the batched forward: the ceiling above is no ceiling on this CPU)"
-                if spsa["fraction_of_ceiling"] > 1
-                else ""
-            )
-        )
-    print(
-        "  max |loss - batched eager| "
-        + ", ".join(f"{k} {v:.1e}" for k, v in spsa["max_loss_difference_vs_batched_eager"].items())
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -387,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {}
     if not args.inference_sweep:
         report["spsa"] = _spsa(args)
-        _print_spsa(report["spsa"], args.threads)
+        print_spsa(report["spsa"], args.threads)
     if not args.spsa_only:
         report["inference"] = inference_sweeps(args)
         print_sweeps(report["inference"])
