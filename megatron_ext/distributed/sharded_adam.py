@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
-from megatron_ext.distributed.layerwise import MASTER_KEY, PARAM_ATTRIBUTES
+from megatron_ext.distributed.layerwise import MASTER_KEY, PARAM_ATTRIBUTES, forward_wait_hooks
 from megatron_ext.distributed.plan import BucketLayout
 from megatron_ext.distributed.shard_layout import piece_ranges, rank_range, shard_buckets
 from megatron_ext.optimizers.routing import decays_weight
@@ -75,7 +75,6 @@ def reduce_scatter_flat(
 class _Bucket:
     layout: BucketLayout
     params: list[tuple[str, torch.nn.Parameter]]  # forward order
-    first: str
     pending: Pending | None = None
 
 
@@ -110,9 +109,7 @@ class ShardedAdamW:
             self.world,
             bucket_numel,
         )
-        self.buckets = [
-            _Bucket(b, [(n, self._params[n]) for n in b.members], b.members[0]) for b in layouts
-        ]
+        self.buckets = [_Bucket(b, [(n, self._params[n]) for n in b.members]) for b in layouts]
         self._range: dict[str, tuple[int, int]] = {}
         self._offset: dict[str, int] = {}  # where the parameter starts in its bucket
         for bucket in self.buckets:
@@ -249,22 +246,10 @@ class ShardedAdamW:
             self.wait_bucket(bucket)
 
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
-        """Wait for each bucket in a forward pre-hook of the module holding its first
-        parameter, as the layer-wise optimizer does."""
-        holder = {}
-        for module_name, module in model.named_modules():
-            for param_name, _ in module.named_parameters(recurse=False):
-                holder[f"{module_name}.{param_name}" if module_name else param_name] = module
-        handles = []
-        for bucket in self.buckets:
-            if bucket.first not in holder:
-                raise ValueError(f"{bucket.first} is not a parameter of the given model")
-
-            def wait(_module: torch.nn.Module, _args: Any, bucket: _Bucket = bucket) -> None:
-                self.wait_bucket(bucket)
-
-            handles.append(holder[bucket.first].register_forward_pre_hook(wait))
-        return handles
+        """Wait for each bucket in a forward pre-hook of every module holding one of its
+        parameters, as the layer-wise optimizer does (:func:`~.layerwise.forward_wait_hooks`)."""
+        buckets = [(b, [n for n, _ in b.params]) for b in self.buckets]
+        return forward_wait_hooks(model, buckets, self.wait_bucket)
 
     @torch.no_grad()
     def reload_masters(self) -> None:
