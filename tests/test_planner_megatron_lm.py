@@ -52,6 +52,15 @@ pretrain_gpt.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16
 --micro-batch-size 1 --global-batch-size 64 --train-iters 100 --lr 1e-4 --bf16
 --data-path data/gpt
 """
+#: the model of recipes/tiny_cpu_gpt.yaml (byte vocabulary), whose bytes per rank
+#: tests/test_planner_measure.py measures equal to the plan at DP 2 and 4
+TINY = """
+pretrain_gpt.py --num-layers 4 --hidden-size 128 --num-attention-heads 4
+--group-query-attention --num-query-groups 2 --ffn-hidden-size 384 --swiglu
+--normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
+--disable-bias-linear --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2
+--global-batch-size 8 --train-iters 10 --lr 1e-3 --bf16 --data-path data/tiny
+"""
 #: name -> (flags, world size, extra flags for both sides, GPT vocabulary)
 CASES: dict[str, tuple[str, int, list[str], int]] = {
     "llama3_8b_dp8": (LLAMA3_8B_FLAGS, 8, [], VOCAB),
@@ -64,6 +73,8 @@ CASES: dict[str, tuple[str, int, list[str], int]] = {
     "gpt_2b_dp4": (GPT_2B, 4, [], 50257),
     "gpt_2b_tp4_dp2": (GPT_2B, 8, ["--tensor-model-parallel-size", "4"], 50257),
     "llama3_8b_dp2": (LLAMA3_8B_FLAGS, 2, [], VOCAB),
+    "tiny_dp2": (TINY, 2, [], 258),
+    "tiny_dp4": (TINY, 4, [], 258),
 }
 
 
@@ -132,3 +143,14 @@ def test_llama3_8b_at_dp8_within_one_percent(figures: dict[str, tuple[float, Any
     theirs, plan = figures["llama3_8b_dp8"]
     assert abs(plan.worst.memory.static - theirs) <= 0.01 * theirs
     assert round(theirs / 1e9, 1) == 60.2
+
+
+def test_the_tiny_gpt_is_the_measured_one(figures: dict[str, tuple[float, Any]]) -> None:
+    """The tiny cases plan recipes/tiny_cpu_gpt.yaml's model (its parameter count), so the
+    bytes ``tests/test_planner_measure.py`` measures per rank at DP 2 and 4 are these."""
+    from megatron_ext.config.load import load_recipe
+
+    tiny = load_recipe("tiny_cpu_gpt", ["training.precision=bf16"], world_size=2)
+    measured_model = plan_run(tiny, Cluster(GPUS["h100"], 1, 2), baselines=False)
+    for name in ("tiny_dp2", "tiny_dp4"):
+        assert figures[name][1].total_params == measured_model.total_params
