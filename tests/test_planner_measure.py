@@ -8,11 +8,11 @@ The runs are the trainer's own (``tests/dist/planner_measure.py``: ``gpt.setup.s
   bytes, DDP's ``main_grad`` buffer, the fp32 masters and each optimizer's state after one step
   (0-d step counters excluded, as the specs' ``state_bytes`` exclude them), against
   :func:`~megatron_ext.planner.memory.rank_memory` for that rank's data-parallel and
-  expert-data-parallel ranks, and the per-rank owned state and masters of the plan's
-  ``RankLoads``; :func:`~megatron_ext.planner.plan.plan_run`'s most loaded rank against the
-  rank it names;
-- **communication, exactly**: the layer-wise optimizer's wire counters after one step
-  (gradient reduce-scatter-v, parameter all-gather-v: ``WireStats``) against
+  expert-data-parallel ranks (AdamW's element-sharded ranges included: ZeRO-1), and the
+  per-rank owned state and masters of the plan's ``RankLoads``;
+  :func:`~megatron_ext.planner.plan.plan_run`'s most loaded rank against the rank it names;
+- **communication, exactly**: the layer-wise and the element-sharded AdamW's wire counters
+  after one step (gradient reduce-scatter-v, parameter all-gather-v: ``WireStats``) against
   :func:`~megatron_ext.planner.comm.data_parallel_bytes` for each rank, and ``plan_run``'s;
 - **activations within 15 %**: the bytes autograd saves for one micro-batch (saved-tensor hooks,
   storages counted once) of the tiny dense GPT (fp32, bf16), the tiny MoE and a ~125M GPT, with
@@ -226,11 +226,8 @@ def test_wire_bytes_equal_the_plan_on_every_rank(
     ranks = measured["bytes"][f"{case}/{optimizer}/{precision}"]
     _, lay, _, _, plan = planned(case, optimizer, precision)
     stage = plan.stages[0]
-    if optimizer == "adamw":  # DDP's all-reduce: no layer-wise collectives to count
-        assert all(r["wire"] is None for r in ranks)
-        assert stage.comm.grad_reduce_scatter == stage.comm.param_all_gather == (0, 0)
-        assert (stage.comm.ddp_all_reduce[0] > 0) == (lay.dp > 1)
-        return
+    # every optimizer reduce-scatters and all-gathers (AdamW: its element-sharded buckets)
+    assert stage.comm.ddp_all_reduce == (0, 0)
     for rank in ranks:
         _, comm = _rank_plan(case, optimizer, precision, rank)
         wire = rank["wire"]

@@ -161,7 +161,8 @@ CONSUMED = {
 REASONS = {
     "overlap-grad-reduce": "the layer-wise optimizer schedules its own gradient sync",
     "overlap-param-gather": "the layer-wise optimizer overlaps its all-gather with the forward",
-    "use-distributed-optimizer": "matrix optimizers are sharded layer-wise; AdamW is replicated",
+    "use-distributed-optimizer": "always on: AdamW is element-sharded (ZeRO-1), matrix "
+    "optimizers layer-wise",
     "tensorboard-dir": "TensorBoard goes to run_dir/tensorboard (logging.tensorboard)",
     "wandb-project": "no W&B logging",
     "wandb-exp-name": "no W&B logging",

@@ -1,4 +1,6 @@
-"""Layer-wise optimizers over several data-parallel domains, behind one interface.
+"""Layer-wise optimizers over several data-parallel domains, behind one interface (and the
+element-sharded AdamW parts beside them, :class:`~.sharded_adam.ShardedAdamW`, which answer
+the same interface).
 
 With expert parallelism the dense weights are replicated over the data-parallel group, but each
 expert weight only over the (smaller) expert-data-parallel group: the ranks of one expert-parallel
@@ -72,6 +74,12 @@ class LayerwiseDomains:
 
     def holds(self, name: str) -> bool:
         return self._of[name].holds(name)
+
+    def flat_range(self, name: str) -> tuple[int, int] | None:
+        """This rank's element range of ``name`` if an element-sharded part (ZeRO-1 AdamW,
+        :mod:`.sharded_adam`) holds it, else ``None`` (whole matrices)."""
+        part = self._of[name]
+        return part.flat_range(name) if hasattr(part, "flat_range") else None
 
     @property
     def grad_wire(self) -> WireStats:

@@ -66,6 +66,32 @@ def fp32_master(p: torch.nn.Parameter) -> torch.nn.Parameter:
     return master
 
 
+def forward_wait_hooks(
+    model: torch.nn.Module, buckets: Sequence[tuple[Any, Sequence[str]]], wait: Any
+) -> list[Any]:
+    """Forward pre-hooks calling ``wait(bucket)`` on each module holding a member of a bucket
+    (``buckets``: ``(bucket, member names)``); ``wait`` must return at once for a bucket
+    already waited for."""
+    holder = {}
+    for module_name, module in model.named_modules():
+        for param_name, _ in module.named_parameters(recurse=False):
+            holder[f"{module_name}.{param_name}" if module_name else param_name] = module
+    handles = []
+    for bucket, members in buckets:
+        modules = {}
+        for name in members:
+            if name not in holder:
+                raise ValueError(f"{name} is not a parameter of the given model")
+            modules[id(holder[name])] = holder[name]
+        for module in modules.values():
+
+            def hook(_module: torch.nn.Module, _args: Any, bucket: Any = bucket) -> None:
+                wait(bucket)
+
+            handles.append(module.register_forward_pre_hook(hook))
+    return handles
+
+
 @dataclass
 class Bucket:
     """Parameters synchronised by one all-gather; ``order`` is rank-major (owner, then name)."""
@@ -274,28 +300,14 @@ class LayerwiseOptimizer(NamedState):
 
     def attach_forward_hooks(self, model: torch.nn.Module) -> list[Any]:
         """Wait for each bucket in a forward pre-hook of every module holding one of its
-        parameters (the first to run waits; the others find it done), so the all-gathers
-        overlap the next forward pass up to the first use of each bucket. Parameter
-        registration order is not always execution order (megatron-core's attention registers
-        ``linear_proj`` before ``linear_qkv``), so hooking one module could let a parameter be
-        used before its bucket arrived. ``model``'s parameter names must be this optimizer's."""
-        holder = {}
-        for module_name, module in model.named_modules():
-            for param_name, _ in module.named_parameters(recurse=False):
-                holder[f"{module_name}.{param_name}" if module_name else param_name] = module
-        handles = []
-        for bucket in self.buckets:
-            modules: dict[int, torch.nn.Module] = {}
-            for name, _ in bucket.order:
-                if name not in holder:
-                    raise ValueError(f"{name} is not a parameter of the given model")
-                modules.setdefault(id(holder[name]), holder[name])
-
-            def wait(_module: torch.nn.Module, _args: Any, bucket: Bucket = bucket) -> None:
-                self.wait_bucket(bucket)
-
-            handles += [m.register_forward_pre_hook(wait) for m in modules.values()]
-        return handles
+        parameters (the first to run waits; the rest find nothing pending), so the all-gathers
+        overlap the next forward pass up to the first use of each bucket. Every member's
+        module, not only the first parameter's: registration order is not forward order
+        (megatron-core registers ``linear_proj`` before ``linear_qkv``). ``model``'s parameter
+        names must be the ones this optimizer has."""
+        return forward_wait_hooks(
+            model, [(b, [n for n, _ in b.order]) for b in self.buckets], self.wait_bucket
+        )
 
     # -- gradient sync: reduce-scatter-v to the owners (:mod:`.grad_sync`) ------------------
     @property
@@ -306,6 +318,11 @@ class LayerwiseOptimizer(NamedState):
     @grad_wire.setter
     def grad_wire(self, wire: WireStats) -> None:
         self.grad_sync.wire = wire
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of gradient storage :meth:`bind_grad_storage` lays out."""
+        return self.grad_sync.numel
 
     def bind_grad_storage(self, storage: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
         """Lay the gradients out in ``storage`` (1-D; e.g. DDP's grad buffer), scaled by

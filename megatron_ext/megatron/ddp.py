@@ -53,27 +53,27 @@ class DistributedDataParallel(McDistributedDataParallel):
 
         return hook
 
-    def grad_storage(self, params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, float]:
-        """The grad buffer holding every one of ``params`` (its whole 1-D ``grad_data``) and
-        the factor DDP scales it by before reducing (``gradient_scaling_factor``, e.g. 1/dp).
-
+    def grad_storage(self, params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, float, int]:
+        """The grad buffer holding every one of ``params`` (its whole 1-D ``grad_data``), the
+        factor DDP scales it by before reducing (``gradient_scaling_factor``, e.g. 1/dp) and
+        how many parameters the buffer holds (several optimizer parts may share one buffer:
+        the layer-wise matrices and the element-sharded AdamW parameters of one dtype).
         The caller may lay the buffer out anew and point ``main_grad`` at its views: with the
-        sync handed over, DDP's own code only zeroes and scales the buffer as a whole."""
+        sync handed over, DDP's own code only zeroes the buffer as a whole."""
         buffers = self.buffers + self.expert_parallel_buffers
         holders = {id(b) for p in params for b in buffers if p in b.param_index_map}
         if len(holders) != 1:
             raise ValueError(
                 f"the {len(params)} parameters lie in {len(holders)} DDP gradient buffers; "
-                "the layer-wise gradient sync needs each optimizer domain in one buffer "
-                "(one parameter dtype per domain)"
+                "the layer-wise gradient sync needs each optimizer part in one buffer "
+                "(one parameter dtype per part)"
             )
         (buffer,) = (b for b in buffers if id(b) in holders)
-        if len(buffer.param_index_map) != len(params):
-            raise ValueError(
-                f"the DDP gradient buffer holds {len(buffer.param_index_map)} parameters, "
-                f"the layer-wise optimizer domain {len(params)}: it cannot lay it out alone"
-            )
-        return buffer.grad_data, float(buffer.gradient_scaling_factor)
+        return (
+            buffer.grad_data,
+            float(buffer.gradient_scaling_factor),
+            len(buffer.param_index_map),
+        )
 
     def hand_grad_sync_to(self, sync: GradSyncHandler) -> None:
         """From now on backward reports complete gradients to ``sync`` and

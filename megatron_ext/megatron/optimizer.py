@@ -44,6 +44,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
 from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
+from megatron_ext.megatron.range_state import join_blocks, range_entries
 
 #: Key prefix of the name-keyed optimizer state (named after the optimizer that introduced it;
 #: kept so that checkpoints written since then load as they are).
@@ -188,10 +189,14 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self.optimizer.reload_masters()
 
     def _layerwise(self) -> bool:
+        """Whether the wrapped optimizer shards over the data-parallel group (layer-wise
+        ownership and/or element-sharded AdamW): it then takes over the gradient sync, its
+        gradient statistics are summed over the group and its all-gathers are waited for."""
         from megatron_ext.distributed.domains import LayerwiseDomains
         from megatron_ext.distributed.layerwise import LayerwiseOptimizer
+        from megatron_ext.distributed.sharded_adam import ShardedAdamW
 
-        return isinstance(self.optimizer, (LayerwiseOptimizer, LayerwiseDomains))
+        return isinstance(self.optimizer, (LayerwiseOptimizer, LayerwiseDomains, ShardedAdamW))
 
     def _step_inner(self) -> None:
         self.optimizer.step()
@@ -229,17 +234,31 @@ class MegatronExtOptimizer(MegatronOptimizer):
         parts = opt.parts if hasattr(opt, "parts") else [opt]
         param_of = dict(zip(self.master_names, self.model_params, strict=True))
         part_of: dict[torch.nn.Parameter, tuple[Any, str]] = {}
+        # parts sharing a DDP buffer (matrices and element-sharded AdamW of one dtype) take
+        # consecutive regions of it: [next free element, parameters bound, parameters held]
+        claimed: dict[int, list[int]] = {}
         for part in parts:
             names = [n for n, _ in part.named_params]
-            storage, scale = model.grad_storage([param_of[n] for n in names])
+            storage, scale, held = model.grad_storage([param_of[n] for n in names])
+            slot = claimed.setdefault(id(storage), [0, 0, held])
+            region = storage[slot[0] :]
+            slot[0] += part.grad_numel
+            slot[1] += len(names)
             before = {n: param_of[n].main_grad.clone() for n in names}  # once, at setup
-            views = part.bind_grad_storage(storage, scale)
-            storage.zero_()
+            views = part.bind_grad_storage(region, scale)
+            region[: part.grad_numel].zero_()
             for name in names:
                 p = param_of[name]
                 p.main_grad = views[name].view_as(p)
                 p.main_grad.copy_(before[name])
                 part_of[p] = (part, name)
+        for _, bound, held in claimed.values():
+            if bound != held:
+                raise ValueError(
+                    f"a DDP gradient buffer holds {held} parameters, the optimizer {bound}: "
+                    "the layer-wise gradient sync cannot lay it out (build the optimizer over "
+                    "every parameter of the model)"
+                )
         model.hand_grad_sync_to(_LayerwiseGradSync(part_of, parts))
         return True
 
@@ -259,8 +278,14 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return {"layerwise": self.optimizer.named_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict` output (the union of the saving ranks' entries is enough)."""
-        self.optimizer.load_named_state(state_dict["layerwise"])
+        """Load :meth:`state_dict` output (the union of the saving ranks' entries is enough), or
+        what dist_checkpointing loaded for :meth:`sharded_state_dict` (an element-sharded
+        range's blocks joined back into the range)."""
+        named = {
+            name: {k: join_blocks(v) for k, v in st.items()}
+            for name, st in state_dict["layerwise"].items()
+        }
+        self.optimizer.load_named_state(named)
 
     def _init_state(self) -> None:
         """Create the wrapped optimizer's state before loading into it: one step with zero
@@ -323,6 +348,15 @@ class MegatronExtOptimizer(MegatronOptimizer):
         for name, st in opt.named_state().items():
             replica = 0 if opt.saves(name) and tp_main[name] else 1 + dist.get_rank()
             tag = self.shard_tag(shards[name])
+            flat = _flat_range(opt, name)
+            if flat is not None:  # element-sharded (ZeRO-1): this rank's range, in blocks
+                writes = tp_main[name] and flat[0] == 0  # of the step counter: one rank
+                counter = 0 if writes else 1 + dist.get_rank()
+                shape = self._shape(name)
+                state[name] = range_entries(
+                    st, f"{STATE_PREFIX}.{{}}.{tag}", shape, flat, replica, counter
+                )
+                continue
             entry = {}
             for k, v in st.items():
                 key = f"{STATE_PREFIX}.{k}.{tag}"
@@ -332,6 +366,16 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
         return {"layerwise": state}
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """The local shape of model parameter ``name`` (its tensor-parallel shard)."""
+        return tuple(self.model_params[self.master_names.index(name)].shape)
+
+
+def _flat_range(opt: Any, name: str) -> tuple[int, int] | None:
+    """This rank's element range of ``name`` when the wrapped optimizer element-shards it."""
+    flat_range = getattr(opt, "flat_range", None)
+    return None if flat_range is None else flat_range(name)
 
 
 class _LayerwiseGradSync:

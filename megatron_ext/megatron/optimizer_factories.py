@@ -1,9 +1,10 @@
 """What the optimizer adapter wraps, built from a recipe's ``optimizer`` section.
 
-:func:`inner_factory` returns a factory over named parameters: AdamW over fp32 masters on every
-rank (:class:`~.replicated.ReplicatedOptimizer`), or the layer-wise distributed optimizer (the
-matrix optimizer for hidden matrices, AdamW for the rest; dense weights planned over the
-data-parallel group, expert weights over the expert-data-parallel group).
+:func:`inner_factory` returns a factory over named parameters: AdamW element-sharded over the
+data-parallel group (ZeRO-1, :class:`~megatron_ext.distributed.sharded_adam.ShardedAdamW`), or
+the layer-wise distributed optimizer for the hidden matrices with the rest in element-sharded
+AdamW (dense weights over the data-parallel group, expert weights over the
+expert-data-parallel group).
 :class:`~.optimizer.MegatronExtOptimizer` calls it.
 """
 
@@ -17,7 +18,6 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.optimizers.routing import weight_decay_groups
 from megatron_ext.optimizers.spec import recipe_hyperparameters
 
 __all__ = [
@@ -66,65 +66,93 @@ def hyperparameters(cfg: OptimizerConfig) -> dict[str, dict[str, Any]]:
     return recipe_hyperparameters(cfg)
 
 
+def _groups() -> tuple[Any, Any]:
+    """The data-parallel and expert-data-parallel groups (``None`` outside a distributed run)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None, None
+    return (
+        parallel_state.get_data_parallel_group(),
+        parallel_state.get_expert_data_parallel_group(),
+    )
+
+
+def _sharded_adamw(named: NamedParams, group: Any, hp: dict[str, Any]) -> Any:
+    """AdamW over ``named``, element-sharded over ``group`` (ZeRO-1: :mod:`~megatron_ext.
+    distributed.sharded_adam`)."""
+    from megatron_ext.distributed.allgather_v import make_allgather_v
+    from megatron_ext.distributed.sharded_adam import ShardedAdamW
+    from megatron_ext.optimizers.registry import build_optimizer
+
+    gather = make_allgather_v(group) if group is not None else None
+    return ShardedAdamW(named, lambda groups: build_optimizer("adamw", groups, hp), gather)
+
+
+def _combine(parts: list[Any]) -> Any:
+    from megatron_ext.distributed.domains import LayerwiseDomains
+
+    parts = [p for p in parts if p.named_params]
+    return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
+
+
 def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
-    """Plain AdamW over fp32 masters of every parameter, each data-parallel rank stepping all
-    of them (:class:`~.replicated.ReplicatedOptimizer`); rank 0 of a parameter's data-parallel
-    group (expert-data-parallel for MoE experts) writes its state."""
+    """Plain AdamW with ZeRO-1 semantics, as megatron-core's distributed optimizer: fp32 masters
+    and moments element-sharded over the data-parallel group (MoE experts: the
+    expert-data-parallel group), gradients reduce-scattered, updated ranges all-gathered
+    (:class:`~megatron_ext.distributed.sharded_adam.ShardedAdamW`)."""
 
     def build(named: NamedParams) -> Any:
-        from megatron_ext.megatron.replicated import ReplicatedOptimizer
-
-        expert = {n for n, p in named if is_expert_param(p)}
-        distributed = parallel_state.model_parallel_is_initialized()
-        dense_rank = parallel_state.get_data_parallel_rank() if distributed else 0
-        expert_rank = parallel_state.get_expert_data_parallel_rank() if distributed else 0
-
-        def writer(name: str) -> bool:
-            return (expert_rank if name in expert else dense_rank) == 0
-
-        def adamw(masters: NamedParams) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(weight_decay_groups(masters), **hyperparameters(cfg)["adamw"])
-
-        return ReplicatedOptimizer(named, adamw, writer)
+        dp_group, edp_group = _groups()
+        hp = hyperparameters(cfg)["adamw"]
+        dense = [(n, p) for n, p in named if not is_expert_param(p)]
+        expert = [(n, p) for n, p in named if is_expert_param(p)]
+        parts = [_sharded_adamw(dense, dp_group, hp)]
+        if expert:
+            parts.append(_sharded_adamw(expert, edp_group, hp))
+        return _combine(parts)
 
     return build
 
 
 def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
     """The layer-wise distributed optimizer over the data-parallel group: ``cfg.name`` for the
-    hidden matrices, AdamW for the rest, each matrix updated by the rank that owns it."""
+    hidden matrices, each matrix updated by the rank that owns it; the parameters routed to
+    AdamW (embeddings, output layer, norms, biases) element-sharded beside it (ZeRO-1,
+    :class:`~megatron_ext.distributed.sharded_adam.ShardedAdamW`)."""
 
     def build(named: NamedParams) -> Any:
         from megatron_ext.distributed.allgather_v import make_allgather_v
-        from megatron_ext.distributed.domains import LayerwiseDomains
         from megatron_ext.distributed.layerwise import LayerwiseOptimizer
         from megatron_ext.distributed.tensor_parallel import shard_infos_from_attributes
+        from megatron_ext.optimizers.routing import route_parameter
 
         # Dense weights are planned over the data-parallel group, expert weights over the
         # expert-data-parallel group (the ranks holding the same experts); TP shards are updated
         # in optimizer.tp_mode (the plan depends only on names and shard shapes, so every rank of
         # a TP group owns the same shards and joins the same TP collectives).
-        dense = [(n, p) for n, p in named if not is_expert_param(p)]
-        expert = [(n, p) for n, p in named if is_expert_param(p)]
-        tp_shards = shard_infos_from_attributes(
-            [p for _, p in dense], parallel_state.get_tensor_model_parallel_group()
-        )
-        tp_shards |= shard_infos_from_attributes(
-            [p for _, p in expert], parallel_state.get_expert_tensor_parallel_group()
-        )
+        def adamw(n: str, p: torch.nn.Parameter) -> bool:
+            return route_parameter(n, tuple(p.shape), matrix_optimizer=cfg.name) == "adamw"
+
         hp = hyperparameters(cfg)
-        dp_group = parallel_state.get_data_parallel_group()
-        parts = [
-            LayerwiseOptimizer(dense, cfg.name, make_allgather_v(dp_group), hp, tp_shards=tp_shards)
-        ]
-        if expert:
-            edp_group = parallel_state.get_expert_data_parallel_group()
-            parts.append(
-                LayerwiseOptimizer(
-                    expert, cfg.name, make_allgather_v(edp_group), hp, tp_shards=tp_shards
+        dp_group, edp_group = _groups()
+        parts: list[Any] = []
+        for expert, group, tp_group in (
+            (False, dp_group, parallel_state.get_tensor_model_parallel_group),
+            (True, edp_group, parallel_state.get_expert_tensor_parallel_group),
+        ):
+            domain = [(n, p) for n, p in named if is_expert_param(p) == expert]
+            if not domain:
+                continue
+            matrices = [(n, p) for n, p in domain if not adamw(n, p)]
+            if matrices:
+                tp_shards = shard_infos_from_attributes([p for _, p in matrices], tp_group())
+                gather = make_allgather_v(group)
+                parts.append(
+                    LayerwiseOptimizer(matrices, cfg.name, gather, hp, tp_shards=tp_shards)
                 )
+            parts.append(
+                _sharded_adamw([(n, p) for n, p in domain if adamw(n, p)], group, hp["adamw"])
             )
-        return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
+        return _combine(parts)
 
     return build
 

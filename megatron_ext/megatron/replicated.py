@@ -1,9 +1,12 @@
 """A torch optimizer that every data-parallel rank steps over every parameter (megatron-core's
 non-distributed optimizer), with the same name-keyed state as the layer-wise optimizer.
 
-:class:`ReplicatedOptimizer` is what ``optimizer.name=adamw`` runs: plain ``torch.optim.AdamW``
-over fp32 masters, each rank holding the whole state. It answers the interface the adapter
-(:class:`~megatron_ext.megatron.optimizer.MegatronExtOptimizer`) asks of any wrapped optimizer
+:class:`ReplicatedOptimizer` is plain ``torch.optim.AdamW`` over fp32 masters, each rank holding
+the whole state: megatron-core's optimizer without ``--use-distributed-optimizer``. The trainer
+runs ZeRO-1 AdamW instead (:mod:`megatron_ext.distributed.sharded_adam`); this one is its
+reference in the tests (``tests/test_sharded_adam.py``: equal trajectories). It answers the
+interface the adapter (:class:`~megatron_ext.megatron.optimizer.MegatronExtOptimizer`) asks of
+any wrapped optimizer
 -- ``master(name)``, ``set_grads``, ``reload_masters``, ``named_state``/``load_named_state``,
 ``saves(name)`` -- so one checkpoint form holds every optimizer's state: keyed by parameter
 name, written once (data-parallel rank 0), loadable at any data-parallel size.

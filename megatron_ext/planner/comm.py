@@ -6,7 +6,11 @@
   :class:`~megatron_ext.distributed.plan.BucketLayout` exactly as
   :class:`~megatron_ext.distributed.allgather_v.WireStats` counts them; the replicated small
   parameters' gradient all-reduce beside it (ring: ``2·(n−1)/n`` of the bytes each way);
-- **data parallel, plain AdamW**: megatron-core DDP's all-reduce of every fp32 gradient (ring);
+- **data parallel, element-sharded AdamW** (ZeRO-1: plain AdamW, and the AdamW-routed
+  parameters of a matrix-optimizer run): the same two collectives per bucket, each rank's
+  range an even split of the bucket (:mod:`~megatron_ext.distributed.shard_layout`); none on
+  a group of one rank; megatron-core DDP's all-reduce is replaced by them (``ddp_all_reduce``
+  stays 0 for the GPT trainer);
 - **tensor / sequence parallel**: per layer and micro-batch, forward and backward, the four
   activation collectives of a Megatron layer (two all-gathers and two reduce-scatters with
   sequence parallelism, two all-reduces each way without — the same bytes, ``(tp−1)/tp`` of a
@@ -77,24 +81,25 @@ def data_parallel_bytes(
 ) -> CommFigures:
     """The data-parallel collectives' bytes of one step on the given ranks."""
     figures = CommFigures()
-    if layout.dense is None:  # plain AdamW: DDP all-reduces every gradient
-        dense = FP32 * sum(p.numel for p in params if not p.is_expert)
-        expert = FP32 * sum(p.numel for p in params if p.is_expert)
-        each = ring_all_reduce_bytes(dense, dp) + ring_all_reduce_bytes(expert, edp)
-        figures.ddp_all_reduce = (each, each)
-        return figures
     rs = [0, 0]
     ag = [0, 0]
     replicated = 0
-    for plan, buckets in domain_buckets(params, layout):
-        rank = expert_rank if plan is layout.expert else dense_rank
-        for b in buckets:
-            for total, (sent, received) in (
-                (rs, b.reduce_scatter_bytes(rank, FP32)),
-                (ag, b.gather_bytes(rank, param_bytes)),
-            ):
-                total[0] += sent
-                total[1] += received
+    ranked = [
+        (b, expert_rank if plan is layout.expert else dense_rank)
+        for plan, buckets in domain_buckets(params, layout)
+        for b in buckets
+    ]
+    # the element-sharded AdamW's buckets: nothing moves within one rank
+    for buckets, rank in ((layout.dense_shards, dense_rank), (layout.expert_shards, expert_rank)):
+        ranked += [(b, rank) for b in buckets if len(b.counts) > 1]
+    for b, rank in ranked:
+        for total, (sent, received) in (
+            (rs, b.reduce_scatter_bytes(rank, FP32)),
+            (ag, b.gather_bytes(rank, param_bytes)),
+        ):
+            total[0] += sent
+            total[1] += received
+    for plan, _ in domain_buckets(params, layout):
         world = dp if plan is layout.dense else edp
         small = set(plan.replicated)
         nbytes = FP32 * sum(p.numel for p in params if p.name in small)

@@ -1,5 +1,6 @@
-"""Who updates which parameter in a planned run: the routes (which optimizer) and the layer-wise
-ownership plans, built by the trainer's own functions, and the all-gather buckets they imply.
+"""Who updates which parameter in a planned run: the routes (which optimizer), the layer-wise
+ownership plans of the matrices and the element-sharded (ZeRO-1) buckets of the AdamW-routed
+parameters, built by the trainer's own functions, and the buckets they imply.
 
 Torch-free.
 """
@@ -7,7 +8,7 @@ Torch-free.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ext.distributed.plan import (
@@ -17,6 +18,7 @@ from megatron_ext.distributed.plan import (
     bucket_layout,
     plan_ownership,
 )
+from megatron_ext.distributed.shard_layout import piece_ranges, shard_buckets
 from megatron_ext.optimizers.routing import route_parameter
 from megatron_ext.planner.params import PlannedParam
 
@@ -27,6 +29,7 @@ __all__ = [
     "domain_buckets",
     "matrices",
     "optimizer_layout",
+    "shard_domains",
 ]
 
 #: the layer-wise optimizer's bucket size (elements), LayerwiseOptimizer.bucket_numel
@@ -41,23 +44,42 @@ def matrices(shape: Sequence[int]) -> tuple[int, int, int]:
 
 @dataclass
 class OptimizerLayout:
-    """Who updates what: the routes, and the plans over the data-parallel group (dense) and the
-    expert-data-parallel group (experts); ``None`` plans for plain AdamW (every rank all)."""
+    """Who updates what: the routes; the layer-wise plans of the matrices over the
+    data-parallel group (dense) and the expert-data-parallel group (experts), ``None`` where a
+    domain has no matrix (plain AdamW); and the AdamW-routed parameters' element-sharded
+    buckets over the same groups (``sharded``: names; ``dense_shards`` / ``expert_shards``)."""
 
     routes: dict[str, str]
     dense: OwnershipPlan | None
     expert: OwnershipPlan | None
+    sharded: frozenset[str] = frozenset()
+    dense_shards: list[BucketLayout] = field(default_factory=list)
+    expert_shards: list[BucketLayout] = field(default_factory=list)
 
     def held(self, params: Sequence[PlannedParam], dense_rank: int, expert_rank: int) -> list:
-        """The parameters the given ranks update (own or replicate)."""
-        if self.dense is None:
-            return list(params)
+        """The whole parameters the given ranks update (own or replicate); element-sharded
+        ones are in :meth:`shard_elements`."""
         out = []
         for p in params:
+            if p.name in self.sharded:
+                continue
             plan, rank = (self.expert, expert_rank) if p.is_expert else (self.dense, dense_rank)
             assert plan is not None
             if plan.owner[p.name] in (rank, OwnershipPlan.REPLICATED):
                 out.append(p)
+        return out
+
+    def shard_elements(
+        self, params: Sequence[PlannedParam], dense_rank: int, expert_rank: int
+    ) -> dict[str, int]:
+        """Per element-sharded parameter, the elements the given ranks hold (0 included)."""
+        numel = {p.name: p.numel for p in params}
+        out: dict[str, int] = {}
+        for buckets, rank in ((self.dense_shards, dense_rank), (self.expert_shards, expert_rank)):
+            for b in buckets:
+                pieces = piece_ranges(b, [numel[n] for n in b.members], rank)
+                for name, (lo, hi, _) in zip(b.members, pieces, strict=True):
+                    out[name] = hi - lo
         return out
 
 
@@ -71,27 +93,43 @@ def optimizer_layout(
     bf16: bool,
     overrides: Sequence[tuple[str, str]] = (),
 ) -> OptimizerLayout:
-    """Routes and ownership plans exactly as the trainer builds them (the same functions)."""
+    """Routes, ownership plans and shard buckets exactly as the trainer builds them (the same
+    functions: :func:`~megatron_ext.megatron.optimizer_factories.layerwise_factory` gives the
+    AdamW-routed parameters to the element-sharded AdamW, the rest to the layer-wise plan)."""
     routes = {
         p.name: route_parameter(p.name, p.shape, matrix_optimizer=optimizer, overrides=overrides)
         for p in params
     }
-    if optimizer == "adamw":
-        return OptimizerLayout(routes, None, None)
+    sharded = frozenset(n for n, r in routes.items() if r == "adamw")
 
-    def plan(members: list[PlannedParam], world: int) -> OwnershipPlan:
+    def plan(members: list[PlannedParam], world: int) -> OwnershipPlan | None:
         specs = [
             ParamSpec(p.name, p.shape, routes[p.name], master_bytes_per_element=4 if bf16 else 0)
             for p in members
+            if p.name not in sharded
         ]
-        return plan_ownership(specs, world, hyperparameters)
+        return plan_ownership(specs, world, hyperparameters) if specs else None
 
+    def shards(members: list[PlannedParam], world: int) -> list[BucketLayout]:
+        named = [(p.name, p.numel, "param") for p in members if p.name in sharded]
+        return shard_buckets(named, world, BUCKET_NUMEL)
+
+    dense = [p for p in params if not p.is_expert]
     expert = [p for p in params if p.is_expert]
     return OptimizerLayout(
         routes,
-        plan([p for p in params if not p.is_expert], dp),
+        plan(dense, dp),
         plan(expert, edp) if expert else None,
+        sharded,
+        shards(dense, dp),
+        shards(expert, edp) if expert else [],
     )
+
+
+def shard_domains(layout: OptimizerLayout, dp: int, edp: int) -> list[tuple[int, list]]:
+    """``(world, buckets)`` of each element-sharded domain (dense, then experts); a domain of
+    one rank moves nothing (its optimizer runs no collective)."""
+    return [(dp, layout.dense_shards), (edp, layout.expert_shards)]
 
 
 def domain_buckets(
@@ -102,6 +140,10 @@ def domain_buckets(
     for plan, expert in ((layout.dense, False), (layout.expert, True)):
         if plan is None:
             continue
-        members = [(p.name, p.numel, "param") for p in params if p.is_expert == expert]
+        members = [
+            (p.name, p.numel, "param")
+            for p in params
+            if p.is_expert == expert and p.name not in layout.sharded
+        ]
         out.append((plan, bucket_layout(members, plan, BUCKET_NUMEL)))
     return out

@@ -335,8 +335,8 @@ def _loads(
     world = plan.world
     out = RankLoads([0] * world, [0] * world, [0.0] * world, [0] * world)
     for p in params:
-        if p.is_expert != expert:
-            continue
+        if p.is_expert != expert or p.name in layout.sharded:
+            continue  # element-sharded AdamW's ranges: not the layer-wise plan's
         rank = plan.owner[p.name]
         if rank == plan.REPLICATED:
             continue
@@ -368,18 +368,25 @@ def _stage(
     kw = {"bf16": bf16, "hp": hp, "tp": lay.tp, "tp_mode": opt.tp_mode, "param_bytes": param_bytes}
     dense, expert = _loads(params, layout, False, **kw), _loads(params, layout, True, **kw)
     # the physical rank at (dense rank d, cp rank 0) is expert-data-parallel rank (d·cp) // ep
-    dense_rank, expert_rank = 0, 0
-    if dense is not None:
+    has_expert = any(p.is_expert for p in params)
+    # element-sharded AdamW: fp32 master (bf16 models) and two moments per element held
+    shard_element_bytes = optimizer_spec("adamw").state_bytes(1, 1) + (FP32 if bf16 else 0)
 
-        def load(d: int) -> int:
-            total = dense.state_bytes[d] + dense.master_bytes[d]
-            if expert is not None:
-                e = d * lay.cp // lay.ep
-                total += expert.state_bytes[e] + expert.master_bytes[e]
-            return total
+    def shard_bytes(buckets: list[Any], rank: int) -> int:
+        return shard_element_bytes * sum(b.counts[rank] for b in buckets)
 
-        dense_rank = max(range(dense.ranks), key=load)
-        expert_rank = dense_rank * lay.cp // lay.ep if expert is not None else 0
+    def load(d: int) -> int:
+        total = shard_bytes(layout.dense_shards, d)
+        if dense is not None:
+            total += dense.state_bytes[d] + dense.master_bytes[d]
+        e = d * lay.cp // lay.ep
+        total += shard_bytes(layout.expert_shards, e) if has_expert else 0
+        if expert is not None:
+            total += expert.state_bytes[e] + expert.master_bytes[e]
+        return total
+
+    dense_rank = max(range(lay.dp), key=load)
+    expert_rank = dense_rank * lay.cp // lay.ep if has_expert else 0
     kept, rebuild = stage_activations(recipe, lay, stage, vocab)
     in_flight = min(lay.pp - stage, lay.micro_batches)
     memory = rank_memory(
@@ -398,6 +405,10 @@ def _stage(
             own = loads.state_bytes[rank] + loads.master_bytes[rank]
             mean = (sum(loads.state_bytes) + sum(loads.master_bytes)) / loads.ranks
             mean_static += mean - own
+    for buckets, rank in ((layout.dense_shards, dense_rank), (layout.expert_shards, expert_rank)):
+        if buckets:  # and its element-sharded range for the mean range
+            mean = shard_element_bytes * sum(b.numel for b in buckets) / len(buckets[0].counts)
+            mean_static += mean - shard_bytes(buckets, rank)
     comm = data_parallel_bytes(
         params,
         layout,
@@ -409,9 +420,10 @@ def _stage(
     )
     _model_parallel_bytes(comm, m, lay, stage, param_bytes)
     held = layout.held(params, dense_rank, expert_rank)
+    shard = layout.shard_elements(params, dense_rank, expert_rank)
     optimizer_flops = sum(
         _matrix_flops(p, layout.routes[p.name], hp, lay.tp, opt.tp_mode) for p in held
-    )
+    ) + optimizer_spec("adamw").flops(1, sum(shard.values()), hp.get("adamw", {}))
     return StagePlan(
         stage=stage,
         params=sum(p.numel for p in params),

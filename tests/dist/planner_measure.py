@@ -164,14 +164,21 @@ def model_parallel_groups() -> Iterator[None]:
 
 
 def _inner_parts(run: Any) -> list[Any]:
-    """The wrapped optimizer's parts: layer-wise domains, or the one replicated optimizer."""
+    """The wrapped optimizer's parts: layer-wise domains and element-sharded AdamW parts."""
     inner = run.optimizer.optimizer
     return list(getattr(inner, "parts", [inner]))
 
 
+def _layerwise(part: Any) -> bool:
+    """A layer-wise part (whole matrices owned), not an element-sharded AdamW one."""
+    return hasattr(part, "plan")
+
+
 def _routed_optimizers(part: Any) -> Iterator[tuple[str, bool, Any]]:
-    """(route, whether its parameters are owned rather than replicated, torch optimizer)."""
-    if not hasattr(part, "buckets"):  # ReplicatedOptimizer: AdamW over every parameter
+    """(route, whether its parameters are owned rather than replicated, torch optimizer); the
+    element-sharded AdamW's ranges count as neither owned nor replicated (owned: the
+    layer-wise plan's whole matrices)."""
+    if not _layerwise(part):  # ShardedAdamW: AdamW over this rank's ranges
         yield "adamw", False, part.optimizer
         return
     for route, opt in part.replicated_optimizers.items():
@@ -199,6 +206,8 @@ def _state_bytes(opt: Any, seen: set[int]) -> int:
 
 
 def _master_bytes(part: Any, owned_only: bool) -> int:
+    if not _layerwise(part):  # the fp32 ranges of bf16 parameters (none owned whole)
+        return 0 if owned_only else part.master_bytes()
     params = dict(part.named_params) if hasattr(part, "named_params") else part._params
     total = 0
     for name, master in part.masters.items():
@@ -214,34 +223,30 @@ def measure_bytes(run: Any) -> dict[str, Any]:
     """This rank's bytes after a step (see the module docstring)."""
     from megatron.core import parallel_state
 
+    from megatron_ext.megatron.optimizer_factories import is_expert_param
+
     model = run.model
     state: dict[str, int] = {}
     owned_state = {"dense": 0, "expert": 0}
     owned_masters = {"dense": 0, "expert": 0}
     seen: set[int] = set()
-    layerwise = hasattr(_inner_parts(run)[0], "buckets")
-    for part in _inner_parts(run):
-        domain = "expert" if layerwise and part is not _inner_parts(run)[0] else "dense"
+    parts = _inner_parts(run)
+    for part in parts:
+        domain = "expert" if is_expert_param(part.named_params[0][1]) else "dense"
         for route, owned, opt in _routed_optimizers(part):
             nbytes = _state_bytes(opt, seen)
             state[route] = state.get(route, 0) + nbytes
             if owned:
                 owned_state[domain] += nbytes
-        if layerwise:
-            owned_masters[domain] += _master_bytes(part, owned_only=True)
-    wire = None
-    if layerwise:
-        parts = _inner_parts(run)
-        wire = {
-            "grad_reduce_scatter": [
-                sum(p.grad_wire.sent for p in parts),
-                sum(p.grad_wire.received for p in parts),
-            ],
-            "param_all_gather": [
-                sum(p.gather.stats.sent for p in parts),
-                sum(p.gather.stats.received for p in parts),
-            ],
-        }
+        owned_masters[domain] += _master_bytes(part, owned_only=True)
+    gathers = [p.gather.stats for p in parts if p.gather is not None]
+    wire = {
+        "grad_reduce_scatter": [
+            sum(p.grad_wire.sent for p in parts),
+            sum(p.grad_wire.received for p in parts),
+        ],
+        "param_all_gather": [sum(g.sent for g in gathers), sum(g.received for g in gathers)],
+    }
     buffers = [*model.buffers, *model.expert_parallel_buffers]
     return {
         "dense_rank": parallel_state.get_data_parallel_rank(),
