@@ -58,6 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quoted string: --script-options '--data data/doc --tokenizer tok/'",
     )
     p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to validate the flags at when the script's torchrun sizes are not resolved "
+        "(default: the smallest the parallel sizes allow)",
+    )
+    p.add_argument(
+        "--gpu",
+        default="H100",
+        help="the GPU the script targets: Megatron-LM's GPU queries are answered for it on a "
+        "CPU host (default H100)",
+    )
+    p.add_argument(
         "--allow-unmapped",
         action="store_true",
         help="write the recipe even when a flag that changes the model cannot be expressed "
@@ -70,7 +84,11 @@ def recipe_main(args: argparse.Namespace) -> int:
     if not source.is_file():
         raise ConfigError(f"{source}: no such file")
     options = shlex.split(args.script_options)
-    conversion = convert(read_megatron_args(source.read_text(), args.script_args, options))
+    conversion = convert(
+        read_megatron_args(_read_text(source), args.script_args, options),
+        world_size=args.world_size,
+        gpu=args.gpu,
+    )
     if conversion.model_changing and not args.allow_unmapped:
         dropped = "; ".join(
             f"{flag} ({reason})"
@@ -93,6 +111,20 @@ def recipe_main(args: argparse.Namespace) -> int:
     ]
     print("\n".join(summary), file=sys.stderr)
     return 0
+
+
+def _read_text(source: Path) -> str:
+    """The script's text; an unreadable or binary file is a ConfigError."""
+    try:
+        data = source.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot be read ({err.strerror})") from None
+    if b"\0" in data:
+        raise ConfigError(f"{source}: a binary file, not a launch script or a list of flags")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text, not a launch script") from None
 
 
 def launch_options(conversion: Conversion) -> list[str]:

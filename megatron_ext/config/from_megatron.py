@@ -56,6 +56,7 @@ class Conversion:
     notes: list[str] = field(default_factory=list)
     # unmapped flags that build another model (MODEL_CHANGING): refused unless allowed
     model_changing: list[str] = field(default_factory=list)
+    megatron: Any = None  # Megatron-LM's namespace after parse_args + validate_args
 
     def drop(self, flag: Flag, reason: str, changes_model: bool | None = None) -> None:
         """``flag`` is not mapped, for ``reason``; a model-changing one (``changes_model``; None:
@@ -91,17 +92,24 @@ def translate(table: dict[str, str], value: str, what: str) -> str:
     return table[value]
 
 
-def convert(args: MegatronArgs) -> Conversion:
-    """The recipe for Megatron-LM flags ``args`` (see the module docstring)."""
+def convert(args: MegatronArgs, world_size: int | None = None, gpu: str = "H100") -> Conversion:
+    """The recipe for Megatron-LM flags ``args`` (see the module docstring), validated by
+    Megatron-LM's own parser at the script's world size (else ``world_size``, else the
+    smallest its parallel sizes allow) on a CPU host answering for ``gpu``."""
+    from megatron_ext.config.from_megatron_parsed import apply_parsed, parse_script
+
     _check_entry_script(args)
     out = Conversion(recipe={"trainer": "gpt"})
+    _check_required({k: args.last(k) for k in (*REQUIRED, *_RUN_LENGTH)})
+    parsed, size, note = parse_script(args, world_size, gpu)
+    out.megatron = parsed
+    out.notes.append(note)
     for command, words in args.other_commands:
         out.notes.append(f"{command} {words}: {command}'s options, not Megatron-LM's: not read")
     for path, value in MEGATRON_DEFAULTS.items():
         out.set(path, value)
     keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)  # source order
     flags = {key: args.last(key) for key in keys}
-    _check_required(flags)
     for key, repeats in args.repeated().items():
         if len({f.values for f in repeats}) == 1:
             continue  # the same value each time
@@ -123,6 +131,7 @@ def convert(args: MegatronArgs) -> Conversion:
         else:
             reason = MODEL_CHANGING.get(key) or REASONS.get(key, "no megatron-ext counterpart")
             out.drop(flag, reason)
+    apply_parsed(out, args, parsed, size, gpu)  # last: it maps flags the tables left out
     return out
 
 
@@ -137,18 +146,16 @@ def _check_entry_script(args: MegatronArgs) -> None:
         )
 
 
+_RUN_LENGTH = ("train-iters", "train-samples", "global-batch-size", "step-batch-size-schedule")
+
+
 def _check_required(flags: dict[str, Flag | None]) -> None:
+    """What the recipe needs (Megatron-LM's parser runs after: its own rules are its)."""
     missing = [f"--{k}" for k in REQUIRED if flags.get(k) is None]
     if flags.get("train-iters") is None and flags.get("train-samples") is None:
         missing.append("--train-iters or --train-samples")
     if flags.get("global-batch-size") is None and flags.get("step-batch-size-schedule") is None:
         missing.append("--global-batch-size or --step-batch-size-schedule")
-    _check_counting(flags)
-    if flags.get("global-batch-size") is not None and flags.get("step-batch-size-schedule"):
-        raise ConfigError(  # Megatron-LM's validate_args refuses the pair
-            "--step-batch-size-schedule and --global-batch-size are both given; Megatron-LM "
-            "refuses that ('Cannot specify both'): keep one"
-        )
     if missing:
         raise ConfigError(f"required Megatron-LM flag(s) missing: {', '.join(missing)}")
     unresolved = [
@@ -161,37 +168,6 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
             f"required flag value(s) are unresolved shell variables: {'; '.join(unresolved)} "
             f"(pass the script's positional arguments with --script-args, or edit the script)"
         )
-
-
-#: Megatron-LM 0.19's validate_args: a run counted in iterations takes no sample-counted LR
-#: position, and the reverse; a warmup is a fraction or a count, not both (its messages)
-_COUNTING = {
-    "train-iters": (
-        ("train-samples", "expected iteration-based training"),
-        ("lr-decay-samples", "expected iteration-based learning rate decay"),
-        ("lr-warmup-samples", "expected iteration-based learning rate warmup"),
-    ),
-    "train-samples": (
-        ("lr-decay-iters", "expected sample-based learning rate decay"),
-        ("lr-warmup-iters", "expected sample-based learnig rate warmup"),
-    ),
-    "lr-warmup-fraction": (
-        ("lr-warmup-iters", "can only specify one of lr-warmup-fraction and lr-warmup-iters"),
-        ("lr-warmup-samples", "can only specify one of lr-warmup-fraction and lr-warmup-samples"),
-    ),
-}
-
-
-def _check_counting(flags: dict[str, Flag | None]) -> None:
-    for given, conflicts in _COUNTING.items():
-        if flags.get(given) is None:
-            continue
-        for other, message in conflicts:
-            value = _value(flags.get(other))
-            if value is not None and value not in ("0", "0.0"):
-                raise ConfigError(
-                    f"--{given} with --{other}: Megatron-LM refuses that ('{message}'); keep one"
-                )
 
 
 def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | None) -> None:
@@ -425,7 +401,8 @@ def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., An
         out.set("data.path", data.values[0])
     elif data is not None:
         take("data-path", "a blend of several prefixes: give one indexed-dataset prefix")
-    kind = _value(flags.get("tokenizer-type"))
+    # no --tokenizer-type: pretrain_gpt.py's args_defaults (GPT2BPETokenizer), as parsed
+    kind = _value(flags.get("tokenizer-type")) or getattr(out.megatron, "tokenizer_type", None)
     model = _value(flags.get("tokenizer-model"))
     vocab, merges = _value(flags.get("vocab-file")), _value(flags.get("merge-file"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):

@@ -15,7 +15,7 @@ No torch import: the launcher validates recipes before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS
@@ -42,6 +42,9 @@ class ModelConfig:
     layernorm_epsilon: float = spec(1e-5, gt=0.0)
     position_embedding_type: Literal["rope", "learned_absolute"] = spec("rope")
     rotary_base: int = spec(10000, ge=1)
+    rotary_percent: float = spec(
+        1.0, gt=0.0, le=1.0, help="share of each head's channels that RoPE rotates (GPTModel's)"
+    )
     activation: Literal["swiglu", "gelu"] = spec("swiglu")
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -85,6 +88,13 @@ class ModelConfig:
     )
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = spec("alltoall")
     moe_grouped_gemm: bool = False
+    # Every other megatron-core field, by its own name: what the fields above do not say
+    transformer_config: dict[str, Any] = spec(
+        {},
+        help="further megatron-core TransformerConfig (MLATransformerConfig) fields by name, "
+        "over what the fields above derive (activation_func by name: squared_relu, ...); "
+        "names checked against megatron-core's dataclass when the model is built",
+    )
 
 
 @dataclass
