@@ -72,7 +72,7 @@ torchrun --nproc_per_node 8 pretrain_gpt.py --use-mcore-models --num-layers 32
 # examples/gptoss/02_train.sh (its model flags)
 GPT_OSS = """
 torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 24 --hidden-size 2880
---num-attention-heads 64 --seq-length 4096 --micro-batch-size 1 --global-batch-size 8
+--num-attention-heads 64 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8
 --train-iters 100 --lr 1e-4 --data-path data/oss --quick-geglu --glu-linear-offset 1.0
 --softmax-type learnable --window-size 127,0 --window-attn-skip-freq 2
 --activation-func-clamp-value 7.0 --enable-gpt-oss

@@ -32,10 +32,13 @@ def megatron_words(args: MegatronArgs, without: str | None = None) -> list[str]:
     converter's reading of repeats), torchrun's own flags left out; ``without``: a flag key
     (dashes) left out too."""
     keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)
+    # --mock-data beside --data-path: the two branches of the script's `if` (the recipe trains
+    # on data.path); Megatron-LM is given one data source, the path
+    mock = "mock-data" if "data-path" in keys else None
     words: list[str] = []
     for key in keys:
         flag = args.last(key)
-        if flag is None or key in TORCHRUN or key == without:
+        if flag is None or key in TORCHRUN or key in (without, mock):
             continue
         words += [f"--{flag.name}", *flag.values]
     return words
@@ -75,12 +78,12 @@ def parse_script(
     from megatron_ext.config.megatron_parse import GPU_CAPABILITY, parse_megatron
 
     size, source = script_world_size(args, world_size)
-    parsed = parse_megatron(megatron_words(args), size, gpu)
+    parsed = parse_megatron(megatron_words(args), size, gpu, args.variables)
     major, minor = GPU_CAPABILITY.get(gpu, (0, 0))
     note = (
         f"validated by Megatron-LM's parse_args + validate_args at world size {size} ({source}) "
         f"on a CPU host, its GPU queries answered for {gpu} (compute capability {major}.{minor}; "
-        "--gpu to change)"
+        "--gpu to change) and its Transformer Engine version checks as passed (NGC container)"
     )
     return parsed, size, note
 
@@ -127,6 +130,8 @@ def _model_fields(out: Conversion, megatron: dict[str, Any]) -> set[str]:
     for name, value in megatron.items():
         if name in SECTION_FIELDS:
             continue  # the parallel / training sections' (the exactness test compares them)
+        if name == "transformer_impl":
+            continue  # --transformer-impl maps to model.transformer_impl; its default: auto
         if name in HOST_FIELDS:
             extra[name] = value  # Megatron-LM's kernel choice, used where CUDA is
             continue
@@ -169,7 +174,9 @@ def _carried_flags(
             moved = True
         else:
             try:
-                without = transformer_fields(parse_megatron(megatron_words(args, key), size, gpu))
+                without = transformer_fields(
+                    parse_megatron(megatron_words(args, key), size, gpu, args.variables)
+                )
             except ConfigError:
                 continue  # needed by another flag: its own reason stands
             diff = {n for n in fields.keys() | without.keys() if fields.get(n) != without.get(n)}

@@ -7,9 +7,11 @@ script's world size. What Megatron-LM derives -- sequence parallelism off at TP=
 parallel size, the tokenizer default -- is then its own, not a copy of its rules; an unknown
 flag, a typo or a refused combination is Megatron-LM's message, raised as a ConfigError.
 
-``validate_args`` asks the GPU for its compute capability (grouped GEMM needs >= 8.0); a CPU
-host has none, so the answer is the target GPU's (:data:`GPU_CAPABILITY`, default H100), and
-the conversion says so. Nothing else is replaced.
+``validate_args`` asks the GPU for its compute capability and architecture (grouped GEMM needs
+>= 8.0, CUDA_DEVICE_MAX_CONNECTIONS matters before Blackwell) and Transformer Engine for its
+version; a CPU host has neither, so the answers are the target's: the GPU's
+(:data:`GPU_CAPABILITY`, default H100) and a Transformer Engine new enough (NGC's container),
+and the conversion says so. Nothing else is replaced.
 
 :func:`transformer_fields` is megatron-core's ``TransformerConfig`` as Megatron-LM builds it
 (``core_transformer_config_from_args``): every field whose value differs from the dataclass's
@@ -53,24 +55,46 @@ GPU_CAPABILITY: dict[str, tuple[int, int]] = {
 PGT_ARGS_DEFAULTS: dict[str, Any] = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
+#: the environment variables ``validate_args`` reads (taken from the script's assignments)
+ENVIRONMENT = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_PROTO", "CUDA_GRAPHS_USE_NODE_PRIORITY")
+
+
 @contextlib.contextmanager
-def _target_gpu(gpu: str, world_size: int) -> Iterator[None]:
-    """The process as Megatron-LM's rank 0 of ``world_size`` sees it, on ``gpu``: RANK and
-    WORLD_SIZE (what ``parse_args`` reads) and the GPU's compute capability (what
-    ``validate_args`` asks); both restored afterwards."""
+def _target_gpu(gpu: str, world_size: int, environment: dict[str, str]) -> Iterator[None]:
+    """The process as Megatron-LM's rank 0 of ``world_size`` sees it, on ``gpu``: RANK,
+    WORLD_SIZE and the script's ``environment`` (what it reads of :data:`ENVIRONMENT`), the
+    GPU's compute capability and architecture (what ``validate_args`` asks); all restored
+    afterwards."""
+    from megatron.training import arguments
+
     if gpu not in GPU_CAPABILITY:
         raise ConfigError(f"--gpu {gpu}: not a known GPU; use one of {', '.join(GPU_CAPABILITY)}")
-    env = {"RANK": "0", "WORLD_SIZE": str(world_size)}
+    env = {k: v for k, v in environment.items() if k in ENVIRONMENT}
+    env |= {"RANK": "0", "WORLD_SIZE": str(world_size)}
+    cleared = {k: "" for k in ENVIRONMENT if k not in env}  # this host's own values: not read
+    capability = GPU_CAPABILITY[gpu]
     with (
-        mock.patch.dict(os.environ, env),
-        mock.patch("torch.cuda.get_device_capability", return_value=GPU_CAPABILITY[gpu]),
+        mock.patch.dict(os.environ, env | cleared),
+        mock.patch("torch.cuda.get_device_capability", return_value=capability),
+        mock.patch.object(arguments, "get_device_arch_version", return_value=capability[0]),
+        # the target runs Megatron-LM in a container with Transformer Engine (NGC's): its
+        # version checks (FP4, FP8 parameter gather) pass as they do there
+        mock.patch.object(arguments, "is_te_min_version", return_value=True),
     ):
+        for key in cleared:
+            del os.environ[key]
         yield
 
 
-def parse_megatron(words: Sequence[str], world_size: int, gpu: str = "H100") -> Namespace:
+def parse_megatron(
+    words: Sequence[str],
+    world_size: int,
+    gpu: str = "H100",
+    environment: dict[str, str] | None = None,
+) -> Namespace:
     """Megatron-LM's namespace for ``words`` (flags as written, e.g. ``["--num-layers", "2"]``)
-    after ``parse_args`` and ``validate_args`` at ``world_size`` ranks on ``gpu``.
+    after ``parse_args`` and ``validate_args`` at ``world_size`` ranks on ``gpu``, with the
+    script's ``environment`` variables (``export CUDA_DEVICE_MAX_CONNECTIONS=1``).
 
     Raises ConfigError with Megatron-LM's message for an unknown flag, a bad value or a
     combination its validation refuses."""
@@ -83,7 +107,7 @@ def parse_megatron(words: Sequence[str], world_size: int, gpu: str = "H100") -> 
     argv = ["pretrain_gpt.py", *words]
     stderr = io.StringIO()
     with (
-        _target_gpu(gpu, world_size),
+        _target_gpu(gpu, world_size, environment or {}),
         mock.patch.object(sys, "argv", argv),
         warnings.catch_warnings(),
         contextlib.redirect_stdout(io.StringIO()),  # its rank-0 prints
@@ -131,11 +155,17 @@ def transformer_fields(args: Namespace) -> dict[str, Any]:
     megatron-core's default, as YAML values (:func:`yaml_value`)."""
     import dataclasses
 
+    from megatron.core.transformer import TransformerConfig
+
     config = megatron_transformer_config(args)
+    # a subclass's own defaults (MLATransformerConfig: multi_latent_attention=True) are not
+    # megatron-core's TransformerConfig defaults: the recipe builds from the latter
+    base = {f.name: f for f in dataclasses.fields(TransformerConfig)}
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         if not f.init:
             continue
+        f = base.get(f.name, f)
         value = getattr(config, f.name)
         if f.default is not dataclasses.MISSING:
             default = f.default

@@ -101,6 +101,7 @@ def transformer_kwargs(
     )
     moe = model.num_moe_experts > 0
     return dict(
+        transformer_impl="transformer_engine" if use_transformer_engine(model) else "local",
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
