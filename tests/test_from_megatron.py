@@ -261,7 +261,8 @@ def test_sample_counts_follow_the_stage_table() -> None:
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
     flags = (
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 "
         "--micro-batch-size 1 --step-batch-size-schedule '0:8 10K:16' --train-samples 1000 "
         "--lr 1e-3 --data-path d --lr-warmup-samples 40 --lr-decay-samples 901 "
         "--lr-decay-style WSD --lr-wsd-decay-samples 160"
@@ -314,7 +315,8 @@ def test_megatron_defaults_are_megatron_cores() -> None:
 # (update_train_iters, validate_args) and megatron-core 0.19's OptimizerConfig.
 
 BASE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+    "--max-position-embeddings 128 "
     "--micro-batch-size 1 --lr 1e-3 --data-path d "
 )
 
@@ -400,9 +402,7 @@ def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
 
 
 def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
-    (tmp_path / "args.txt").write_text(
-        BASE + "--global-batch-size 8 --train-iters 10 --fp16\n"
-    )
+    (tmp_path / "args.txt").write_text(BASE + "--global-batch-size 8 --train-iters 10 --fp16\n")
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
@@ -492,7 +492,8 @@ while [[ $# -gt 0 ]]; do
 done
 LAYERS=${LAYERS:-4}
 srun --ntasks-per-node 1 --cpus-per-task 16 torchrun --nproc_per_node 8 pretrain_gpt.py \
-    --num-layers $LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 \
+    --num-layers $LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 128 \
+    --max-position-embeddings 128 \
     --micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-3 \
     --data-path $DATA --save $CKPT
 """
@@ -558,7 +559,9 @@ def test_megatron_lms_counting_rules_are_applied(flags: str, message: str) -> No
     """validate_args itself: iteration- and sample-counted flags do not mix (its messages)."""
     from megatron_ext.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=f"Megatron-LM's validate_args refuses the flags .*: {message}"):
+    with pytest.raises(
+        ConfigError, match=f"Megatron-LM's validate_args refuses the flags .*: {message}"
+    ):
         _convert("--global-batch-size 8 " + flags)
 
 

@@ -32,12 +32,14 @@ torchrun --nproc_per_node 4 --nnodes 1 pretrain_gpt.py \\
   --train-iters 10 --data-path data/x --vocab-size 256 \\
   --vocab-file v/gpt2-vocab.json --merge-file v/gpt2-merges.txt \\
 """
-#: the newly accepted models, each a tiny one; (flags, world size, trains on CPU)
+#: the newly accepted models, each a tiny one
 CASES = {
-    # partial rotary, zero-centred gamma, squared ReLU, SP at TP=1 (Megatron-LM turns it off)
-    "partial_rotary_1p_squared_relu": BASE
-    + "--position-embedding-type rope --rotary-percent 0.5 --apply-layernorm-1p "
-    "--squared-relu --sequence-parallel --bf16",
+    # partial rotary, squared ReLU, SP at TP=1 (Megatron-LM turns it off), GPT-2 BPE default
+    "partial_rotary_squared_relu": BASE
+    + "--position-embedding-type rope --rotary-percent 0.5 --squared-relu --sequence-parallel "
+    "--bf16",
+    # zero-centred gamma: megatron-core builds it on Transformer Engine's norms only
+    "zero_centred_gamma": BASE + "--apply-layernorm-1p",
     # Llama-style at TP=2 with sequence parallelism (kept), GQA, SwiGLU, untied
     "llama_tp2_sp": "export CUDA_DEVICE_MAX_CONNECTIONS=1\n"
     + BASE
@@ -45,14 +47,17 @@ CASES = {
     "--num-query-groups 2 --swiglu --normalization RMSNorm --disable-bias-linear "
     "--untie-embeddings-and-output-weights --position-embedding-type rope --rotary-base 500000 "
     "--attention-dropout 0 --hidden-dropout 0 --bf16",
-    # DeepSeek-V3-style: MLA, MTP, sigmoid router with pre-softmax (ignored by megatron-core)
-    "mla_mtp_moe": BASE
-    + "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
-    "--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope --swiglu "
-    "--normalization RMSNorm --disable-bias-linear --mtp-num-layers 1 --num-experts 4 "
-    "--moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-router-score-function sigmoid "
-    "--moe-router-pre-softmax --moe-router-enable-expert-bias --moe-aux-loss-coeff 1e-3 "
+    # DeepSeek-V3-style MoE: MTP, sigmoid router with pre-softmax (megatron-core ignores it)
+    "mtp_moe": BASE
+    + "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+    "--mtp-num-layers 1 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+    "--moe-router-score-function sigmoid --moe-router-pre-softmax "
+    "--moe-router-enable-expert-bias --moe-aux-loss-coeff 1e-3 "
     "--moe-shared-expert-intermediate-size 32 --moe-token-dispatcher-type alltoall",
+    # multi-latent attention: megatron-core's local core attention has no MLA head dims
+    "mla": BASE + "--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 "
+    "--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope --swiglu "
+    "--normalization RMSNorm --disable-bias-linear",
 }
 #: Megatron-LM's namespace with this host's kernel choices (all need CUDA and TE or apex)
 CPU_KERNELS = {
@@ -145,28 +150,23 @@ def test_transformer_config_is_megatron_lms_field_by_field(converted, case: str)
 
 
 def test_sequence_parallel_at_tp1_is_turned_off_as_megatron_lm_does(converted) -> None:
-    recipe, conversion = converted["partial_rotary_1p_squared_relu"]
+    recipe, conversion = converted["partial_rotary_squared_relu"]
     assert recipe.parallel.sequence_parallel is False
     assert any("sequence_parallel: False" in n for n in conversion.notes)
     assert converted["llama_tp2_sp"][0].parallel.sequence_parallel is True
 
 
 def test_the_new_models_flags_are_mapped_not_refused(converted) -> None:
-    for recipe, conversion in converted.values():
+    for _, conversion in converted.values():
         assert conversion.model_changing == []
-    recipe, conversion = converted["partial_rotary_1p_squared_relu"]
+    recipe, _ = converted["partial_rotary_squared_relu"]
     assert recipe.model.rotary_percent == 0.5
-    extra = recipe.model.transformer_config
-    assert (extra["activation_func"], extra["layernorm_zero_centered_gamma"]) == (
-        "squared_relu",
-        True,
-    )
-    mla = converted["mla_mtp_moe"][0].model.transformer_config
-    assert (mla["multi_latent_attention"], mla["mtp_num_layers"], mla["kv_lora_rank"]) == (
-        True,
-        1,
-        16,
-    )
+    assert recipe.model.transformer_config["activation_func"] == "squared_relu"
+    gamma = converted["zero_centred_gamma"][0].model.transformer_config
+    assert gamma["layernorm_zero_centered_gamma"] is True
+    assert converted["mtp_moe"][0].model.transformer_config["mtp_num_layers"] == 1
+    mla = converted["mla"][0].model.transformer_config
+    assert (mla["multi_latent_attention"], mla["kv_lora_rank"]) == (True, 16)
 
 
 @pytest.mark.parametrize(
@@ -209,11 +209,19 @@ def megatron_lms_model(parsed: Namespace) -> torch.nn.Module:
     return cls(config).build_model(ProcessGroupCollection.use_mpu_process_groups())
 
 
-@pytest.mark.parametrize("case", ["partial_rotary_1p_squared_relu", "mla_mtp_moe"])
-def test_the_new_models_train_on_cpu_or_are_refused_with_the_reason(converted, case) -> None:
-    """At one rank (TP=1): megatron-core builds the model without Transformer Engine and its
-    parameters count as Megatron-LM's own model's, and four steps lower the loss on a fixed
-    batch; or the build is refused with megatron-core's reason."""
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("partial_rotary_squared_relu", None),
+        ("mtp_moe", None),
+        ("zero_centred_gamma", "zero_centered_gamma not supported by torch LayerNorm"),
+        ("mla", "multi-latent attention"),
+    ],
+)
+def test_the_new_models_train_on_cpu_or_are_refused_with_the_reason(converted, case, refusal):
+    """At one rank: megatron-core builds the model without Transformer Engine, its parameters
+    count as Megatron-LM's own model's (GPTModelBuilder), and four steps lower the loss on a
+    fixed batch; or the build is refused at launch with the reason."""
     from megatron_ext.config.from_megatron_parsed import megatron_words
     from megatron_ext.config.megatron_parse import parse_megatron
     from megatron_ext.convert.parity import init_single_process
@@ -222,14 +230,14 @@ def test_the_new_models_train_on_cpu_or_are_refused_with_the_reason(converted, c
 
     init_single_process()
     recipe, _ = converted[case]
-    parsed = parse_megatron(megatron_words(read_megatron_args(CASES[case])), 1)
-    model = dataclasses.replace(recipe.model, transformer_config=dict(recipe.model.transformer_config))
     torch.manual_seed(0)
-    try:
-        gpt = build_gpt_model(model, ParallelConfig(), "fp32", 256, 32)
-    except ConfigError as err:
-        assert "zero_centered_gamma" in str(err) and "Transformer Engine" in str(err)
+    if refusal is not None:
+        with pytest.raises(ConfigError, match=refusal) as err:
+            build_gpt_model(recipe.model, ParallelConfig(), "fp32", 256, 32)
+        assert "Transformer Engine" in str(err.value)
         return
+    gpt = build_gpt_model(recipe.model, ParallelConfig(), "fp32", 256, 32)
+    parsed = parse_megatron(megatron_words(read_megatron_args(CASES[case])), 1)
     theirs = megatron_lms_model(parsed)
     assert sum(p.numel() for p in gpt.parameters()) == sum(p.numel() for p in theirs.parameters())
     tokens = torch.randint(0, 256, (2, 32))

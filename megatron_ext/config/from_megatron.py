@@ -295,12 +295,6 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
                 out.set(path, table[value])
             else:
                 take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
-    moe = out.get("model.num_moe_experts")
-    if moe and flags.get("moe-router-dtype") is None and out.get("training.precision") == "bf16":
-        out.notes.append(
-            "no --moe-router-dtype: Megatron-LM routes in the model's dtype (bf16), megatron-ext "
-            "in model.moe_router_dtype (fp32): set --moe-router-dtype fp32 in the script to match"
-        )
     if out.get("optimizer.name") == "muon":  # Megatron-LM's --muon-* defaults where absent
         for path, value in MUON_DEFAULTS.items():
             if out.get(path) is None:

@@ -98,9 +98,13 @@ def parse_megatron(
 
     Raises ConfigError with Megatron-LM's message for an unknown flag, a bad value or a
     combination its validation refuses."""
+    import logging
     import warnings
 
-    with warnings.catch_warnings():  # its import warns of every missing fused kernel
+    # its import warns of every missing fused kernel, and torch of the missing CUDA runtime:
+    # the converter's stderr is its own one line
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.training import arguments
 
@@ -124,13 +128,24 @@ def parse_megatron(
             ) from None
         try:
             arguments.validate_args(args, dict(PGT_ARGS_DEFAULTS))
-        except (AssertionError, ValueError, TypeError, NotImplementedError) as err:
+        except (AssertionError, ValueError, TypeError, RuntimeError, NotImplementedError) as err:
             raise ConfigError(
                 f"Megatron-LM's validate_args refuses the flags at world size {world_size} on "
-                f"{gpu}: {str(err).strip() or type(err).__name__} (fix the script's flags, or "
-                "give the world size with --world-size)"
+                f"{gpu}: {_reason(err)} (fix the script's flags, or give the world size with "
+                "--world-size)"
             ) from None
     return args
+
+
+def _reason(err: BaseException) -> str:
+    """Megatron-LM's message, or for a bare ``assert`` its failing line."""
+    import traceback
+
+    text = str(err).strip()
+    if text:
+        return text
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{(frames[-1].line or '').strip()} failed" if frames else type(err).__name__
 
 
 def megatron_transformer_config(args: Namespace, post_init: bool = False) -> Any:

@@ -79,7 +79,9 @@ class ModelConfig:
     moe_router_bias_update_rate: float = spec(1e-3, ge=0.0)
     moe_router_num_groups: int | None = spec(None, ge=1)
     moe_router_group_topk: int | None = spec(None, ge=1)
-    moe_router_dtype: Literal["fp32", "fp64"] = spec("fp32")
+    moe_router_dtype: Literal["fp32", "fp64"] | None = spec(
+        "fp32", help="None = the model's dtype (Megatron-LM's default)"
+    )
     moe_shared_expert_intermediate_size: int | None = spec(None, ge=1)
     moe_shared_expert_gate: bool = False
     moe_shared_expert_overlap: bool = False

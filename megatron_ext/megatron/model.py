@@ -177,6 +177,13 @@ def layer_spec(model: ModelConfig, dense: bool = False) -> ModuleSpec:
             "set model.transformer_impl=local"
         )
     mla = bool(model.transformer_config.get("multi_latent_attention"))
+    if mla and not use_transformer_engine(model):
+        raise ConfigError(
+            "multi-latent attention (model.transformer_config.multi_latent_attention) needs "
+            "Transformer Engine's core attention: megatron-core 0.19's local DotProductAttention "
+            "takes no separate key/value head dims (k_channels, v_channels); run it where "
+            "Transformer Engine and a GPU are"
+        )
     if use_transformer_engine(model):
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,
@@ -188,11 +195,9 @@ def layer_spec(model: ModelConfig, dense: bool = False) -> ModuleSpec:
         num_experts=experts,
         moe_grouped_gemm=model.moe_grouped_gemm,
         qk_layernorm=model.qk_layernorm,
-        multi_latent_attention=mla,
         normalization=model.normalization,
     )
-    if not mla:  # MLA's core attention takes its own head dims: megatron-core's stays
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    spec.submodules.self_attention.submodules.core_attention = SdpaAttention
     if projection_norm:
         spec.submodules.self_attention.submodules.q_layernorm = ProjectionQNorm
         spec.submodules.self_attention.submodules.k_layernorm = ProjectionKNorm

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 
 from megatron_ext.errors import ConfigError
 
-__all__ = ["HOST_FIELDS", "SECTION_FIELDS", "activation_function", "config_class", "resolve"]
+__all__ = [
+    "HOST_FIELDS",
+    "NOT_BUILT",
+    "SECTION_FIELDS",
+    "activation_function",
+    "config_class",
+    "resolve",
+]
 
 #: kernel fusions and where weights are created: what the host can run, not the model's math.
 #: Without CUDA the trainer turns them off (weights on the CPU); with CUDA a value given here
@@ -58,8 +65,14 @@ SECTION_FIELDS = (
     "recompute_num_layers",
     "recompute_modules",
 )
+#: fields megatron-core reads but the GPT trainer does not build for: refused at launch
+NOT_BUILT = {
+    "virtual_pipeline_model_parallel_size": "the GPT trainer builds one model chunk per "
+    "pipeline stage (no virtual pipeline stages)",
+    "is_hybrid_model": "the GPT trainer builds GPTModel, not megatron-core's hybrid model",
+}
 #: fields whose value is a torch dtype, written by name ("bfloat16")
-_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "autocast_dtype", "moe_router_dtype_torch")
+_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "autocast_dtype")
 
 
 def activation_function(name: str) -> Any:
@@ -105,6 +118,8 @@ def resolve(fields: dict[str, Any], named: tuple[str, ...]) -> dict[str, Any]:
             close = difflib.get_close_matches(name, sorted(valid), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"{where}: not a field of megatron-core's {cls.__name__}{hint}")
+        if name in NOT_BUILT and value:
+            raise ConfigError(f"{where}={value!r}: {NOT_BUILT[name]}")
         if name in HOST_FIELDS and not torch.cuda.is_available():
             continue  # the trainer's CPU choice stands (fused kernels need CUDA)
         if name == "activation_func" and isinstance(value, str):
