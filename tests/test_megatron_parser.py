@@ -251,3 +251,32 @@ def test_the_new_models_train_on_cpu_or_are_refused_with_the_reason(converted, c
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path) -> None:
+    """An unreadable (binary) file, a missing output folder, an output that is a folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = Path(sys.executable).with_name("megatron-ext")
+    (tmp_path / "binary.sh").write_bytes(b"\x7fELF\x00\x01--num-layers 2")
+    (tmp_path / "ok.sh").write_text(CASES["partial_rotary_squared_relu"])
+    (tmp_path / "folder").mkdir()
+    cases = [
+        ("binary.sh", "r.yaml", "binary.sh: a binary file, not a launch script"),
+        ("ok.sh", "missing/r.yaml", "the folder missing does not exist"),
+        ("ok.sh", "folder", "folder: a folder, not a file"),
+    ]
+    for source, output, message in cases:
+        proc = subprocess.run(
+            [str(cli), "recipe", "from-megatron-args", source, "-o", output],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert message in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.sh", "folder", "ok.sh"]
+    assert list((tmp_path / "folder").iterdir()) == []

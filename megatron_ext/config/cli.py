@@ -83,6 +83,8 @@ def recipe_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
         raise ConfigError(f"{source}: no such file")
+    output = Path(args.output)
+    _check_output(output)  # before the conversion: nothing is written when it cannot be
     options = shlex.split(args.script_options)
     conversion = convert(
         read_megatron_args(_read_text(source), args.script_args, options),
@@ -103,7 +105,10 @@ def recipe_main(args: argparse.Namespace) -> int:
     recipe = recipe_from_dict(conversion.recipe)  # a bad value stops here, nothing written
     recipe.check()
     text = render(conversion, str(source))
-    Path(args.output).write_text(text, encoding="utf-8")
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{output}: cannot be written ({err.strerror})") from None
     summary = [
         f"wrote {args.output}: {len(conversion.mapped)} flags mapped, "
         f"{len(conversion.launcher)} for the launcher, {len(conversion.unmapped)} not mapped",
@@ -111,6 +116,19 @@ def recipe_main(args: argparse.Namespace) -> int:
     ]
     print("\n".join(summary), file=sys.stderr)
     return 0
+
+
+def _check_output(output: Path) -> None:
+    """The recipe's folder exists and is writable, and the recipe is no folder."""
+    import os
+
+    folder = output.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{output}: the folder {folder} does not exist (create it first)")
+    if output.is_dir():
+        raise ConfigError(f"{output}: a folder, not a file to write the recipe to")
+    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise ConfigError(f"{output}: not writable (choose another -o path)")
 
 
 def _read_text(source: Path) -> str:

@@ -252,17 +252,9 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     precision = out.get("training.precision", "fp32")
     take("fp16", MODEL_CHANGING["fp16"])
     _low_precision(out, flags, take, precision)
-    percent = _value(flags.get("rotary-percent"))
-    if percent is not None:
-        take("rotary-percent", None if float(percent) == 1.0 else MODEL_CHANGING["rotary-percent"])
+    take("rotary-percent")  # model.rotary_percent: Megatron-LM's parsed value (apply_parsed)
     _moe_layer_freq(out, flags, take)
-    if flags.get("no-position-embedding") is not None:  # as Megatron-LM 0.19's validate_args
-        if out.get("model.position_embedding_type") != "rope":
-            raise ConfigError(
-                "--no-position-embedding without --position-embedding-type rope: Megatron-LM "
-                "refuses it ('deprecated, use --position-embedding-type'); drop it"
-            )
-        take("no-position-embedding")  # with RoPE it changes nothing
+    take("no-position-embedding")  # validate_args refuses it without RoPE; with it, a no-op
     seq = _value(flags.get("seq-length"))
     positions = _value(flags.get("max-position-embeddings"))
     if positions is not None:

@@ -106,14 +106,15 @@ def apply_parsed(
     if parsed.rotary_percent != 1.0:
         out.set("model.rotary_percent", float(parsed.rotary_percent))
     fields = transformer_fields(parsed)
-    written = _model_fields(out, fields)
+    written = _model_fields(out, fields, transformer_fields(parsed, every=True))
     _carried_flags(out, args, fields, written, size, gpu)
 
 
-def _model_fields(out: Conversion, megatron: dict[str, Any]) -> set[str]:
-    """Megatron-LM's non-default ``TransformerConfig`` fields into the model section: a named
-    field of the same name, or ``model.transformer_config`` where the recipe derives another
-    value. Returns the names that changed the recipe."""
+def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, Any]) -> set[str]:
+    """Megatron-LM's ``TransformerConfig`` fields into the model section: those that differ
+    from megatron-core's default (``megatron``) or from what the recipe derives (of ``every``
+    field), into a named field of the same name, or ``model.transformer_config``. Returns the
+    names that changed the recipe."""
     import torch
 
     from megatron_ext.config.load import recipe_from_dict
@@ -127,13 +128,16 @@ def _model_fields(out: Conversion, megatron: dict[str, Any]) -> set[str]:
     named = {f.name for f in dataclasses.fields(ModelConfig)}
     extra: dict[str, Any] = {}
     changed: set[str] = set()
-    for name, value in megatron.items():
+    for name, value in every.items():
+        if name not in megatron and name not in derived:
+            continue  # megatron-core's default, and the recipe does not set it
         if name in SECTION_FIELDS:
             continue  # the parallel / training sections' (the exactness test compares them)
         if name == "transformer_impl":
             continue  # --transformer-impl maps to model.transformer_impl; its default: auto
         if name in HOST_FIELDS:
-            extra[name] = value  # Megatron-LM's kernel choice, used where CUDA is
+            if name in megatron:
+                extra[name] = value  # Megatron-LM's kernel choice, used where CUDA is
             continue
         mine = derived.get(name)
         if name == "activation_func":

@@ -165,9 +165,9 @@ def megatron_transformer_config(args: Namespace, post_init: bool = False) -> Any
         return core_transformer_config_from_args(args)
 
 
-def transformer_fields(args: Namespace) -> dict[str, Any]:
+def transformer_fields(args: Namespace, every: bool = False) -> dict[str, Any]:
     """Every field of Megatron-LM's ``TransformerConfig`` for ``args`` whose value differs from
-    megatron-core's default, as YAML values (:func:`yaml_value`)."""
+    megatron-core's default (``every``: all fields), as YAML values (:func:`yaml_value`)."""
     import dataclasses
 
     from megatron.core.transformer import TransformerConfig
@@ -188,7 +188,7 @@ def transformer_fields(args: Namespace) -> dict[str, Any]:
             default = f.default_factory()
         else:
             default = dataclasses.MISSING
-        if _same(value, default):
+        if not every and _same(value, default):
             continue
         out[f.name] = yaml_value(f.name, value)
     return out
