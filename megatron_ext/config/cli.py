@@ -1,12 +1,17 @@
 """``megatron-ext recipe from-megatron-args ARGS_FILE_OR_SCRIPT -o recipe.yaml``: a recipe from a
 Megatron-LM argument list or launch script (:mod:`megatron_ext.config.from_megatron`).
 
-The recipe it writes starts with comments naming every flag it could not map (with the
-reason), the torchrun flags (as ``megatron-ext launch`` options) and its notes; the same lists
-go to stderr. A missing required flag, a recipe that does not validate, or a flag that builds
-another model than the recipe can describe (multi-latent attention, partial rotary, fp16, ...:
-:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped`` is one
-line and exit code 2 (nothing written). No torch import.
+The flags go through Megatron-LM's own ``parse_args`` + ``validate_args``
+(:mod:`megatron_ext.config.megatron_parse`) at the script's world size (``--world-size``
+otherwise), its GPU queries answered for ``--gpu`` (default H100). The recipe it writes starts
+with comments naming every flag it could not map (with the reason), the torchrun flags (as
+``megatron-ext launch`` options) and its notes; the same lists go to stderr. Megatron-LM's
+refusal (an unknown flag, a bad combination), a missing required flag, a recipe that does not
+validate, a flag that builds another model than the recipe can describe (fp16 with loss
+scaling, a tokenizer megatron-ext does not read, ...:
+:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped``, an
+unreadable source or an unwritable output is one line and exit code 2 (nothing written). Torch
+and Megatron-LM are imported only to convert.
 """
 
 from __future__ import annotations

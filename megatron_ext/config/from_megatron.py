@@ -16,7 +16,9 @@ ConfigError (exit 2). Sample counts become steps through the recipe's own batch 
 Megatron-LM (Emerging-Optimizers) and megatron-ext are translated once, here
 (:mod:`.megatron_flags`; the drop-in optimizer uses them too).
 
-No torch import.
+Megatron-LM's own parser then reads the same flags (:mod:`.from_megatron_parsed`): its
+refusals are the converter's, and what it derives (sequence parallelism at TP=1, the tokenizer
+default, the whole ``TransformerConfig``) is taken from it. Torch is imported only there.
 """
 
 from __future__ import annotations
