@@ -280,3 +280,18 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path) -> None:
         assert message in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.sh", "folder", "ok.sh"]
     assert list((tmp_path / "folder").iterdir()) == []
+
+
+def test_transformer_engine_is_written_at_conversion_and_refused_at_launch() -> None:
+    """A script asking for Transformer Engine converts on a CPU host; the build refuses it."""
+    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.gpt.sections import ParallelConfig
+    from megatron_ext.megatron.model import build_gpt_model
+
+    conversion = convert(read_megatron_args(BASE + "--transformer-impl transformer_engine"))
+    recipe = recipe_from_dict(conversion.recipe)
+    recipe.check()
+    assert recipe.model.transformer_impl == "transformer_engine"
+    init_single_process()
+    with pytest.raises(ConfigError, match="needs Transformer Engine and a CUDA GPU"):
+        build_gpt_model(recipe.model, ParallelConfig(), "fp32", 256, 32)

@@ -124,7 +124,10 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     from megatron_ext.megatron.transformer_fields import activation_function as activation
 
     recipe = recipe_from_dict(out.recipe)
-    derived = transformer_kwargs(recipe.model, recipe.parallel, recipe.training.precision)
+    # the host's layers do not change the fields compared (transformer_impl is skipped), and a
+    # script asking for Transformer Engine converts on a host without it: refused at launch
+    model = dataclasses.replace(recipe.model, transformer_impl="local")
+    derived = transformer_kwargs(model, recipe.parallel, recipe.training.precision)
     named = {f.name for f in dataclasses.fields(ModelConfig)}
     extra: dict[str, Any] = {}
     changed: set[str] = set()
