@@ -133,6 +133,7 @@ def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> Non
     ext = drop_in.extension_config(OptimizerConfig(optimizer="muon", lr=1e-3))
     script = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 "
         "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-3 --data-path d "
     )
     converted = recipe_from_dict(convert(read_megatron_args(script + "--optimizer muon")).recipe)

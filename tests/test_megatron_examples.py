@@ -72,7 +72,8 @@ torchrun --nproc_per_node 8 pretrain_gpt.py --use-mcore-models --num-layers 32
 # examples/gptoss/02_train.sh (its model flags)
 GPT_OSS = """
 torchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 24 --hidden-size 2880
---num-attention-heads 64 --seq-length 4096 --micro-batch-size 1 --global-batch-size 8
+--num-attention-heads 64 --seq-length 4096 --max-position-embeddings 4096
+--micro-batch-size 1 --global-batch-size 8
 --train-iters 100 --lr 1e-4 --data-path data/oss --quick-geglu --glu-linear-offset 1.0
 --softmax-type learnable --window-size 127,0 --window-attn-skip-freq 2
 --activation-func-clamp-value 7.0 --enable-gpt-oss
@@ -131,7 +132,7 @@ def test_mixtral_8x7b_is_the_scripts_model_and_schedule() -> None:
     assert (o.name, o.lr, o.min_lr, o.weight_decay, o.clip_grad) == ("adamw", 1e-4, 1e-5, 0.1, 1.0)
     assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.999)  # Megatron-LM's defaults
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (1, 4)
-    assert (p.expert_model_parallel_size, p.sequence_parallel) == (8, True)
+    assert (p.expert_model_parallel_size, p.sequence_parallel) == (8, False)  # TP=1
     assert (d.tokenizer, d.tokenizer_model, d.split) == ("sentencepiece", "tok.model", "99990,8,2")
     assert conversion.model_changing == []
     assert [flag.split()[0] for flag, _ in conversion.unmapped] == [
@@ -159,15 +160,16 @@ def test_gpt3_175b_is_refused_as_megatron_lm_refuses_it() -> None:
         convert(read_megatron_args(GPT3_175B))
 
 
-def test_llama3_8b_changes_the_model_and_is_refused_unless_allowed() -> None:
-    """--apply-layernorm-1p (zero-centred norms) is no megatron-ext model; with it dropped the
-    rest converts: --train-samples counted as Megatron-LM counts them (rounded down); the
-    warmup's 3,906,252 samples end inside step 30,518, which it is rounded up to, noted
-    (Megatron-LM's scheduler counts samples; the recipe's LR positions are steps)."""
+def test_llama3_8b_converts_with_zero_centred_norms() -> None:
+    """--apply-layernorm-1p is megatron-core's zero-centred gamma, carried in
+    model.transformer_config; --train-samples counted as Megatron-LM counts them (rounded
+    down); the warmup's 3,906,252 samples end inside step 30,518, which it is rounded up to,
+    noted (Megatron-LM's scheduler counts samples; the recipe's LR positions are steps)."""
     conversion = convert(read_megatron_args(LLAMA3_8B))
-    assert conversion.model_changing == ["--apply-layernorm-1p"]
+    assert conversion.model_changing == []
     recipe = recipe_from_dict(conversion.recipe)
     recipe.check()
+    assert recipe.model.transformer_config["layernorm_zero_centered_gamma"] is True
     assert run_steps(recipe) == 1953125000 // 128
     assert (recipe.model.kv_channels, recipe.training.lr_warmup_steps) == (128, 3906252 // 128 + 1)
     assert any(
@@ -175,16 +177,8 @@ def test_llama3_8b_changes_the_model_and_is_refused_unless_allowed() -> None:
     )
 
 
-def test_gpt_oss_changes_the_model() -> None:
-    conversion = convert(read_megatron_args(GPT_OSS))
-    assert sorted(conversion.model_changing) == sorted(
-        [
-            "--quick-geglu",
-            "--glu-linear-offset 1.0",
-            "--softmax-type learnable",
-            "--window-size 127,0",
-            "--window-attn-skip-freq 2",
-            "--activation-func-clamp-value 7.0",
-            "--enable-gpt-oss",
-        ]
-    )
+def test_gpt_oss_is_refused_by_megatron_lms_parser() -> None:
+    """examples/gptoss/02_train.sh passes --enable-gpt-oss, which Megatron-LM 0.19.2's parser
+    does not have: its refusal is the converter's."""
+    with pytest.raises(ConfigError, match="unrecognized arguments: --enable-gpt-oss"):
+        convert(read_megatron_args(GPT_OSS))

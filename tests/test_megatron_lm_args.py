@@ -91,6 +91,9 @@ def test_install_points_megatron_lms_loop_at_the_drop_in(monkeypatch) -> None:
     training_pkg.training = training_mod
     monkeypatch.setitem(sys.modules, "megatron.training", training_pkg)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training_mod)
+    # `import megatron.training.training as x` reads the attribute of the package `megatron`,
+    # set once the real package was imported (the converter imports it in this process)
+    monkeypatch.setattr(sys.modules["megatron"], "training", training_pkg, raising=False)
     seen = {}
     monkeypatch.setattr(
         drop_in,
@@ -106,5 +109,6 @@ def test_install_without_megatron_lm_says_so(monkeypatch) -> None:
     from megatron_ext.errors import ConfigError
 
     monkeypatch.setitem(sys.modules, "megatron.training", None)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", None)  # if imported before
     with pytest.raises(ConfigError, match=r"megatron\.training is not importable"):
         install()

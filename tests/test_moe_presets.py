@@ -105,13 +105,21 @@ def test_epsilon_differing_from_family_default_warns_with_both_values() -> None:
         ),
         (["model.moe_shared_expert_overlap=true"], "needs model.moe_shared_expert_inter"),
         (["model.moe_layer_freq=[1,0,1]"], "3 entries for 2 layers"),
-        (["model.moe_router_pre_softmax=true", "model.moe_router_score_function=sigmoid"], "pre"),
         (["parallel.expert_model_parallel_size=3"], "not divisible"),
     ],
 )
 def test_bad_moe_fields_stop_up_front(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         _recipe(*TINY, *overrides)
+
+
+def test_pre_softmax_with_sigmoid_scores_is_accepted_as_megatron_core_ignores_it() -> None:
+    """megatron-core's topk_routing_with_score_function reads use_pre_softmax only for softmax
+    scores (the DeepSeek-V3 scripts pass both): no rule of megatron-ext's own refuses it."""
+    recipe = _recipe(
+        *TINY, "model.moe_router_pre_softmax=true", "model.moe_router_score_function=sigmoid"
+    )
+    assert recipe.model.moe_router_pre_softmax is True
 
 
 def test_unknown_preset_is_refused() -> None:

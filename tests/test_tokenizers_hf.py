@@ -111,6 +111,7 @@ def test_a_folder_without_a_tokenizer_is_one_config_error(tmp_path) -> None:
 
 BASE = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+    "--max-position-embeddings 128 "
     "--micro-batch-size 1 --global-batch-size 8 --train-iters 10 --lr 1e-3 --data-path d "
 )
 

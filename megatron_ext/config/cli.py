@@ -1,12 +1,17 @@
 """``megatron-ext recipe from-megatron-args ARGS_FILE_OR_SCRIPT -o recipe.yaml``: a recipe from a
 Megatron-LM argument list or launch script (:mod:`megatron_ext.config.from_megatron`).
 
-The recipe it writes starts with comments naming every flag it could not map (with the
-reason), the torchrun flags (as ``megatron-ext launch`` options) and its notes; the same lists
-go to stderr. A missing required flag, a recipe that does not validate, or a flag that builds
-another model than the recipe can describe (multi-latent attention, partial rotary, fp16, ...:
-:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped`` is one
-line and exit code 2 (nothing written). No torch import.
+The flags go through Megatron-LM's own ``parse_args`` + ``validate_args``
+(:mod:`megatron_ext.config.megatron_parse`) at the script's world size (``--world-size``
+otherwise), its GPU queries answered for ``--gpu`` (default H100). The recipe it writes starts
+with comments naming every flag it could not map (with the reason), the torchrun flags (as
+``megatron-ext launch`` options) and its notes; the same lists go to stderr. Megatron-LM's
+refusal (an unknown flag, a bad combination), a missing required flag, a recipe that does not
+validate, a flag that builds another model than the recipe can describe (fp16 with loss
+scaling, a tokenizer megatron-ext does not read, ...:
+:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped``, an
+unreadable source or an unwritable output is one line and exit code 2 (nothing written). Torch
+and Megatron-LM are imported only to convert.
 """
 
 from __future__ import annotations
@@ -59,6 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quoted string: --script-options '--data data/doc --tokenizer tok/'",
     )
     p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to validate the flags at when the script's torchrun sizes are not resolved "
+        "(default: the smallest the parallel sizes allow)",
+    )
+    p.add_argument(
+        "--gpu",
+        default="H100",
+        help="the GPU the script targets: Megatron-LM's GPU queries are answered for it on a "
+        "CPU host (default H100)",
+    )
+    p.add_argument(
         "--allow-unmapped",
         action="store_true",
         help="write the recipe even when a flag that changes the model cannot be expressed "
@@ -70,16 +89,20 @@ def recipe_main(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not source.is_file():
         raise ConfigError(f"{source}: no such file (give a file of Megatron-LM flags or a script)")
-    check_output_path(args.output, "-o")
-    try:
-        text = source.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
+    text = _read_text(source)
+    # before the conversion (seconds: Megatron-LM's parser), so nothing is written when it cannot be
+    output = check_output_path(args.output, "-o")
+    if not output.parent.is_dir():
         raise ConfigError(
-            f"{source} is not a text file: give Megatron-LM flags or a script"
-        ) from None
+            f"-o {output}: the folder {output.parent} does not exist (create it first)"
+        )
     options = shlex.split(args.script_options)
     try:
-        conversion = convert(read_megatron_args(text, args.script_args, options))
+        conversion = convert(
+            read_megatron_args(text, args.script_args, options),
+            world_size=args.world_size,
+            gpu=args.gpu,
+        )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if conversion.model_changing and not args.allow_unmapped:
@@ -105,6 +128,20 @@ def recipe_main(args: argparse.Namespace) -> int:
     ]
     print("\n".join(summary), file=sys.stderr)
     return 0
+
+
+def _read_text(source: Path) -> str:
+    """The script's text; an unreadable or binary file is a ConfigError."""
+    try:
+        data = source.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot be read ({err.strerror})") from None
+    if b"\0" in data:
+        raise ConfigError(f"{source}: a binary file, not a launch script or a list of flags")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text, not a launch script") from None
 
 
 def launch_options(conversion: Conversion) -> list[str]:

@@ -16,7 +16,9 @@ ConfigError (exit 2). Sample counts become steps through the recipe's own batch 
 Megatron-LM (Emerging-Optimizers) and megatron-ext are translated once, here
 (:mod:`.megatron_flags`; the drop-in optimizer uses them too).
 
-No torch import.
+Megatron-LM's own parser then reads the same flags (:mod:`.from_megatron_parsed`): its
+refusals are the converter's, and what it derives (sequence parallelism at TP=1, the tokenizer
+default, the whole ``TransformerConfig``) is taken from it. Torch is imported only there.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Conversion:
     notes: list[str] = field(default_factory=list)
     # unmapped flags that build another model (MODEL_CHANGING): refused unless allowed
     model_changing: list[str] = field(default_factory=list)
+    megatron: Any = None  # Megatron-LM's namespace after parse_args + validate_args
 
     def drop(self, flag: Flag, reason: str, changes_model: bool | None = None) -> None:
         """``flag`` is not mapped, for ``reason``; a model-changing one (``changes_model``; None:
@@ -91,17 +94,24 @@ def translate(table: dict[str, str], value: str, what: str) -> str:
     return table[value]
 
 
-def convert(args: MegatronArgs) -> Conversion:
-    """The recipe for Megatron-LM flags ``args`` (see the module docstring)."""
+def convert(args: MegatronArgs, world_size: int | None = None, gpu: str = "H100") -> Conversion:
+    """The recipe for Megatron-LM flags ``args`` (see the module docstring), validated by
+    Megatron-LM's own parser at the script's world size (else ``world_size``, else the
+    smallest its parallel sizes allow) on a CPU host answering for ``gpu``."""
+    from megatron_ext.config.from_megatron_parsed import apply_parsed, parse_script
+
     _check_entry_script(args)
     out = Conversion(recipe={"trainer": "gpt"})
+    _check_required({k: args.last(k) for k in (*REQUIRED, *_RUN_LENGTH)})
+    parsed, size, note = parse_script(args, world_size, gpu)
+    out.megatron = parsed
+    out.notes.append(note)
     for command, words in args.other_commands:
         out.notes.append(f"{command} {words}: {command}'s options, not Megatron-LM's: not read")
     for path, value in MEGATRON_DEFAULTS.items():
         out.set(path, value)
     keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)  # source order
     flags = {key: args.last(key) for key in keys}
-    _check_required(flags)
     for key, repeats in args.repeated().items():
         if len({f.values for f in repeats}) == 1:
             continue  # the same value each time
@@ -123,6 +133,7 @@ def convert(args: MegatronArgs) -> Conversion:
         else:
             reason = MODEL_CHANGING.get(key) or REASONS.get(key, "no megatron-ext counterpart")
             out.drop(flag, reason)
+    apply_parsed(out, args, parsed, size, gpu)  # last: it maps flags the tables left out
     return out
 
 
@@ -137,18 +148,16 @@ def _check_entry_script(args: MegatronArgs) -> None:
         )
 
 
+_RUN_LENGTH = ("train-iters", "train-samples", "global-batch-size", "step-batch-size-schedule")
+
+
 def _check_required(flags: dict[str, Flag | None]) -> None:
+    """What the recipe needs (Megatron-LM's parser runs after: its own rules are its)."""
     missing = [f"--{k}" for k in REQUIRED if flags.get(k) is None]
     if flags.get("train-iters") is None and flags.get("train-samples") is None:
         missing.append("--train-iters or --train-samples")
     if flags.get("global-batch-size") is None and flags.get("step-batch-size-schedule") is None:
         missing.append("--global-batch-size or --step-batch-size-schedule")
-    _check_counting(flags)
-    if flags.get("global-batch-size") is not None and flags.get("step-batch-size-schedule"):
-        raise ConfigError(  # Megatron-LM's validate_args refuses the pair
-            "--step-batch-size-schedule and --global-batch-size are both given; Megatron-LM "
-            "refuses that ('Cannot specify both'): keep one"
-        )
     if missing:
         raise ConfigError(f"required Megatron-LM flag(s) missing: {', '.join(missing)}")
     unresolved = [
@@ -161,37 +170,6 @@ def _check_required(flags: dict[str, Flag | None]) -> None:
             f"required flag value(s) are unresolved shell variables: {'; '.join(unresolved)} "
             f"(pass the script's positional arguments with --script-args, or edit the script)"
         )
-
-
-#: Megatron-LM 0.19's validate_args: a run counted in iterations takes no sample-counted LR
-#: position, and the reverse; a warmup is a fraction or a count, not both (its messages)
-_COUNTING = {
-    "train-iters": (
-        ("train-samples", "expected iteration-based training"),
-        ("lr-decay-samples", "expected iteration-based learning rate decay"),
-        ("lr-warmup-samples", "expected iteration-based learning rate warmup"),
-    ),
-    "train-samples": (
-        ("lr-decay-iters", "expected sample-based learning rate decay"),
-        ("lr-warmup-iters", "expected sample-based learnig rate warmup"),
-    ),
-    "lr-warmup-fraction": (
-        ("lr-warmup-iters", "can only specify one of lr-warmup-fraction and lr-warmup-iters"),
-        ("lr-warmup-samples", "can only specify one of lr-warmup-fraction and lr-warmup-samples"),
-    ),
-}
-
-
-def _check_counting(flags: dict[str, Flag | None]) -> None:
-    for given, conflicts in _COUNTING.items():
-        if flags.get(given) is None:
-            continue
-        for other, message in conflicts:
-            value = _value(flags.get(other))
-            if value is not None and value not in ("0", "0.0"):
-                raise ConfigError(
-                    f"--{given} with --{other}: Megatron-LM refuses that ('{message}'); keep one"
-                )
 
 
 def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | None) -> None:
@@ -276,17 +254,9 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     precision = out.get("training.precision", "fp32")
     take("fp16", MODEL_CHANGING["fp16"])
     _low_precision(out, flags, take, precision)
-    percent = _value(flags.get("rotary-percent"))
-    if percent is not None:
-        take("rotary-percent", None if float(percent) == 1.0 else MODEL_CHANGING["rotary-percent"])
+    take("rotary-percent")  # model.rotary_percent: Megatron-LM's parsed value (apply_parsed)
     _moe_layer_freq(out, flags, take)
-    if flags.get("no-position-embedding") is not None:  # as Megatron-LM 0.19's validate_args
-        if out.get("model.position_embedding_type") != "rope":
-            raise ConfigError(
-                "--no-position-embedding without --position-embedding-type rope: Megatron-LM "
-                "refuses it ('deprecated, use --position-embedding-type'); drop it"
-            )
-        take("no-position-embedding")  # with RoPE it changes nothing
+    take("no-position-embedding")  # validate_args refuses it without RoPE; with it, a no-op
     seq = _value(flags.get("seq-length"))
     positions = _value(flags.get("max-position-embeddings"))
     if positions is not None:
@@ -319,12 +289,6 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
                 out.set(path, table[value])
             else:
                 take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
-    moe = out.get("model.num_moe_experts")
-    if moe and flags.get("moe-router-dtype") is None and out.get("training.precision") == "bf16":
-        out.notes.append(
-            "no --moe-router-dtype: Megatron-LM routes in the model's dtype (bf16), megatron-ext "
-            "in model.moe_router_dtype (fp32): set --moe-router-dtype fp32 in the script to match"
-        )
     if out.get("optimizer.name") == "muon":  # Megatron-LM's --muon-* defaults where absent
         for path, value in MUON_DEFAULTS.items():
             if out.get(path) is None:
@@ -425,7 +389,8 @@ def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., An
         out.set("data.path", data.values[0])
     elif data is not None:
         take("data-path", "a blend of several prefixes: give one indexed-dataset prefix")
-    kind = _value(flags.get("tokenizer-type"))
+    # no --tokenizer-type: pretrain_gpt.py's args_defaults (GPT2BPETokenizer), as parsed
+    kind = _value(flags.get("tokenizer-type")) or getattr(out.megatron, "tokenizer_type", None)
     model = _value(flags.get("tokenizer-model"))
     vocab, merges = _value(flags.get("vocab-file")), _value(flags.get("merge-file"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):

@@ -195,6 +195,10 @@ def _coerce(key: str, value: Any, tp: Any, meta: Any) -> Any:
 
 def _convert(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
+    if origin is dict:  # a mapping of names to YAML values (model.transformer_config)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key} must be a mapping of names to values, got {value!r}")
+        return _deepcopy(value)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (str, int, float)):

@@ -183,21 +183,11 @@ REASONS = {
 }
 #: flags that make another model (or another reading of the data) than the recipe would describe
 #: without them, and why megatron-ext cannot express them: the converter refuses them unless
-#: --allow-unmapped (then each is a comment in the recipe)
+#: --allow-unmapped (then each is a comment in the recipe). A flag whose effect is a
+#: TransformerConfig field is not here: Megatron-LM's own config carries it
+#: (model.transformer_config), and what the trainer cannot build is refused at launch.
 MODEL_CHANGING = {
-    "multi-latent-attention": "multi-latent attention (MLA) is not built by megatron-ext",
-    "q-lora-rank": "multi-latent attention (MLA) is not built by megatron-ext",
-    "kv-lora-rank": "multi-latent attention (MLA) is not built by megatron-ext",
-    "qk-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
-    "qk-pos-emb-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
-    "v-head-dim": "multi-latent attention (MLA) is not built by megatron-ext",
-    "apply-layernorm-1p": "zero-centred (1 + γ) norms are not built by megatron-ext",
-    "rotary-percent": "partial rotary embeddings are not built by megatron-ext",
-    "mtp-num-layers": "multi-token prediction layers are not built by megatron-ext",
     "fp16": "fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, mxfp8)",
-    "pipeline-model-parallel-layout": "megatron-ext splits the layers evenly over the pipeline "
-    "stages (parallel.pipeline_model_parallel_size)",
-    "num-layers-per-virtual-pipeline-stage": "virtual pipeline stages are not supported",
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
     # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens
@@ -213,14 +203,6 @@ MODEL_CHANGING = {
     "fp8-recipe": "not one of megatron-ext's precisions",
     "fp4-format": "not one of megatron-ext's precisions",
     "fp4-recipe": "not one of megatron-ext's precisions",
-    # gpt-oss's architecture (examples/gptoss)
-    "enable-gpt-oss": "gpt-oss's architecture is not built by megatron-ext",
-    "quick-geglu": "the quick-GeGLU activation is not built by megatron-ext",
-    "glu-linear-offset": "an offset GLU is not built by megatron-ext",
-    "activation-func-clamp-value": "a clamped activation is not built by megatron-ext",
-    "softmax-type": "learnable (sink) softmax is not built by megatron-ext",
-    "window-size": "sliding-window attention is not built by megatron-ext",
-    "window-attn-skip-freq": "sliding-window attention is not built by megatron-ext",
 }
 #: Megatron-LM's entry scripts whose model a GPT recipe describes
 ENTRY_SCRIPTS = ("pretrain_gpt.py",)

@@ -171,8 +171,7 @@ def check_moe_fields(model: Any, expert_parallel: int) -> None:
             "model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid "
             "(the expert bias is DeepSeek-V3's selection-only bias on sigmoid scores)"
         )
-    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
-        raise ConfigError("model.moe_router_pre_softmax needs moe_router_score_function=softmax")
+    # moe_router_pre_softmax with sigmoid scores: megatron-core ignores it (no rule here)
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         raise ConfigError(

@@ -15,7 +15,7 @@ No torch import: the launcher validates recipes before any process starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import MOE_PRESETS
@@ -43,6 +43,9 @@ class ModelConfig:
     layernorm_epsilon: float = spec(1e-5, gt=0.0)
     position_embedding_type: Literal["rope", "learned_absolute"] = spec("rope")
     rotary_base: int = spec(10000, ge=1)
+    rotary_percent: float = spec(
+        1.0, gt=0.0, le=1.0, help="share of each head's channels that RoPE rotates (GPTModel's)"
+    )
     activation: Literal["swiglu", "gelu"] = spec("swiglu")
     add_bias_linear: bool = False
     qk_layernorm: bool = False
@@ -77,7 +80,9 @@ class ModelConfig:
     moe_router_bias_update_rate: float = spec(1e-3, ge=0.0)
     moe_router_num_groups: int | None = spec(None, ge=1)
     moe_router_group_topk: int | None = spec(None, ge=1)
-    moe_router_dtype: Literal["fp32", "fp64"] = spec("fp32")
+    moe_router_dtype: Literal["fp32", "fp64"] | None = spec(
+        "fp32", help="None = the model's dtype (Megatron-LM's default)"
+    )
     moe_shared_expert_intermediate_size: int | None = spec(None, ge=1)
     moe_shared_expert_gate: bool = False
     moe_shared_expert_overlap: bool = False
@@ -86,6 +91,13 @@ class ModelConfig:
     )
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = spec("alltoall")
     moe_grouped_gemm: bool = False
+    # Every other megatron-core field, by its own name: what the fields above do not say
+    transformer_config: dict[str, Any] = spec(
+        {},
+        help="further megatron-core TransformerConfig (MLATransformerConfig) fields by name, "
+        "over what the fields above derive (activation_func by name: squared_relu, ...); "
+        "names checked against megatron-core's dataclass when the model is built",
+    )
 
 
 @dataclass

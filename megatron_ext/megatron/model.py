@@ -72,15 +72,36 @@ def transformer_config(
     precision: str,
     bf16_layers: tuple[int, int] = (0, 0),
 ) -> TransformerConfig:
-    """megatron-core ``TransformerConfig`` for the recipe (fusions off where they need CUDA);
-    ``bf16_layers``: the first/last layers an FP8/FP4 precision keeps in BF16."""
+    """megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for multi-latent
+    attention) for the recipe: :func:`transformer_kwargs` under ``model.transformer_config``
+    (:mod:`.transformer_fields`); ``bf16_layers``: the first/last layers an FP8/FP4 precision
+    keeps in BF16."""
+    import dataclasses
+
+    from megatron_ext.megatron import transformer_fields
+
+    named = tuple(f.name for f in dataclasses.fields(model))
+    kwargs = transformer_kwargs(model, parallel, precision, bf16_layers)
+    kwargs |= transformer_fields.resolve(model.transformer_config, named)
+    return transformer_fields.config_class(model.transformer_config)(**kwargs)
+
+
+def transformer_kwargs(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str,
+    bf16_layers: tuple[int, int] = (0, 0),
+) -> dict[str, Any]:
+    """The ``TransformerConfig`` keyword arguments the recipe's named fields derive (fusions
+    off where they need CUDA), before ``model.transformer_config``."""
     cuda = torch.cuda.is_available()
     swiglu = model.activation == "swiglu"
     ffn = model.ffn_hidden_size or (
         int(8 * model.hidden_size / 3 + 63) // 64 * 64 if swiglu else 4 * model.hidden_size
     )
     moe = model.num_moe_experts > 0
-    return TransformerConfig(
+    return dict(
+        transformer_impl="transformer_engine" if use_transformer_engine(model) else "local",
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -155,11 +176,20 @@ def layer_spec(model: ModelConfig, dense: bool = False) -> ModuleSpec:
             "model.qk_layernorm_scope=projection (OLMoE) is built on the local spec; "
             "set model.transformer_impl=local"
         )
+    mla = bool(model.transformer_config.get("multi_latent_attention"))
+    if mla and not use_transformer_engine(model):
+        raise ConfigError(
+            "multi-latent attention (model.transformer_config.multi_latent_attention) needs "
+            "Transformer Engine's core attention: megatron-core 0.19's local DotProductAttention "
+            "takes no separate key/value head dims (k_channels, v_channels); run it where "
+            "Transformer Engine and a GPU are"
+        )
     if use_transformer_engine(model):
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts,
             moe_grouped_gemm=model.moe_grouped_gemm,
             qk_layernorm=model.qk_layernorm,
+            multi_latent_attention=mla,
         )
     spec = get_gpt_layer_local_spec(
         num_experts=experts,
@@ -200,20 +230,47 @@ def build_gpt_model(
         model.make_vocab_size_divisible_by,
         parallel.tensor_model_parallel_size,
     )
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(model, config),
-        vocab_size=vocab,
-        max_sequence_length=seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type=model.position_embedding_type,
-        rotary_base=model.rotary_base,
-    )
+    decoder = block_spec(model, config)
+    try:
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder,
+            vocab_size=vocab,
+            max_sequence_length=seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type=model.position_embedding_type,
+            rotary_percent=model.rotary_percent,
+            rotary_base=model.rotary_base,
+            mtp_block_spec=mtp_spec(model, config, decoder),
+        )
+    except AssertionError as err:
+        if use_transformer_engine(model):
+            raise  # an internal error on TE's spec: keep the traceback
+        raise ConfigError(  # megatron-core's own reason, e.g. torch norms: no (1 + γ)
+            f"megatron-core cannot build this model with its local layers (no Transformer "
+            f"Engine on this host): {err}; run it where Transformer Engine and a GPU are"
+        ) from None
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def mtp_spec(model: ModelConfig, config: TransformerConfig, decoder: Any) -> ModuleSpec | None:
+    """megatron-core's multi-token-prediction block (``mtp_num_layers``) with the decoder's last
+    layer spec, as Megatron-LM's ``gpt_builder`` makes it; None without MTP."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    # a block spec lists this stage's layers (none: the plain layer spec, as gpt_builder
+    # does); else one layer spec serves every layer
+    layers = getattr(decoder, "layer_specs", None)
+    last = decoder if layers is None else (layers[-1] if layers else layer_spec(model))
+    return get_gpt_mtp_block_spec(
+        config, last, use_transformer_engine=use_transformer_engine(model)
+    )
 
 
 def half_precision_module(gpt: GPTModel) -> torch.nn.Module:

@@ -1,0 +1,195 @@
+"""The converter's Megatron-LM step: the script's flags through Megatron-LM's own parser, and the
+model section from Megatron-LM's own ``TransformerConfig``.
+
+:func:`parse_script` hands the flags (the last occurrence of each, in source order, torchrun's
+left out) to :func:`.megatron_parse.parse_megatron` at the script's world size (torchrun's
+``--nproc-per-node`` × ``--nnodes``, else the one given, else the smallest the parallel sizes
+allow: said in a note). :func:`apply_parsed` then takes what Megatron-LM derived: sequence
+parallelism (off at TP=1), and every ``TransformerConfig`` field whose value differs from
+megatron-core's default -- into the model section's named field of that name, or into
+``model.transformer_config`` where the named fields derive another value. A flag the
+converter's tables leave unmapped but whose effect is now carried (it changes Megatron-LM's
+``TransformerConfig``) is mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from argparse import Namespace
+from typing import TYPE_CHECKING, Any
+
+from megatron_ext.config.megatron_args import Flag, MegatronArgs
+from megatron_ext.config.megatron_flags import TORCHRUN
+
+if TYPE_CHECKING:
+    from megatron_ext.config.from_megatron import Conversion
+
+__all__ = ["apply_parsed", "megatron_words", "parse_script", "script_world_size"]
+
+
+def megatron_words(args: MegatronArgs, without: str | None = None) -> list[str]:
+    """The words Megatron-LM's parser gets: each flag's last occurrence in source order (the
+    converter's reading of repeats), torchrun's own flags left out; ``without``: a flag key
+    (dashes) left out too."""
+    keys = dict.fromkeys(f.name.replace("_", "-") for f in args.flags)
+    # --mock-data beside --data-path: the two branches of the script's `if` (the recipe trains
+    # on data.path); Megatron-LM is given one data source, the path
+    mock = "mock-data" if "data-path" in keys else None
+    words: list[str] = []
+    for key in keys:
+        flag = args.last(key)
+        if flag is None or key in TORCHRUN or key in (without, mock):
+            continue
+        words += [f"--{flag.name}", *flag.values]
+    return words
+
+
+def _int(flag: Flag | None, default: int) -> int | None:
+    if flag is None:
+        return default
+    value = flag.values[0] if len(flag.values) == 1 else ""
+    return int(value) if value.isdigit() else None
+
+
+def script_world_size(args: MegatronArgs, given: int | None) -> tuple[int, str]:
+    """The world size to validate at, and where it comes from (for the note)."""
+    nproc, nodes = _int(args.last("nproc-per-node"), 1), _int(args.last("nnodes"), 1)
+    if args.last("nproc-per-node") is not None and nproc and nodes:
+        return nproc * nodes, f"the script's torchrun ({nproc} per node × {nodes} nodes)"
+    if given is not None:
+        return given, "--world-size"
+    sizes = {
+        k: _int(args.last(f"{k}-model-parallel-size"), 1) or 1
+        for k in ("tensor", "pipeline", "expert")
+    }
+    cp = _int(args.last("context-parallel-size"), 1) or 1
+    tp, ep = sizes["tensor"], sizes["expert"]
+    # data parallel k: Megatron-LM needs (k * cp * tp) divisible by ep * tp (expert TP = TP)
+    k = next(k for k in range(1, 1 << 16) if (k * cp * tp) % (ep * tp) == 0)
+    size = tp * sizes["pipeline"] * cp * k
+    return size, "the smallest the parallel sizes allow (no resolved --nproc-per-node)"
+
+
+def parse_script(
+    args: MegatronArgs, world_size: int | None, gpu: str
+) -> tuple[Namespace, int, str]:
+    """Megatron-LM's namespace for the script, the world size it was validated at and the
+    note that says so."""
+    from megatron_ext.config.megatron_parse import GPU_CAPABILITY, parse_megatron
+
+    size, source = script_world_size(args, world_size)
+    parsed = parse_megatron(megatron_words(args), size, gpu, args.variables)
+    major, minor = GPU_CAPABILITY.get(gpu, (0, 0))
+    note = (
+        f"validated by Megatron-LM's parse_args + validate_args at world size {size} ({source}) "
+        f"on a CPU host, its GPU queries answered for {gpu} (compute capability {major}.{minor}; "
+        "--gpu to change) and its Transformer Engine version checks as passed (NGC container)"
+    )
+    return parsed, size, note
+
+
+def apply_parsed(
+    out: Conversion, args: MegatronArgs, parsed: Namespace, size: int, gpu: str
+) -> None:
+    """Megatron-LM's derived values into the recipe ``out`` (see the module docstring)."""
+    from megatron_ext.config.megatron_parse import transformer_fields
+
+    if parsed.sequence_parallel != bool(out.get("parallel.sequence_parallel", False)):
+        out.notes.append(
+            f"parallel.sequence_parallel: {parsed.sequence_parallel}, as Megatron-LM's "
+            f"validate_args sets it (TP={parsed.tensor_model_parallel_size})"
+        )
+    out.set("parallel.sequence_parallel", bool(parsed.sequence_parallel))
+    if parsed.first_last_layers_bf16:  # Megatron-LM reads the counts only with this switch
+        out.set("training.num_layers_at_start_in_bf16", parsed.num_layers_at_start_in_bf16)
+        out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
+    if parsed.rotary_percent != 1.0:
+        out.set("model.rotary_percent", float(parsed.rotary_percent))
+    fields = transformer_fields(parsed)
+    written = _model_fields(out, fields, transformer_fields(parsed, every=True))
+    _carried_flags(out, args, fields, written, size, gpu)
+
+
+def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, Any]) -> set[str]:
+    """Megatron-LM's ``TransformerConfig`` fields into the model section: those that differ
+    from megatron-core's default (``megatron``) or from what the recipe derives (of ``every``
+    field), into a named field of the same name, or ``model.transformer_config``. Returns the
+    names that changed the recipe."""
+    import torch
+
+    from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.gpt.sections import ModelConfig
+    from megatron_ext.megatron.model import transformer_kwargs
+    from megatron_ext.megatron.transformer_fields import HOST_FIELDS, SECTION_FIELDS
+    from megatron_ext.megatron.transformer_fields import activation_function as activation
+
+    recipe = recipe_from_dict(out.recipe)
+    # the host's layers do not change the fields compared (transformer_impl is skipped), and a
+    # script asking for Transformer Engine converts on a host without it: refused at launch
+    model = dataclasses.replace(recipe.model, transformer_impl="local")
+    derived = transformer_kwargs(model, recipe.parallel, recipe.training.precision)
+    named = {f.name for f in dataclasses.fields(ModelConfig)}
+    extra: dict[str, Any] = {}
+    changed: set[str] = set()
+    for name, value in every.items():
+        if name not in megatron and name not in derived:
+            continue  # megatron-core's default, and the recipe does not set it
+        if name in SECTION_FIELDS:
+            continue  # the parallel / training sections' (the exactness test compares them)
+        if name == "transformer_impl":
+            continue  # --transformer-impl maps to model.transformer_impl; its default: auto
+        if name in HOST_FIELDS:
+            if name in megatron:
+                extra[name] = value  # Megatron-LM's kernel choice, used where CUDA is
+            continue
+        mine = derived.get(name)
+        if name == "activation_func":
+            same = mine is activation(value)
+        elif isinstance(mine, torch.dtype):
+            same = str(mine).removeprefix("torch.") == value
+        else:
+            same = mine == value and (name in derived or value is None)
+        if same:
+            continue
+        changed.add(name)
+        if name in named:
+            out.set(f"model.{name}", value)
+        else:
+            extra[name] = value
+    if extra:
+        out.set("model.transformer_config", extra)
+    return changed
+
+
+def _carried_flags(
+    out: Conversion,
+    args: MegatronArgs,
+    fields: dict[str, Any],
+    changed: set[str],
+    size: int,
+    gpu: str,
+) -> None:
+    """An unmapped flag whose effect the recipe now carries -- leaving it out changes Megatron-LM's
+    ``TransformerConfig`` in a field the recipe took -- becomes mapped."""
+    from megatron_ext.config.megatron_parse import parse_megatron, transformer_fields
+    from megatron_ext.errors import ConfigError
+
+    carried = set(changed) | {"rotary_percent"}
+    for text, reason in list(out.unmapped):
+        key = text[2:].split(" ", 1)[0].replace("_", "-")
+        if key == "rotary-percent":
+            moved = True
+        else:
+            try:
+                without = transformer_fields(
+                    parse_megatron(megatron_words(args, key), size, gpu, args.variables)
+                )
+            except ConfigError:
+                continue  # needed by another flag: its own reason stands
+            diff = {n for n in fields.keys() | without.keys() if fields.get(n) != without.get(n)}
+            moved = bool(diff) and diff <= carried | set(out.get("model.transformer_config", {}))
+        if moved:
+            out.unmapped.remove((text, reason))
+            if text in out.model_changing:
+                out.model_changing.remove(text)
+            out.mapped.append(text)
