@@ -50,6 +50,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_model_config
 
 from megatron_ext.config.from_megatron import translate
 from megatron_ext.config.load import recipe_from_dict
@@ -57,9 +58,15 @@ from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MOD
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
-from megatron_ext.megatron.optimizer_factories import inner_factory
+from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
 
-__all__ = ["EXTENSION_OPTIMIZERS", "extension_config", "get_megatron_optimizer"]
+__all__ = [
+    "EXTENSION_OPTIMIZERS",
+    "MEGATRON_CORE_DEFAULTS",
+    "extension_config",
+    "get_megatron_optimizer",
+    "mapped_fields",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +77,17 @@ _MOMENTUM = ("momentum", "nesterov", "extra_scale_factor")
 # fields whose spellings differ are translated (_TRANSLATED)
 _MAPPED: dict[str, dict[str, str]] = {
     "muon": {
-        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps")},
+        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps", "fp32_matmul_prec")},
+        # megatron-core's Muon (Emerging-Optimizers) runs Newton–Schulz in bf16 under "medium"
+        "muon_fp32_matmul_prec@": "muon_ns_precision",
         "muon_tp_mode": "tp_mode",
+        "muon_split_qkv": "split_qkv",
     },
-    "mop": {**{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM}, "muon_tp_mode": "tp_mode"},
+    "mop": {
+        **{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM},
+        "muon_tp_mode": "tp_mode",
+        "muon_split_qkv": "split_qkv",
+    },
     "lion": {"lion_beta1": "lion_beta1", "lion_beta2": "lion_beta2"},
     "kl_soap": {
         "soap_shampoo_beta": "kl_soap_shampoo_beta",
@@ -89,11 +103,19 @@ _TRANSLATED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
 }
 # megatron-core fields megatron-ext does not honour, per optimizer, and why
 _NOT_HONOURED: dict[str, dict[str, str]] = {
-    "muon": {
-        "muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole",
-        "muon_fp32_matmul_prec": "Newton–Schulz runs at optimizer.muon_ns_precision",
-    },
-    "mop": {"muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole"},
+    "mop": {"muon_fp32_matmul_prec": "MOP's polar factor is an SVD at mop_polar_precision"},
+}
+# megatron-ext fields derived from a megatron-core field already mapped to one
+_DERIVED: dict[str, Any] = {
+    "muon_ns_precision": lambda prec: "bf16" if prec == "medium" else "fp32"
+}
+# megatron-core's meaning where the recipe's default differs: its routing (every 2-D parameter
+# but the word embeddings and the output layer) and its raw update scale; an extra attribute
+# of the same name on the config (config.match_update_rms = True) asks for megatron-ext's
+MEGATRON_CORE_DEFAULTS: dict[str, Any] = {
+    "match_update_rms": False,
+    "matrix_routing": "megatron_core",
+    "muon_ns_method": "plain",  # megatron-core's Newton–Schulz (no Gram variant)
 }
 
 
@@ -120,11 +142,19 @@ def get_megatron_optimizer(
     _check_supported(config, model_chunks, config_overrides, pg_collection)
     ext = extension_config(config)
     named = _named_parameters(model_chunks)
-    optimizer = MegatronExtOptimizer(named, inner_factory(ext), config)
+    layout = model_qkv_layout(get_model_config(model_chunks[0])) if ext.split_qkv else None
+    optimizer = MegatronExtOptimizer(named, inner_factory(ext, layout), config)
     _tag_param_groups(optimizer, config)
     if dump_param_to_param_group_map is not None:
-        _dump_groups(ext.name, named, dump_param_to_param_group_map)
+        _dump_groups(ext.name, ext.matrix_routing, named, dump_param_to_param_group_map)
     return optimizer
+
+
+def mapped_fields() -> set[str]:
+    """The ``optimizer:`` fields the drop-in reads from megatron-core fields of another name."""
+    out = {ours for table in _MAPPED.values() for ours in table.values()}  # with the derived
+    out |= {ours for table in _TRANSLATED.values() for ours, _ in table.values()}
+    return out | {"kl_soap_factor_update"}
 
 
 def extension_name(optimizer: str) -> str | None:
@@ -144,12 +174,15 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
             f"optimizer={config.optimizer!r} is megatron-core's own; megatron-ext's are "
             f"{', '.join(EXTENSION_OPTIMIZERS)} (and soap, as kl_soap)"
         )
-    raw: dict[str, Any] = {"name": name}
+    raw: dict[str, Any] = {"name": name, **MEGATRON_CORE_DEFAULTS}
     for f in _SHARED:  # megatron-core leaves min_lr None by default: the section's 0 then
         if getattr(config, f) is not None or f == "lr":
             raw[f] = getattr(config, f)
     for theirs, ours in _MAPPED[name].items():
-        raw[ours] = getattr(config, theirs)
+        if theirs.endswith("@"):  # a second field read from the same megatron-core field
+            raw[ours] = _DERIVED[ours](getattr(config, theirs[:-1]))
+        else:
+            raw[ours] = getattr(config, theirs)
     for theirs, (ours, table) in _TRANSLATED.get(name, {}).items():
         raw[ours] = translate(table, getattr(config, theirs), theirs)
     if name == "kl_soap":
@@ -247,12 +280,16 @@ def _tag_param_groups(optimizer: MegatronExtOptimizer, config: McOptimizerConfig
         group.setdefault("default_config", True)
 
 
-def _dump_groups(name: str, named: list[tuple[str, torch.nn.Parameter]], path: str) -> None:
+def _dump_groups(
+    name: str, rules: str, named: list[tuple[str, torch.nn.Parameter]], path: str
+) -> None:
     """``{parameter name: optimizer}`` as JSON on rank 0 (megatron-core's option writes group
     indices; here a parameter's group is the optimizer the router gives it)."""
     from megatron_ext.optimizers.routing import route_parameter
 
-    routes = {n: route_parameter(n, tuple(p.shape), matrix_optimizer=name) for n, p in named}
+    routes = {
+        n: route_parameter(n, tuple(p.shape), matrix_optimizer=name, rules=rules) for n, p in named
+    }
     if torch.distributed.get_rank() == 0:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(routes, f, indent=1)

@@ -17,6 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
 from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.errors import ConfigError
+from megatron_ext.optimizers.qkv import QKVLayout
 from megatron_ext.optimizers.routing import weight_decay_groups
 from megatron_ext.optimizers.spec import recipe_hyperparameters
 
@@ -29,6 +31,7 @@ __all__ = [
     "is_expert_param",
     "layerwise_factory",
     "megatron_optimizer_config",
+    "model_qkv_layout",
 ]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -90,9 +93,18 @@ def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
     return build
 
 
-def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
+def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None) -> InnerFactory:
     """The layer-wise distributed optimizer over the data-parallel group: ``cfg.name`` for the
-    hidden matrices, AdamW for the rest, each matrix updated by the rank that owns it."""
+    matrices ``cfg.matrix_routing`` gives it, AdamW for the rest, each matrix updated by the
+    rank that owns it. With ``cfg.split_qkv`` the fused QKV weights are orthogonalised as Q, K
+    and V (``qkv_layout``: the model's, required then)."""
+    if cfg.split_qkv and qkv_layout is None:
+        raise ConfigError(
+            "optimizer.split_qkv=true needs the model's attention layout (num_attention_heads, "
+            "num_query_groups, kv_channels), which this caller did not pass"
+        )
+    layout = qkv_layout if cfg.split_qkv else None
+    common = dict(routing=cfg.matrix_routing, qkv_layout=layout)
 
     def build(named: NamedParams) -> Any:
         from megatron_ext.distributed.allgather_v import make_allgather_v
@@ -115,13 +127,20 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
         hp = hyperparameters(cfg)
         dp_group = parallel_state.get_data_parallel_group()
         parts = [
-            LayerwiseOptimizer(dense, cfg.name, make_allgather_v(dp_group), hp, tp_shards=tp_shards)
+            LayerwiseOptimizer(
+                dense, cfg.name, make_allgather_v(dp_group), hp, tp_shards=tp_shards, **common
+            )
         ]
         if expert:
             edp_group = parallel_state.get_expert_data_parallel_group()
             parts.append(
                 LayerwiseOptimizer(
-                    expert, cfg.name, make_allgather_v(edp_group), hp, tp_shards=tp_shards
+                    expert,
+                    cfg.name,
+                    make_allgather_v(edp_group),
+                    hp,
+                    tp_shards=tp_shards,
+                    **common,
                 )
             )
         return parts[0] if len(parts) == 1 else LayerwiseDomains(parts)
@@ -129,5 +148,13 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
     return build
 
 
-def inner_factory(cfg: OptimizerConfig) -> InnerFactory:
-    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg)
+def inner_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None) -> InnerFactory:
+    """AdamW replicated (``cfg.name == "adamw"``) or the layer-wise optimizer; ``qkv_layout``
+    is the model's, read with ``cfg.split_qkv``."""
+    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg, qkv_layout)
+
+
+def model_qkv_layout(config: Any) -> QKVLayout:
+    """The fused-QKV layout of a megatron-core ``TransformerConfig``."""
+    groups = config.num_query_groups or config.num_attention_heads
+    return QKVLayout.from_heads(config.num_attention_heads, groups, config.kv_channels)
