@@ -6,7 +6,7 @@ once per configuration of a JSON plan, all in this process.
     python tests/dist/megatron_lm_pretrain.py PLAN OUT        # (plain: megatron-ext not installed)
 
 PLAN: ``{"common": [args...], "runs": {"name": [args...], ...}}``; each run parses
-``common + args`` with Megatron-LM's parser and trains. With ``--two-line-edit`` first in a
+``common + args`` with Megatron-LM's parser and trains. With ``--two-line-edit`` among a
 run's arguments, the parser gets ``extra_args_provider=megatron_ext_args`` (the documented edit).
 OUT (rank 0): ``{"name": {"loss": [...], "grad_norm": [...], "iterations": [...]}}``, the values
 Megatron-LM's ``training_log`` receives at each iteration.
@@ -32,6 +32,10 @@ from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.training import destroy_global_state
+
+from megatron_ext.megatron.cpu_compat import apply_cpu_compat
+from megatron_ext.megatron.cpu_compat_training import apply_training_cpu_compat
+from megatron_ext.megatron.run_pretrain import use_built_dataset_helpers
 
 RECORD: dict[str, list[float]] = {}
 
@@ -108,10 +112,11 @@ def recording_log(original):
 
 def run(argv: list[str]) -> dict[str, list[float]]:
     extra = None
-    if argv and argv[0] == "--two-line-edit":
+    if "--two-line-edit" in argv:
         from megatron_ext.megatron.megatron_lm import megatron_ext_args
 
-        extra, argv = megatron_ext_args, argv[1:]
+        extra = megatron_ext_args
+        argv = [a for a in argv if a != "--two-line-edit"]
     RECORD.clear()
     RECORD.update(iterations=[], loss=[], grad_norm=[])
     sys.argv = [sys.argv[0], *argv]
@@ -131,6 +136,11 @@ def main() -> None:
     plan_path, out_path = sys.argv[1], sys.argv[2]
     with open(plan_path, encoding="utf-8") as f:
         plan = json.load(f)
+    # on this CPU host: the compatibility modules and the wheel's built dataset helpers (what
+    # the runner applies too); Megatron-LM's parser and get_megatron_optimizer stay untouched
+    apply_cpu_compat()
+    apply_training_cpu_compat()
+    use_built_dataset_helpers()
     mlm_training.training_log = recording_log(mlm_training.training_log)
     results = {name: run(plan["common"] + args) for name, args in plan["runs"].items()}
     if torch.distributed.get_rank() == 0:
