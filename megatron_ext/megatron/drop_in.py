@@ -8,8 +8,8 @@ Same signature as megatron-core 0.19's (a test compares them). For ``config.opti
 ``adam``/``sgd`` it returns what megatron-core returns (it calls it). For ``muon``,
 ``kl_soap`` (and Megatron-LM's ``soap``, the converter's reading too),
 ``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
-(each hidden matrix updated by the data-parallel rank that owns it, AdamW on embeddings, output
-layer, norms and biases) behind megatron-ext's ``MegatronOptimizer`` adapter
+(each matrix updated by the data-parallel rank that owns it; AdamW for the rest) behind
+megatron-ext's ``MegatronOptimizer`` adapter
 (:class:`~.optimizer.MegatronExtOptimizer`), so the script's loop — megatron-core's
 forward/backward schedule, ``finalize_model_grads``, ``optimizer.step()``, its
 ``OptimizerParamScheduler``, ``dist_checkpointing`` — is unchanged.
@@ -23,9 +23,14 @@ exact polar factor), ``muon_tp_mode`` -> ``tp_mode``, ``lion_beta1/2``,
 ``kl``/``shampoo``. **Extra fields**: any attribute set on the config instance under a
 megatron-ext field name (``config.kl_soap_factor_eps = 1e-10``, ``config.update_rms = 0.2``,
 ``config.muon_ns_method = "gram"``) is taken as is; any other extra attribute is an error.
-Fields megatron-ext cannot honour (``muon_split_qkv``: the layer-wise Muon orthogonalises a
-fused QKV weight whole; ``muon_fp32_matmul_prec``: its Newton–Schulz precision is
-``muon_ns_precision``) are named once in a warning on rank 0.
+**Megatron-LM's meaning by default** (:data:`MEGATRON_CORE_DEFAULTS`): megatron-core's routing
+(the matrix optimizer for every 2-D parameter but the word embeddings and the output layer),
+no update-RMS matching, plain Newton–Schulz; ``muon_split_qkv`` splits fused QKV weights per
+query group; ``muon_fp32_matmul_prec`` is torch's matmul precision during Newton–Schulz, and
+its ``medium`` (megatron-core's default) also runs the iteration in bf16, as megatron-core's
+Muon (Emerging-Optimizers) does. An extra attribute of a megatron-ext field name overrides any
+of these. Fields megatron-ext cannot honour (MOP's ``muon_fp32_matmul_prec``: its polar factor
+is an SVD) are named once in a warning on rank 0.
 
 Requirements, each checked with a message naming the fix: bf16 or fp32 parameters (no fp16
 loss scaling); the model chunks' DDP with ``use_distributed_optimizer=False`` (the optimizer
