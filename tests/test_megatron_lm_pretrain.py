@@ -92,6 +92,8 @@ def _runner_runs(ckpt, load=None) -> dict[str, list[str]]:
             "muon",
             "--train-iters",
             "5",
+            "--save-interval",
+            "5",
             "--save",
             str(ckpt),
         ]
