@@ -87,15 +87,9 @@ def _runner_runs(ckpt, load=None) -> dict[str, list[str]]:
         "muon_moe": ["--megatron-ext-optimizer", "muon", *MOE],
     }
     if load is None:
-        runs["first_half"] = [
-            "--megatron-ext-optimizer",
-            "muon",
-            "--train-iters",
-            "5",
-            "--save-interval",
-            "5",
-            "--save",
-            str(ckpt),
+        runs["first_half"] = [  # the 10-iteration run's schedule, stopped at 5 (Megatron-LM saves)
+            *("--megatron-ext-optimizer", "muon", "--exit-interval", "5"),
+            *("--save-interval", "5", "--save", str(ckpt)),
         ]
         runs["resumed"] = ["--megatron-ext-optimizer", "muon", "--load", str(ckpt)]
     else:

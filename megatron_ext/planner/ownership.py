@@ -17,6 +17,7 @@ from megatron_ext.distributed.plan import (
     bucket_layout,
     plan_ownership,
 )
+from megatron_ext.optimizers.options import MatrixRouting
 from megatron_ext.optimizers.routing import route_parameter
 from megatron_ext.planner.params import PlannedParam
 
@@ -70,10 +71,13 @@ def optimizer_layout(
     edp: int,
     bf16: bool,
     overrides: Sequence[tuple[str, str]] = (),
+    rules: MatrixRouting = "megatron_ext",
 ) -> OptimizerLayout:
     """Routes and ownership plans exactly as the trainer builds them (the same functions)."""
     routes = {
-        p.name: route_parameter(p.name, p.shape, matrix_optimizer=optimizer, overrides=overrides)
+        p.name: route_parameter(
+            p.name, p.shape, matrix_optimizer=optimizer, overrides=overrides, rules=rules
+        )
         for p in params
     }
     if optimizer == "adamw":

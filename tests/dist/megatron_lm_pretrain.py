@@ -121,13 +121,17 @@ def run(argv: list[str]) -> dict[str, list[float]]:
     RECORD.update(iterations=[], loss=[], grad_norm=[])
     sys.argv = [sys.argv[0], *argv]
     args = parse_and_validate_args(extra_args_provider=extra)
-    pretrain(
-        pretrain_cfg_container_from_args(args),
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-    )
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
+    except SystemExit as stop:  # --exit-interval: Megatron-LM saves, then sys.exit(0)
+        if stop.code not in (0, None):
+            raise
     destroy_global_state()  # the next run parses and initialises afresh
     return dict(RECORD)
 
