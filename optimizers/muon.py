@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +14,15 @@ from .ns_schedule import (
     gram_is_cheaper,
     resolve_coefficients,
 )
-from .options import CoefficientSet, NSMethod, NSPrecision, RMSMatch, ScaleMode, TPMode
+from .options import (
+    CoefficientSet,
+    FP32MatmulPrecision,
+    NSMethod,
+    NSPrecision,
+    RMSMatch,
+    ScaleMode,
+    TPMode,
+)
 from .orthogonalized import OrthogonalizedOptimizer
 from .qkv import QKVLayout
 from .tensor_parallel import (
@@ -54,6 +63,9 @@ class Muon(OrthogonalizedOptimizer):
             faster, singular values accurate to ~1e-2 only).
         gram_restart: Gram NS steps after which the iteration restarts from a fresh Gram
             matrix; default none in fp32, after step 2 in bf16 (see :mod:`.newton_schulz`).
+        fp32_matmul_prec: ``torch.set_float32_matmul_precision`` while Newton–Schulz runs
+            (``highest``, default: true fp32; ``high``/``medium`` let a GPU use TF32 or bf16
+            passes, as megatron-core's ``muon_fp32_matmul_prec``, default ``medium`` there).
         scale_mode: ``spectral``, ``shape`` or ``unit_rms``.
         extra_scale_factor: multiplies the scale; 0.2 with ``spectral`` matches AdamW's RMS.
         rms_match: ``constant`` (default): the scale's extra factor is ``extra_scale_factor``;
@@ -90,6 +102,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_method: NSMethod = "auto",
         precision: NSPrecision = "fp32",
         gram_restart: Sequence[int] | None = None,
+        fp32_matmul_prec: FP32MatmulPrecision = "highest",
         scale_mode: ScaleMode = "spectral",
         extra_scale_factor: float = 1.0,
         rms_match: RMSMatch = "constant",
@@ -108,6 +121,7 @@ class Muon(OrthogonalizedOptimizer):
             ns_method=ns_method,
             precision=precision,
             gram_restart=None if gram_restart is None else tuple(gram_restart),
+            fp32_matmul_prec=fp32_matmul_prec,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             rms_match=rms_match,
@@ -121,19 +135,26 @@ class Muon(OrthogonalizedOptimizer):
         resolve_coefficients(group["coefficients"], group["num_steps"])
         check_choice("ns_method", group["ns_method"], NSMethod)
         check_choice("precision", group["precision"], NSPrecision)
+        check_choice("fp32_matmul_prec", group["fp32_matmul_prec"], FP32MatmulPrecision)
         for k in group["gram_restart"] or ():
             check_range("gram_restart step", k, low=1, high=group["num_steps"] - 1)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # groups saved before the option: true fp32, as then
+        for group in self.param_groups:
+            group.setdefault("fp32_matmul_prec", "highest")
+
     def orthogonalize(self, x: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        return newton_schulz(
-            x,
-            coefficients=group["coefficients"],
-            num_steps=group["num_steps"],
-            method=group["ns_method"],
-            precision=group["precision"],
-            gram_restart=group["gram_restart"],
-            inplace=True,
-        )
+        with fp32_matmul_precision(group["fp32_matmul_prec"]):
+            return newton_schulz(
+                x,
+                coefficients=group["coefficients"],
+                num_steps=group["num_steps"],
+                method=group["ns_method"],
+                precision=group["precision"],
+                gram_restart=group["gram_restart"],
+                inplace=True,
+            )
 
     def distributed_iteration(self, group: dict[str, Any]) -> DistributedIteration:
         """NS steps on column blocks of full ``(m, N)`` matrices, Gram products reduced.
@@ -157,8 +178,24 @@ class Muon(OrthogonalizedOptimizer):
                 method == "gram"
                 or (method == "auto" and gram_is_cheaper(m, n, len(steps), restart))
             )
-            return newton_schulz_iterate(
-                work.to(dtype), steps, gram=use_gram, gram_restart=restart, gram_reduce=gram_reduce
-            )
+            with fp32_matmul_precision(group["fp32_matmul_prec"]):
+                return newton_schulz_iterate(
+                    work.to(dtype),
+                    steps,
+                    gram=use_gram,
+                    gram_restart=restart,
+                    gram_reduce=gram_reduce,
+                )
 
         return iterate
+
+
+@contextlib.contextmanager
+def fp32_matmul_precision(precision: FP32MatmulPrecision) -> Iterator[None]:
+    """torch's float32 matmul precision set to ``precision`` inside, restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)

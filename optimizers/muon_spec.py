@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from .ns_schedule import newton_schulz_flops
-from .options import CoefficientSet, NSMethod, NSPrecision, RMSMatch, ScaleMode
+from .options import (
+    CoefficientSet,
+    FP32MatmulPrecision,
+    NSMethod,
+    NSPrecision,
+    RMSMatch,
+    ScaleMode,
+)
 from .spec import Hyperparameter, OptimizerSpec
 
 
@@ -145,6 +152,13 @@ SPEC = OptimizerSpec(
             default="fp32",
             choices=NSPrecision,
             help="precision of the Newton–Schulz products",
+        ),
+        Hyperparameter(
+            key="fp32_matmul_prec",
+            default="highest",
+            choices=FP32MatmulPrecision,
+            help="torch.set_float32_matmul_precision while Newton–Schulz runs (GPUs: high/medium "
+            "allow TF32/bf16 passes; megatron-core's default is medium)",
         ),
     ),
     update_rms_kwarg="extra_scale_factor",

@@ -126,6 +126,12 @@ def newton_schulz(
         work = batch
     else:
         work = torch.empty(batch.shape, dtype=dtype, device=x.device)
+        if normalize and batch.dtype.itemsize > dtype.itemsize:
+            # normalise at the input's precision, then round once (as Emerging-Optimizers'
+            # bf16 iteration does): rounding first would put the bf16 error into the norm too
+            norms = torch.linalg.vector_norm(batch, dim=(-2, -1), keepdim=True)
+            batch = batch / norms.clamp_min_(eps)
+            normalize = False
         work.copy_(batch)
     if normalize:
         normalize_frobenius(work, eps)

@@ -10,8 +10,10 @@ from typing import Literal
 
 __all__ = [
     "CoefficientSet",
+    "FP32MatmulPrecision",
     "FactorUpdate",
     "InverseRoot",
+    "MatrixRouting",
     "NSMethod",
     "NSPrecision",
     "PolarPrecision",
@@ -29,6 +31,11 @@ CoefficientSet = Literal["quintic", "quintic_schedule", "polar_express", "cubic"
 NSMethod = Literal["auto", "plain", "gram"]
 #: Precision of the Newton–Schulz products.
 NSPrecision = Literal["fp32", "bf16"]
+#: torch's float32 matmul precision while Muon's Newton–Schulz runs (megatron-core's
+#: ``muon_fp32_matmul_prec``; ``highest`` = true fp32, ``high``/``medium`` allow TF32/bf16 on GPUs).
+FP32MatmulPrecision = Literal["highest", "high", "medium"]
+#: Which parameters the matrix optimizer takes (:func:`~.routing.route_parameter`).
+MatrixRouting = Literal["megatron_ext", "megatron_core"]
 #: Update scale of Muon/MOP: √max(m, n) (``spectral``), √max(1, m/n), or √(m/n).
 ScaleMode = Literal["spectral", "shape", "unit_rms"]
 #: Muon/MOP's update-RMS factor: ``extra_scale_factor`` alone (a constant), or times

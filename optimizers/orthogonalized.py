@@ -310,8 +310,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         extra = group["extra_scale_factor"]
         if group["rms_match"] == "beta":
             extra = extra * momentum_rms_factor(beta)
-        if group["weight_decay"] != 0.0:
-            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        if group["weight_decay"] != 0.0:  # W + (−ηλ)W: Emerging-Optimizers' rounding of (1 − ηλ)W
+            torch._foreach_add_(params, params, alpha=-lr * group["weight_decay"])
         torch._foreach_lerp_(buffers, grads, 1.0 - beta)
         if group["nesterov"]:
             sources = [g.lerp(b, beta) for g, b in zip(grads, buffers, strict=True)]

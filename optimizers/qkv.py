@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .routing import weight_decay_groups
 from .validation import check_range
 
-__all__ = ["QKVLayout", "qkv_views"]
+__all__ = ["QKVLayout", "qkv_views", "qkv_weight_decay_groups"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +83,30 @@ def qkv_views(weight: torch.Tensor, layout: QKVLayout) -> tuple[torch.Tensor, ..
     q_rows = layout.heads_per_group * layout.kv_channels
     kv = layout.kv_channels
     return groups[:, :q_rows], groups[:, q_rows : q_rows + kv], groups[:, q_rows + kv :]
+
+
+def qkv_weight_decay_groups(
+    named: list[tuple[str, torch.Tensor]], layout: QKVLayout
+) -> list[dict[str, object]]:
+    """megatron-core's weight-decay groups (:func:`~.routing.weight_decay_groups`), with each
+    fused ``linear_qkv.weight`` moved to a group of its own whose ``qkv_layout`` makes Muon/MOP
+    orthogonalise its Q, K and V separately (megatron-core's ``muon_split_qkv``).
+
+    ``layout`` is the whole model's; a tensor-parallel shard holds whole query groups, so its
+    rows give its own number of groups. Weight decay stays at the optimizer's default in the
+    QKV groups (they are matrices).
+    """
+    per_group = (layout.heads_per_group + 2) * layout.kv_channels
+    fused = {
+        n: p
+        for n, p in named
+        if n.endswith("linear_qkv.weight") and p.ndim == 2 and p.shape[0] % per_group == 0
+    }
+    groups = weight_decay_groups([(n, p) for n, p in named if n not in fused])
+    by_rows: dict[int, list[torch.Tensor]] = {}
+    for p in fused.values():
+        by_rows.setdefault(p.shape[0], []).append(p)
+    for rows, params in by_rows.items():
+        local = QKVLayout(rows // per_group, layout.heads_per_group, layout.kv_channels)
+        groups.append({"params": params, "qkv_layout": local})
+    return groups

@@ -10,6 +10,13 @@ Default rules (megatron-core parameter names; the first rule that applies wins):
    whose norms set the routing temperature, which orthogonalising would flatten;
 4. the matrix optimizer for the remaining 2-D hidden weights (attention projections, MLP) and
    3-D stacked expert weights.
+
+megatron-core's rules (``rules="megatron_core"``, what its ``get_megatron_optimizer`` does for
+``muon``: ``_is_nonlinear_or_embedding``): the matrix optimizer for every 2-D parameter except
+the word embeddings and the output layer (the two it marks ``is_embedding_or_output_parameter``,
+``embedding.word_embeddings.weight`` and ``output_layer.weight``), so learned position
+embeddings and MoE routers are orthogonalised too; AdamW for everything else (1-D, 3-D).
+The overrides come first under both.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .options import MatrixRouting
+
 if TYPE_CHECKING:  # route_parameter is torch-free: the planner and the launcher call it
     import torch
 
 __all__ = ["decays_weight", "route_parameter", "weight_decay_groups"]
 
 _ADAMW_NAME_PARTS = ("embedding", "output_layer", "conv1d", "norm", "router.weight")
+# megatron-core's is_embedding_or_output_parameter (LanguageModule marks these two)
+_MEGATRON_CORE_ADAM = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def route_parameter(
@@ -32,6 +43,7 @@ def route_parameter(
     *,
     matrix_optimizer: str = "muon",
     overrides: Sequence[tuple[str, str]] = (),
+    rules: MatrixRouting = "megatron_ext",
 ) -> str:
     """Registry name of the optimizer for parameter ``name`` of ``shape``.
 
@@ -40,10 +52,17 @@ def route_parameter(
         shape: its shape.
         matrix_optimizer: the registered optimizer for hidden matrices (``muon``, ``lion``, ...).
         overrides: ``(glob, optimizer)`` pairs tried first, in order.
+        rules: ``megatron_ext`` (the default rules above) or ``megatron_core``.
     """
     for pattern, optimizer in overrides:
         if fnmatch.fnmatchcase(name, pattern):
             return optimizer
+    if rules == "megatron_core":
+        if len(shape) != 2 or name.endswith(_MEGATRON_CORE_ADAM):
+            return "adamw"
+        return matrix_optimizer
+    if rules != "megatron_ext":
+        raise ValueError(f"rules={rules!r}: expected megatron_ext or megatron_core")
     leaf = name.rsplit(".", 1)[-1]
     if len(shape) not in (2, 3) or leaf == "bias" or leaf.endswith("_bias"):
         return "adamw"

@@ -217,3 +217,78 @@ def test_a_megatron_lm_loop_through_the_drop_in_matches_the_gpt_trainer(
         assert a == pytest.approx(b, rel=1e-4)
     for a, b in zip(theirs["lrs"], _metric(tmp_path / "trainer", "lr"), strict=True):
         assert a == pytest.approx(b, rel=1e-12, abs=0.0)
+
+
+def test_megatron_core_defaults_under_the_drop_in() -> None:
+    """Megatron-LM's meaning: megatron-core's routing, its raw update scale, split QKV, plain
+    Newton–Schulz in bf16 under its default ``muon_fp32_matmul_prec='medium'`` (fp32 under
+    ``high``); an extra attribute asks for megatron-ext's meaning instead."""
+    ext = drop_in.extension_config(OptimizerConfig(optimizer="muon", lr=1e-3))
+    assert (ext.matrix_routing, ext.match_update_rms, ext.split_qkv) == (
+        "megatron_core",
+        False,
+        True,
+    )
+    assert (ext.muon_ns_method, ext.muon_ns_precision, ext.muon_fp32_matmul_prec) == (
+        "plain",
+        "bf16",
+        "medium",
+    )
+    high = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec="high")
+    high.match_update_rms, high.matrix_routing = True, "megatron_ext"
+    ext = drop_in.extension_config(high)
+    assert (ext.muon_ns_precision, ext.match_update_rms, ext.matrix_routing) == (
+        "fp32",
+        True,
+        "megatron_ext",
+    )
+    with pytest.raises(ConfigError, match="muon_fp32_matmul_prec"):  # Megatron-LM allows 'low'
+        drop_in.extension_config(
+            OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec="low")
+        )
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_muon_steps_equal_megatron_cores_muon_bit_for_bit() -> None:
+    """megatron-core's TensorParallelMuon (Emerging-Optimizers) and megatron-ext's Muon built
+    from the drop-in's section for the same megatron-core config (defaults: bf16 Newton–Schulz,
+    split QKV, spectral scale, decoupled weight decay): six steps, identical parameters."""
+    import torch
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_ext.optimizers.muon import Muon
+    from megatron_ext.optimizers.qkv import QKVLayout, qkv_weight_decay_groups
+    from megatron_ext.optimizers.spec import recipe_hyperparameters
+
+    config = OptimizerConfig(optimizer="muon", lr=2e-3, weight_decay=0.1, muon_momentum=0.9)
+    kwargs = recipe_hyperparameters(drop_in.extension_config(config))["muon"]
+    heads, groups, kv = 4, 2, 16  # GQA: Q 64 rows, K 32, V 32 in each fused weight
+    names = ["linear_proj.weight", "linear_qkv.weight", "linear_fc1.weight", "position.weight"]
+    shapes = [(64, 64), (groups * (heads // groups + 2) * kv, 64), (256, 64), (32, 64)]
+    torch.manual_seed(0)
+    theirs = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    theirs[1].is_qkv = True
+    reference = TensorParallelMuon(
+        theirs,
+        lr=config.lr,
+        momentum=config.muon_momentum,
+        weight_decay=config.weight_decay,
+        nesterov=config.muon_nesterov,
+        split_qkv=True,
+        is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+        qkv_split_shapes=[heads // groups * kv, kv, kv],
+        fp32_matmul_prec=config.muon_fp32_matmul_prec,
+        coefficient_type=config.muon_coefficient_type,
+        tp_mode="blockwise",
+    )
+    layout = QKVLayout.from_heads(heads, groups, kv)
+    muon = Muon(qkv_weight_decay_groups(list(zip(names, ours, strict=True)), layout), **kwargs)
+    for step in range(6):
+        for a, b in zip(theirs, ours, strict=True):
+            a.grad = torch.randn(a.shape)
+            b.grad = a.grad.clone()
+        reference.step()
+        muon.step()
+        for name, a, b in zip(names, theirs, ours, strict=True):
+            assert torch.equal(a, b), f"step {step}: {name} differs"

@@ -68,7 +68,8 @@ def test_the_recipe_section_has_one_field_per_option_and_no_other() -> None:
     fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     options = {s.field_name(hp) for s in SPECS.values() for hp in s.hyperparameters}
     shared = {"name", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"}
-    shared |= {"clip_grad", "tp_mode", "match_update_rms", "update_rms"}
+    shared |= {"clip_grad", "tp_mode", "match_update_rms", "update_rms", "matrix_routing"}
+    shared |= {"split_qkv"}
     assert fields == options | shared
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_ext.config.fields import spec
 from megatron_ext.errors import ConfigError
-from megatron_ext.optimizers.options import TPMode
+from megatron_ext.optimizers.options import MatrixRouting, TPMode
 from megatron_ext.optimizers.spec import OptimizerSpec, optimizer_spec, registered_optimizers
 
 __all__ = ["OptimizerConfig", "update_rms_note"]
@@ -57,6 +57,26 @@ _SHARED: list[tuple[str, Any, Any]] = [
         ),
     ),
     ("update_rms", float, spec(0.2, gt=0.0, help="AdamW's update RMS, the matching target")),
+    (
+        "matrix_routing",
+        MatrixRouting,
+        spec(
+            "megatron_ext",
+            help="which parameters the matrix optimizer takes: megatron_ext = hidden matrices "
+            "(AdamW for every embedding, the output layer, norms, biases, MoE routers); "
+            "megatron_core = every 2-D parameter but the word embeddings and the output layer, "
+            "as megatron-core's get_megatron_optimizer routes Muon",
+        ),
+    ),
+    (
+        "split_qkv",
+        bool,
+        spec(
+            False,
+            help="Muon/MOP: orthogonalise Q, K and V of a fused linear_qkv.weight separately "
+            "(megatron-core's muon_split_qkv, its default there)",
+        ),
+    ),
 ]
 
 
@@ -98,6 +118,11 @@ def _compose() -> tuple[type, dict[str, list[str]]]:
 def _check(cfg: Any) -> None:
     """Cross-field rules of the section (the chosen optimizer's, and its TP modes)."""
     opt = optimizer_spec(cfg.name)
+    if cfg.split_qkv and cfg.name not in ("muon", "mop"):
+        raise ConfigError(
+            f"optimizer.split_qkv=true orthogonalises Q, K and V separately, which only Muon "
+            f"and MOP do; optimizer.name={cfg.name}: set optimizer.split_qkv=false"
+        )
     if opt.couples_matrix_entries and cfg.tp_mode not in opt.tp_modes:
         raise ConfigError(
             f"optimizer.tp_mode={cfg.tp_mode} is not supported by optimizer.name={cfg.name}; "

@@ -39,6 +39,8 @@ from megatron_ext.distributed.grad_sync import GradSync
 from megatron_ext.distributed.layerwise_state import MASTER_KEY as MASTER_KEY  # re-exported
 from megatron_ext.distributed.layerwise_state import NamedState
 from megatron_ext.distributed.plan import OwnershipPlan, ParamSpec, bucket_layout, plan_ownership
+from megatron_ext.optimizers.options import MatrixRouting
+from megatron_ext.optimizers.qkv import QKVLayout, qkv_weight_decay_groups
 from megatron_ext.optimizers.registry import build_optimizer
 from megatron_ext.optimizers.routing import route_parameter, weight_decay_groups
 from megatron_ext.optimizers.spec import optimizer_spec
@@ -118,6 +120,11 @@ class LayerwiseOptimizer(NamedState):
         bucket_numel: parameters per bucket, in elements (a bucket closes when it would exceed).
         tp_shards: tensor-parallel shards and their layout; the matrix optimizers update them in
             their ``tp_mode`` (:mod:`megatron_ext.optimizers.tensor_parallel`).
+        routing: which parameters the matrix optimizer takes (``rules`` of
+            :func:`~megatron_ext.optimizers.routing.route_parameter`).
+        qkv_layout: the model's fused-QKV layout when the matrix optimizer (Muon, MOP) is to
+            orthogonalise Q, K and V of each ``linear_qkv.weight`` separately; None keeps the
+            fused weight whole.
     """
 
     named_params: NamedParams
@@ -130,12 +137,18 @@ class LayerwiseOptimizer(NamedState):
     # when a list: ("update"|"launch"|"wait", bucket) of the parameter all-gathers, and
     # ("grad_launch"|"grad_wait", bucket) of the gradient reduce-scatters (:mod:`.grad_sync`)
     events: list[tuple[str, int]] | None = None
+    routing: MatrixRouting = "megatron_ext"
+    qkv_layout: QKVLayout | None = None
 
     def __post_init__(self) -> None:
         self.rank, self.world = self.gather.rank, self.gather.world
         self.routes = {
             n: route_parameter(
-                n, tuple(p.shape), matrix_optimizer=self.matrix_optimizer, overrides=self.overrides
+                n,
+                tuple(p.shape),
+                matrix_optimizer=self.matrix_optimizer,
+                overrides=self.overrides,
+                rules=self.routing,
             )
             for n, p in self.named_params
         }
@@ -179,7 +192,11 @@ class LayerwiseOptimizer(NamedState):
             by_route.setdefault(self.routes[name], []).append((name, self.masters[name]))
         optimizers = {}
         for route, named in by_route.items():
-            groups = weight_decay_groups(named)
+            groups = (
+                weight_decay_groups(named)
+                if self.qkv_layout is None or route == "adamw"
+                else qkv_weight_decay_groups(named, self.qkv_layout)
+            )
             hp = dict(self.hyperparameters.get(route) or {})
             shards = {p: self._tp[n] for n, p in named if n in self._tp}
             # element-wise optimizers (AdamW, Lion) update shards as they are

@@ -21,7 +21,11 @@ from megatron_ext.gpt.moe_load import ExpertLoad
 from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model, half_precision_module
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
-from megatron_ext.megatron.optimizer_factories import inner_factory, megatron_optimizer_config
+from megatron_ext.megatron.optimizer_factories import (
+    inner_factory,
+    megatron_optimizer_config,
+    model_qkv_layout,
+)
 from megatron_ext.megatron.parallel import init_distributed
 from megatron_ext.run.distributed import DistEnv
 from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
@@ -87,7 +91,7 @@ def setup(recipe: Recipe) -> GPTRun:
 
     optimizer = MegatronExtOptimizer(
         list(module.named_parameters()),  # the GPTModel's names, inside any wrapper
-        inner_factory(recipe.optimizer),
+        inner_factory(recipe.optimizer, model_qkv_layout(config)),
         megatron_optimizer_config(recipe.optimizer, config.bf16),
     )
     optimizer.overlap_param_sync_with_forward(module)

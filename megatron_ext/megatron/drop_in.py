@@ -8,8 +8,8 @@ Same signature as megatron-core 0.19's (a test compares them). For ``config.opti
 ``adam``/``sgd`` it returns what megatron-core returns (it calls it). For ``muon``,
 ``kl_soap`` (and Megatron-LM's ``soap``, the converter's reading too),
 ``mop`` and ``lion`` it returns megatron-ext's layer-wise distributed optimizer
-(each hidden matrix updated by the data-parallel rank that owns it, AdamW on embeddings, output
-layer, norms and biases) behind megatron-ext's ``MegatronOptimizer`` adapter
+(each matrix updated by the data-parallel rank that owns it; AdamW for the rest) behind
+megatron-ext's ``MegatronOptimizer`` adapter
 (:class:`~.optimizer.MegatronExtOptimizer`), so the script's loop — megatron-core's
 forward/backward schedule, ``finalize_model_grads``, ``optimizer.step()``, its
 ``OptimizerParamScheduler``, ``dist_checkpointing`` — is unchanged.
@@ -23,9 +23,14 @@ exact polar factor), ``muon_tp_mode`` -> ``tp_mode``, ``lion_beta1/2``,
 ``kl``/``shampoo``. **Extra fields**: any attribute set on the config instance under a
 megatron-ext field name (``config.kl_soap_factor_eps = 1e-10``, ``config.update_rms = 0.2``,
 ``config.muon_ns_method = "gram"``) is taken as is; any other extra attribute is an error.
-Fields megatron-ext cannot honour (``muon_split_qkv``: the layer-wise Muon orthogonalises a
-fused QKV weight whole; ``muon_fp32_matmul_prec``: its Newton–Schulz precision is
-``muon_ns_precision``) are named once in a warning on rank 0.
+**Megatron-LM's meaning by default** (:data:`MEGATRON_CORE_DEFAULTS`): megatron-core's routing
+(the matrix optimizer for every 2-D parameter but the word embeddings and the output layer),
+no update-RMS matching, plain Newton–Schulz; ``muon_split_qkv`` splits fused QKV weights per
+query group; ``muon_fp32_matmul_prec`` is torch's matmul precision during Newton–Schulz, and
+its ``medium`` (megatron-core's default) also runs the iteration in bf16, as megatron-core's
+Muon (Emerging-Optimizers) does. An extra attribute of a megatron-ext field name overrides any
+of these. Fields megatron-ext cannot honour (MOP's ``muon_fp32_matmul_prec``: its polar factor
+is an SVD) are named once in a warning on rank 0.
 
 Requirements, each checked with a message naming the fix: bf16 or fp32 parameters (no fp16
 loss scaling); the model chunks' DDP with ``use_distributed_optimizer=False`` (the optimizer
@@ -50,6 +55,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_model_config
 
 from megatron_ext.config.from_megatron import translate
 from megatron_ext.config.load import recipe_from_dict
@@ -57,9 +63,15 @@ from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MOD
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
-from megatron_ext.megatron.optimizer_factories import inner_factory
+from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
 
-__all__ = ["EXTENSION_OPTIMIZERS", "extension_config", "get_megatron_optimizer"]
+__all__ = [
+    "EXTENSION_OPTIMIZERS",
+    "MEGATRON_CORE_DEFAULTS",
+    "extension_config",
+    "get_megatron_optimizer",
+    "mapped_fields",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +82,17 @@ _MOMENTUM = ("momentum", "nesterov", "extra_scale_factor")
 # fields whose spellings differ are translated (_TRANSLATED)
 _MAPPED: dict[str, dict[str, str]] = {
     "muon": {
-        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps")},
+        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps", "fp32_matmul_prec")},
+        # megatron-core's Muon (Emerging-Optimizers) runs Newton–Schulz in bf16 under "medium"
+        "muon_fp32_matmul_prec@": "muon_ns_precision",
         "muon_tp_mode": "tp_mode",
+        "muon_split_qkv": "split_qkv",
     },
-    "mop": {**{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM}, "muon_tp_mode": "tp_mode"},
+    "mop": {
+        **{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM},
+        "muon_tp_mode": "tp_mode",
+        "muon_split_qkv": "split_qkv",
+    },
     "lion": {"lion_beta1": "lion_beta1", "lion_beta2": "lion_beta2"},
     "kl_soap": {
         "soap_shampoo_beta": "kl_soap_shampoo_beta",
@@ -89,11 +108,19 @@ _TRANSLATED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
 }
 # megatron-core fields megatron-ext does not honour, per optimizer, and why
 _NOT_HONOURED: dict[str, dict[str, str]] = {
-    "muon": {
-        "muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole",
-        "muon_fp32_matmul_prec": "Newton–Schulz runs at optimizer.muon_ns_precision",
-    },
-    "mop": {"muon_split_qkv": "a fused linear_qkv.weight is orthogonalised whole"},
+    "mop": {"muon_fp32_matmul_prec": "MOP's polar factor is an SVD at mop_polar_precision"},
+}
+# megatron-ext fields derived from a megatron-core field already mapped to one
+_DERIVED: dict[str, Any] = {
+    "muon_ns_precision": lambda prec: "bf16" if prec == "medium" else "fp32"
+}
+# megatron-core's meaning where the recipe's default differs: its routing (every 2-D parameter
+# but the word embeddings and the output layer) and its raw update scale; an extra attribute
+# of the same name on the config (config.match_update_rms = True) asks for megatron-ext's
+MEGATRON_CORE_DEFAULTS: dict[str, Any] = {
+    "match_update_rms": False,
+    "matrix_routing": "megatron_core",
+    "muon_ns_method": "plain",  # megatron-core's Newton–Schulz (no Gram variant)
 }
 
 
@@ -120,11 +147,19 @@ def get_megatron_optimizer(
     _check_supported(config, model_chunks, config_overrides, pg_collection)
     ext = extension_config(config)
     named = _named_parameters(model_chunks)
-    optimizer = MegatronExtOptimizer(named, inner_factory(ext), config)
+    layout = model_qkv_layout(get_model_config(model_chunks[0])) if ext.split_qkv else None
+    optimizer = MegatronExtOptimizer(named, inner_factory(ext, layout), config)
     _tag_param_groups(optimizer, config)
     if dump_param_to_param_group_map is not None:
-        _dump_groups(ext.name, named, dump_param_to_param_group_map)
+        _dump_groups(ext.name, ext.matrix_routing, named, dump_param_to_param_group_map)
     return optimizer
+
+
+def mapped_fields() -> set[str]:
+    """The ``optimizer:`` fields the drop-in reads from megatron-core fields of another name."""
+    out = {ours for table in _MAPPED.values() for ours in table.values()}  # with the derived
+    out |= {ours for table in _TRANSLATED.values() for ours, _ in table.values()}
+    return out | {"kl_soap_factor_update"}
 
 
 def extension_name(optimizer: str) -> str | None:
@@ -144,12 +179,15 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
             f"optimizer={config.optimizer!r} is megatron-core's own; megatron-ext's are "
             f"{', '.join(EXTENSION_OPTIMIZERS)} (and soap, as kl_soap)"
         )
-    raw: dict[str, Any] = {"name": name}
+    raw: dict[str, Any] = {"name": name, **MEGATRON_CORE_DEFAULTS}
     for f in _SHARED:  # megatron-core leaves min_lr None by default: the section's 0 then
         if getattr(config, f) is not None or f == "lr":
             raw[f] = getattr(config, f)
     for theirs, ours in _MAPPED[name].items():
-        raw[ours] = getattr(config, theirs)
+        if theirs.endswith("@"):  # a second field read from the same megatron-core field
+            raw[ours] = _DERIVED[ours](getattr(config, theirs[:-1]))
+        else:
+            raw[ours] = getattr(config, theirs)
     for theirs, (ours, table) in _TRANSLATED.get(name, {}).items():
         raw[ours] = translate(table, getattr(config, theirs), theirs)
     if name == "kl_soap":
@@ -247,12 +285,16 @@ def _tag_param_groups(optimizer: MegatronExtOptimizer, config: McOptimizerConfig
         group.setdefault("default_config", True)
 
 
-def _dump_groups(name: str, named: list[tuple[str, torch.nn.Parameter]], path: str) -> None:
+def _dump_groups(
+    name: str, rules: str, named: list[tuple[str, torch.nn.Parameter]], path: str
+) -> None:
     """``{parameter name: optimizer}`` as JSON on rank 0 (megatron-core's option writes group
     indices; here a parameter's group is the optimizer the router gives it)."""
     from megatron_ext.optimizers.routing import route_parameter
 
-    routes = {n: route_parameter(n, tuple(p.shape), matrix_optimizer=name) for n, p in named}
+    routes = {
+        n: route_parameter(n, tuple(p.shape), matrix_optimizer=name, rules=rules) for n, p in named
+    }
     if torch.distributed.get_rank() == 0:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(routes, f, indent=1)

@@ -1,22 +1,30 @@
-"""megatron-ext's optimizers from a Megatron-LM command line: one line in ``pretrain_gpt.py``::
+"""megatron-ext's optimizers on Megatron-LM's command line, in Megatron-LM's own training loop.
 
-    from megatron_ext.megatron.megatron_lm import megatron_ext_args
+Two ways in, both tested with ``megatron.training.pretrain`` itself:
 
-    pretrain(..., extra_args_provider=megatron_ext_args)
+- zero edits: ``torchrun ... -m megatron_ext.megatron.run_pretrain pretrain_gpt.py ARGS
+  --megatron-ext-optimizer kl_soap`` (:mod:`.run_pretrain`), which calls
+  :func:`add_to_megatron_parser` and :func:`install` and runs the script as ``__main__``;
+- two lines in Megatron-LM 0.19's ``pretrain_gpt.py``, whose ``__main__`` parses the command line
+  with ``parse_and_validate_args(extra_args_provider=...)`` (``pretrain()`` itself takes a
+  parsed ``PretrainConfigContainer`` in 0.19, no ``extra_args_provider``)::
 
-then ``--megatron-ext-optimizer kl_soap`` (or ``muon``, ``mop``, ``lion``) on the command line.
-Megatron-LM's own ``--optimizer`` choices hold no ``kl_soap`` or ``mop``, and its argument list
-none of megatron-ext's options, so the hook its ``pretrain()`` takes for a script's own
-arguments (``extra_args_provider``) adds them: :func:`add_arguments` adds the group
-``megatron-ext`` with ``--megatron-ext-optimizer`` and one ``--megatron-ext-<field>`` per field
-of the recipe's ``optimizer:`` section that megatron-core's ``OptimizerConfig`` lacks
-(``--megatron-ext-kl-soap-factor-eps 1e-10``, ``--megatron-ext-match-update-rms false``, ...),
-typed and bounded as the recipe's. :func:`install` points Megatron-LM's training loop
-(``megatron.training.training.get_megatron_optimizer``) at the drop-in
-(:mod:`.drop_in`), which builds the optimizer from Megatron-LM's ``OptimizerConfig`` with these
-arguments applied (:func:`apply_arguments`). Without ``--megatron-ext-optimizer`` Megatron-LM's
-``--optimizer`` is used as the drop-in reads it (``adam``/``sgd``: megatron-core's own; ``muon``,
-``lion``, ``soap``: megatron-ext's).
+      from megatron_ext.megatron.megatron_lm import megatron_ext_args
+      args = parse_and_validate_args(extra_args_provider=megatron_ext_args, ...)
+
+:func:`add_arguments` adds the group ``megatron-ext``: ``--megatron-ext-optimizer
+{muon,kl_soap,mop,lion}`` (Megatron-LM's ``--optimizer`` has no ``kl_soap`` or ``mop``) and one
+``--megatron-ext-<field>`` per field of the recipe's ``optimizer:`` section that Megatron-LM's
+command line cannot spell (``--megatron-ext-kl-soap-factor-eps 1e-10``,
+``--megatron-ext-match-update-rms true``, ...; a field megatron-core has under another name,
+e.g. ``muon_split_qkv`` for ``split_qkv``, keeps Megatron-LM's flag). :func:`install` points
+Megatron-LM's training loop (``megatron.training.training.get_megatron_optimizer``) at
+:func:`megatron_lm_optimizer`: with ``--megatron-ext-optimizer`` the drop-in (:mod:`.drop_in`)
+builds megatron-ext's layer-wise optimizer from Megatron-LM's ``OptimizerConfig`` (Megatron-LM's
+defaults: megatron-core's routing, raw update scale, every ``--muon-*`` flag); without it
+Megatron-LM's ``--optimizer`` is megatron-core's own, called unchanged. On a host without CUDA
+:func:`install` also applies the CPU compatibility modules (:mod:`.cpu_compat`,
+:mod:`.cpu_compat_training`), so the same command runs on gloo.
 """
 
 from __future__ import annotations
@@ -28,18 +36,29 @@ from typing import Any
 
 from megatron_ext.errors import ConfigError
 
-__all__ = ["EXT_PREFIX", "add_arguments", "apply_arguments", "install", "megatron_ext_args"]
+__all__ = [
+    "EXT_PREFIX",
+    "add_arguments",
+    "add_to_megatron_parser",
+    "apply_arguments",
+    "install",
+    "megatron_ext_args",
+    "megatron_lm_optimizer",
+]
 
 EXT_PREFIX = "megatron_ext_"
 
 
 def _ext_fields() -> dict[str, dataclasses.Field]:
-    """The recipe's optimizer fields megatron-core's OptimizerConfig does not have."""
+    """The recipe's optimizer fields Megatron-LM's command line cannot spell: not megatron-core
+    ``OptimizerConfig`` fields, nor the fields the drop-in reads from one (``split_qkv`` from
+    ``muon_split_qkv``, ``tp_mode`` from ``muon_tp_mode``, ...)."""
     from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
     from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.megatron.drop_in import mapped_fields
 
-    theirs = {f.name for f in dataclasses.fields(McOptimizerConfig)}
+    theirs = {f.name for f in dataclasses.fields(McOptimizerConfig)} | mapped_fields()
     return {
         f.name: f
         for f in dataclasses.fields(OptimizerConfig)
@@ -66,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--megatron-ext-optimizer",
         choices=EXTENSION_OPTIMIZERS,
         default=None,
-        help="train with megatron-ext's layer-wise optimizer (overrides --optimizer)",
+        help="train with megatron-ext's layer-wise optimizer (instead of --optimizer)",
     )
     hints = typing.get_type_hints(OptimizerConfig)
     for name, f in _ext_fields().items():
@@ -96,30 +115,68 @@ def apply_arguments(config: Any, args: argparse.Namespace) -> Any:
     return config
 
 
-def _from_megatron_lm(config: Any, model_chunks: Any, **kwargs: Any) -> Any:
-    """Megatron-LM's ``get_megatron_optimizer`` call, answered by the drop-in with the
-    ``--megatron-ext-*`` arguments of Megatron-LM's parsed command line applied."""
+def megatron_lm_optimizer(config: Any, model_chunks: Any, **kwargs: Any) -> Any:
+    """Megatron-LM's ``get_megatron_optimizer`` call: the drop-in with the ``--megatron-ext-*``
+    arguments applied when ``--megatron-ext-optimizer`` is given, else megatron-core's own."""
+    from megatron.core.optimizer import get_megatron_optimizer as megatron_core_optimizer
     from megatron.training import get_args
 
     from megatron_ext.megatron.drop_in import get_megatron_optimizer
 
-    return get_megatron_optimizer(apply_arguments(config, get_args()), model_chunks, **kwargs)
+    args = get_args()
+    if getattr(args, f"{EXT_PREFIX}optimizer", None) is None:
+        given = [f for f in _ext_fields() if getattr(args, EXT_PREFIX + f, None) is not None]
+        if given:
+            raise ConfigError(
+                f"--megatron-ext-{given[0].replace('_', '-')} is an option of megatron-ext's "
+                f"optimizers, but no --megatron-ext-optimizer was given (--optimizer "
+                f"{config.optimizer} is megatron-core's own): add --megatron-ext-optimizer"
+            )
+        return megatron_core_optimizer(config, model_chunks, **kwargs)
+    return get_megatron_optimizer(apply_arguments(config, args), model_chunks, **kwargs)
 
 
-def install() -> None:
-    """Point Megatron-LM's training loop at the drop-in (``megatron.training.training``)."""
+def _training_module() -> Any:
     try:
         import megatron.training.training as training
-    except ImportError as err:
+    except ImportError as err:  # a megatron-core without its training package
         raise ConfigError(
-            "megatron_ext_args is Megatron-LM's extra_args_provider, but Megatron-LM's "
-            f"megatron.training is not importable here ({err}): run it from a Megatron-LM "
-            "checkout, or use megatron_ext.megatron.drop_in.get_megatron_optimizer directly"
+            f"Megatron-LM's megatron.training is not importable here ({err}): install "
+            "megatron-core>=0.19 (its wheel ships it), or use "
+            "megatron_ext.megatron.drop_in.get_megatron_optimizer in your own loop"
         ) from None
-    training.get_megatron_optimizer = _from_megatron_lm
+    return training
+
+
+def install() -> bool:
+    """Point Megatron-LM's training loop at :func:`megatron_lm_optimizer`, and on a host
+    without CUDA apply the CPU compatibility modules. Returns whether they were applied."""
+    from megatron_ext.megatron.cpu_compat import apply_cpu_compat
+    from megatron_ext.megatron.cpu_compat_training import apply_training_cpu_compat
+
+    training = _training_module()
+    training.get_megatron_optimizer = megatron_lm_optimizer
+    return apply_cpu_compat() and apply_training_cpu_compat()
+
+
+def add_to_megatron_parser() -> None:
+    """Add the ``megatron-ext`` group to every parser Megatron-LM's ``parse_args`` builds (its
+    ``add_megatron_arguments``), whatever ``extra_args_provider`` the script passes."""
+    import megatron.training.arguments as arguments
+
+    megatron_arguments = arguments.add_megatron_arguments
+    if getattr(megatron_arguments, "adds_megatron_ext", False):
+        return
+
+    def with_megatron_ext(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        return add_arguments(megatron_arguments(parser))
+
+    with_megatron_ext.adds_megatron_ext = True  # type: ignore[attr-defined]
+    arguments.add_megatron_arguments = with_megatron_ext
 
 
 def megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``pretrain(..., extra_args_provider=megatron_ext_args)``: the arguments, and the hook."""
+    """``parse_and_validate_args(extra_args_provider=megatron_ext_args)``: the arguments, and
+    :func:`install`."""
     install()
     return add_arguments(parser)

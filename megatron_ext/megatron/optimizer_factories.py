@@ -18,6 +18,8 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
 from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.errors import ConfigError
+from megatron_ext.optimizers.qkv import QKVLayout
 from megatron_ext.optimizers.spec import recipe_hyperparameters
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "is_expert_param",
     "layerwise_factory",
     "megatron_optimizer_config",
+    "model_qkv_layout",
 ]
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -113,11 +116,20 @@ def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
     return build
 
 
-def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
+def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None) -> InnerFactory:
     """The layer-wise distributed optimizer over the data-parallel group: ``cfg.name`` for the
-    hidden matrices, each matrix updated by the rank that owns it; the parameters routed to
-    AdamW (embeddings, output layer, norms, biases) element-sharded beside it (ZeRO-1,
-    :class:`~megatron_ext.distributed.sharded_adam.ShardedAdamW`)."""
+    matrices ``cfg.matrix_routing`` gives it, each matrix updated by the rank that owns it;
+    the parameters routed to AdamW (embeddings, output layer, norms, biases) element-sharded
+    beside it (ZeRO-1, :class:`~megatron_ext.distributed.sharded_adam.ShardedAdamW`). With
+    ``cfg.split_qkv`` the fused QKV weights are orthogonalised as Q, K and V (``qkv_layout``:
+    the model's, required then)."""
+    if cfg.split_qkv and qkv_layout is None:
+        raise ConfigError(
+            "optimizer.split_qkv=true needs the model's attention layout (num_attention_heads, "
+            "num_query_groups, kv_channels), which this caller did not pass"
+        )
+    layout = qkv_layout if cfg.split_qkv else None
+    common = dict(routing=cfg.matrix_routing, qkv_layout=layout)
 
     def build(named: NamedParams) -> Any:
         from megatron_ext.distributed.allgather_v import make_allgather_v
@@ -130,7 +142,12 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
         # in optimizer.tp_mode (the plan depends only on names and shard shapes, so every rank of
         # a TP group owns the same shards and joins the same TP collectives).
         def adamw(n: str, p: torch.nn.Parameter) -> bool:
-            return route_parameter(n, tuple(p.shape), matrix_optimizer=cfg.name) == "adamw"
+            return (
+                route_parameter(
+                    n, tuple(p.shape), matrix_optimizer=cfg.name, rules=cfg.matrix_routing
+                )
+                == "adamw"
+            )
 
         hp = hyperparameters(cfg)
         dp_group, edp_group = _groups()
@@ -147,7 +164,9 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
                 tp_shards = shard_infos_from_attributes([p for _, p in matrices], tp_group())
                 gather = make_allgather_v(group)
                 parts.append(
-                    LayerwiseOptimizer(matrices, cfg.name, gather, hp, tp_shards=tp_shards)
+                    LayerwiseOptimizer(
+                        matrices, cfg.name, gather, hp, tp_shards=tp_shards, **common
+                    )
                 )
             parts.append(
                 _sharded_adamw([(n, p) for n, p in domain if adamw(n, p)], group, hp["adamw"])
@@ -157,5 +176,13 @@ def layerwise_factory(cfg: OptimizerConfig) -> InnerFactory:
     return build
 
 
-def inner_factory(cfg: OptimizerConfig) -> InnerFactory:
-    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg)
+def inner_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None) -> InnerFactory:
+    """AdamW replicated (``cfg.name == "adamw"``) or the layer-wise optimizer; ``qkv_layout``
+    is the model's, read with ``cfg.split_qkv``."""
+    return adamw_factory(cfg) if cfg.name == "adamw" else layerwise_factory(cfg, qkv_layout)
+
+
+def model_qkv_layout(config: Any) -> QKVLayout:
+    """The fused-QKV layout of a megatron-core ``TransformerConfig``."""
+    groups = config.num_query_groups or config.num_attention_heads
+    return QKVLayout.from_heads(config.num_attention_heads, groups, config.kv_channels)

@@ -19,6 +19,7 @@ from megatron_ext.distributed.plan import (
     plan_ownership,
 )
 from megatron_ext.distributed.shard_layout import piece_ranges, shard_buckets
+from megatron_ext.optimizers.options import MatrixRouting
 from megatron_ext.optimizers.routing import route_parameter
 from megatron_ext.planner.params import PlannedParam
 
@@ -92,12 +93,15 @@ def optimizer_layout(
     edp: int,
     bf16: bool,
     overrides: Sequence[tuple[str, str]] = (),
+    rules: MatrixRouting = "megatron_ext",
 ) -> OptimizerLayout:
     """Routes, ownership plans and shard buckets exactly as the trainer builds them (the same
     functions: :func:`~megatron_ext.megatron.optimizer_factories.layerwise_factory` gives the
     AdamW-routed parameters to the element-sharded AdamW, the rest to the layer-wise plan)."""
     routes = {
-        p.name: route_parameter(p.name, p.shape, matrix_optimizer=optimizer, overrides=overrides)
+        p.name: route_parameter(
+            p.name, p.shape, matrix_optimizer=optimizer, overrides=overrides, rules=rules
+        )
         for p in params
     }
     sharded = frozenset(n for n, r in routes.items() if r == "adamw")

@@ -364,7 +364,9 @@ def _stage(
     bf16 = precision_spec(recipe.training.precision).half
     param_bytes = 2 if bf16 else FP32
     params = gpt_parameters(m, recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq)
-    layout = optimizer_layout(params, opt.name, hp, dp=lay.dp, edp=lay.edp, bf16=bf16)
+    layout = optimizer_layout(
+        params, opt.name, hp, dp=lay.dp, edp=lay.edp, bf16=bf16, rules=opt.matrix_routing
+    )
     kw = {"bf16": bf16, "hp": hp, "tp": lay.tp, "tp_mode": opt.tp_mode, "param_bytes": param_bytes}
     dense, expert = _loads(params, layout, False, **kw), _loads(params, layout, True, **kw)
     # the physical rank at (dense rank d, cp rank 0) is expert-data-parallel rank (d·cp) // ep
@@ -703,9 +705,10 @@ def checkpoint_bytes(recipe: Recipe) -> int:
     vocab = plan_vocab_size(recipe)
     half = precision_spec(recipe.training.precision).half
     weight = 2 + FP32 if half else FP32
-    name = recipe.optimizer.name
+    name, rules = recipe.optimizer.name, recipe.optimizer.matrix_routing
     return sum(
-        p.numel * weight + state_bytes(p, route_parameter(p.name, p.shape, matrix_optimizer=name))
+        p.numel * weight
+        + state_bytes(p, route_parameter(p.name, p.shape, matrix_optimizer=name, rules=rules))
         for p in _whole_model(recipe, vocab, recipe.training.seq_length)
     )
 

@@ -94,7 +94,14 @@ def main() -> None:
         muon_momentum=o.muon_momentum,
         muon_coefficient_type="polar_express",
         muon_tp_mode=o.tp_mode,
+        muon_split_qkv=o.split_qkv,
+        muon_fp32_matmul_prec="high",  # fp32 Newton–Schulz ("medium" is bf16)
     )
+    # the GPT trainer's recipe meaning, asked for by name (the drop-in's defaults are
+    # megatron-core's: its routing, raw update scale, plain Newton–Schulz)
+    opt_config.match_update_rms = o.match_update_rms
+    opt_config.matrix_routing = o.matrix_routing
+    opt_config.muon_ns_method = o.muon_ns_method
     optimizer = get_megatron_optimizer(opt_config, [model])
     gbs = t.global_batch_size
     scheduler = OptimizerParamScheduler(  # Megatron-LM: positions in samples, += gbs per step
