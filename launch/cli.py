@@ -127,7 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     words = take_verbose_flag(given)
     quiet_libraries()
-    args = parse_command_line(build_parser(), words)
+    try:
+        args = parse_command_line(build_parser(), words)
+    except SystemExit as exc:  # --help, or a one-line usage error: a code, also in-process
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     args.command_argv = given  # as given (bench's meta)
     if argv is None and args.command in _GLOO_COMMANDS and not getattr(args, "dry_run", False):
         filter_native_stdout()
