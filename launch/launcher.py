@@ -37,7 +37,7 @@ from typing import NamedTuple
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.moe_presets import describe_moe_preset
 from megatron_ext.config.reads import describe_reads
-from megatron_ext.config.schema import Recipe
+from megatron_ext.config.schema import LaunchConfig, Recipe
 from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.fit import check_fit, job_plan
@@ -188,7 +188,7 @@ def build_launch_command(
         python,
         "-m",
         "torch.distributed.run",
-        *torchrun_args(layout),
+        *torchrun_args(layout, recipe.launch),
         *RANK_ENTRY,
         request.recipe,
         *request.overrides,
@@ -250,12 +250,17 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return m["ip6"] or m["host"], port
 
 
-def torchrun_args(layout: NodeLayout) -> list[str]:
-    """torchrun's own options for this layout."""
+def torchrun_args(layout: NodeLayout, launch: LaunchConfig) -> list[str]:
+    """torchrun's own options for this layout and the recipe's ``launch`` section."""
+    restarts = ["--max-restarts", str(launch.max_restarts)] if launch.max_restarts else []
     if layout.rdzv_endpoint is None:
-        return ["--standalone", "--nproc-per-node", str(layout.nproc_per_node)]
+        return ["--standalone", "--nproc-per-node", str(layout.nproc_per_node), *restarts]
     # With the c10d backend torchrun orders global ranks at the rendezvous and only logs
     # --node-rank; it is passed so every node's command line says which node it is.
+    # join_timeout bounds the wait for every node; read_timeout each call to the store on the
+    # first node (also the connection to it): torchrun's defaults, 600 s and 60 s, left an
+    # unreachable endpoint failing after minutes and a partitioned node's torchrun waiting.
+    rdzv_conf = f"join_timeout={launch.rdzv_timeout_s},read_timeout={launch.rdzv_timeout_s}"
     return [
         "--nnodes",
         str(layout.nnodes),
@@ -269,6 +274,9 @@ def torchrun_args(layout: NodeLayout) -> list[str]:
         layout.rdzv_endpoint,
         "--rdzv-id",
         layout.rdzv_id,
+        "--rdzv-conf",
+        rdzv_conf,
+        *restarts,
     ]
 
 

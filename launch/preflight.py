@@ -1,10 +1,10 @@
 """What the launcher checks on this node before any process starts (after the recipe itself).
 
 Each check that fails raises ``ConfigError`` (one line, exit 2): the dataset prefix exists or a
-source to build it from is given, the run directory is writable, the rendezvous port is free on
-the node that hosts it. Free disk for the next checkpoint is only a warning: the planner's
-:func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and their
-optimizer state) leaves out file metadata and the data loader's state.
+source to build it from is given, the run directory is writable, the rendezvous host resolves,
+the rendezvous port is free on the node that hosts it. Free disk for the next checkpoint is only
+a warning: the planner's :func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's
+parameters and their optimizer state) leaves out file metadata and the data loader's state.
 
 Torch-free.
 """
@@ -22,16 +22,23 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.plan import checkpoint_bytes
 
-__all__ = ["check_before_launch", "warn_if_disk_short"]
+__all__ = [
+    "check_before_launch",
+    "check_endpoint_resolves",
+    "check_port_free",
+    "warn_if_disk_short",
+]
 
 
 def check_before_launch(recipe: Recipe, rdzv_endpoint: str | None, node_rank: int) -> None:
     """Every check of this module, in order (see the module docstring)."""
     check_data(recipe)
     check_run_dir(Path(recipe.run_dir))
-    if rdzv_endpoint is not None and node_rank == 0:
+    if rdzv_endpoint is not None:
         host, _, port = rdzv_endpoint.rpartition(":")
-        check_port_free(host.strip("[]"), int(port))
+        check_endpoint_resolves(host.strip("[]"), int(port))
+        if node_rank == 0:
+            check_port_free(host.strip("[]"), int(port))
     warn_if_disk_short(recipe)
 
 
@@ -67,10 +74,28 @@ def check_run_dir(run_dir: Path) -> None:
         ) from None
 
 
+def check_endpoint_resolves(host: str, port: int) -> None:
+    """The rendezvous host is a name this node can resolve (a typo would otherwise surface as
+    torchrun's connection timeout, minutes later)."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(
+            f"--rdzv-endpoint {host}:{port}: this node cannot resolve {host!r} "
+            f"({exc.strerror}): give the first node's name or address as the other nodes "
+            "know it"
+        ) from None
+
+
 def check_port_free(host: str, port: int) -> None:
     """The rendezvous port is free on this node when this node hosts it (a host name that is
-    not this node's is not checked)."""
+    not this node's is not checked).
+
+    The probe binds as torchrun's store does, with SO_REUSEADDR: a port that only holds
+    TIME_WAIT connections of the previous job (its store closed first) is free for the next
+    one; a port something listens on is not."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
