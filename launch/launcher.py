@@ -163,8 +163,24 @@ def launch_main(args: argparse.Namespace) -> int:
     training = recipe.sections.get("training")
     stop = [getattr(signal, name) for name in (training.exit_signals if training else ())]
     return run_ranks(
-        argv, {**os.environ, **env, **resume}, Path(recipe.run_dir), layout.node_rank, stop
+        argv,
+        {**os.environ, **env, **resume},
+        Path(recipe.run_dir),
+        layout.node_rank,
+        stop,
+        torchrun_grace_s(layout, recipe.launch),
     )
+
+
+def torchrun_grace_s(layout: NodeLayout, launch: LaunchConfig) -> float | None:
+    """How long torchrun may outlive its failed ranks before the launcher stops it (multi-node
+    only): one rendezvous timeout, as long as one call to the store may take; with elastic
+    restarts also the rejoin (every node's, up to the join timeout) and torchrun's 30 s last
+    call. None on one node: its store is local and torchrun always ends."""
+    if layout.rdzv_endpoint is None:
+        return None
+    rejoin = launch.rdzv_timeout_s + 30 if launch.max_restarts else 0
+    return float(launch.rdzv_timeout_s + rejoin)
 
 
 def build_launch_command(

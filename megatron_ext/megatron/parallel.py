@@ -42,6 +42,9 @@ def init_distributed(
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
+            # its groups' own timeout (default 30 min): the data-parallel collectives run on
+            # them, so a lost peer would otherwise hold a survivor that long
+            distributed_timeout_minutes=timeout.total_seconds() / 60,
         )
         on_teardown(parallel_state.destroy_model_parallel)
     set_seeds(seed)
