@@ -2,7 +2,8 @@
 
 Each check that fails raises ``ConfigError`` (one line, exit 2): the dataset prefix exists or a
 source to build it from is given, the run directory is writable, the rendezvous host resolves,
-the rendezvous port is free on the node that hosts it. Free disk for the next checkpoint is only
+the rendezvous port is free on the node that hosts it and, on the other nodes, answers within
+``launch.rdzv_timeout_s``. Free disk for the next checkpoint is only
 a warning: the planner's :func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's
 parameters and their optimizer state) leaves out file metadata and the data loader's state.
 
@@ -16,6 +17,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 from megatron_ext.config.schema import Recipe
@@ -26,6 +28,7 @@ __all__ = [
     "check_before_launch",
     "check_endpoint_resolves",
     "check_port_free",
+    "wait_for_rendezvous",
     "warn_if_disk_short",
 ]
 
@@ -39,6 +42,8 @@ def check_before_launch(recipe: Recipe, rdzv_endpoint: str | None, node_rank: in
         check_endpoint_resolves(host.strip("[]"), int(port))
         if node_rank == 0:
             check_port_free(host.strip("[]"), int(port))
+        else:
+            wait_for_rendezvous(host.strip("[]"), int(port), recipe.launch.rdzv_timeout_s)
     warn_if_disk_short(recipe)
 
 
@@ -85,6 +90,31 @@ def check_endpoint_resolves(host: str, port: int) -> None:
             f"({exc.strerror}): give the first node's name or address as the other nodes "
             "know it"
         ) from None
+
+
+def wait_for_rendezvous(host: str, port: int, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the first node's rendezvous store to accept a connection
+    (a node may start before the first one).
+
+    torchrun would fail the same way, but only after its store client's retries (seen: 30-50 s
+    for a 15 s timeout) and with a C++ stack trace; a wrong or unreachable endpoint is this
+    one line, within the rendezvous timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ConfigError(
+                f"--rdzv-endpoint {host}:{port}: the first node's rendezvous did not answer "
+                f"within {timeout_s:g} s (launch.rdzv_timeout_s; last attempt: {last}): start "
+                "node 0's launcher with the same endpoint, or check the host and port"
+            )
+        try:
+            socket.create_connection((host, port), timeout=min(left, 5.0)).close()
+            return
+        except OSError as exc:
+            last = exc.strerror or str(exc) or type(exc).__name__
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 def check_port_free(host: str, port: int) -> None:
