@@ -173,14 +173,17 @@ def launch_main(args: argparse.Namespace) -> int:
 
 
 def torchrun_grace_s(layout: NodeLayout, launch: LaunchConfig) -> float | None:
-    """How long torchrun may outlive its failed ranks before the launcher stops it (multi-node
-    only): one rendezvous timeout, as long as one call to the store may take; with elastic
-    restarts also the rejoin (every node's, up to the join timeout) and torchrun's 30 s last
-    call. None on one node: its store is local and torchrun always ends."""
+    """How long torchrun may outlive this node's failed ranks before the launcher stops it
+    (multi-node only). Without elastic restarts torchrun has nothing left to do but close the
+    rendezvous, which a reachable store answers at once, and its monitor notices the failure
+    within 5 s: 10 s. With restarts it rejoins the rendezvous (up to the join timeout, then
+    torchrun's 30 s last call), twice over for margin. None on one node: its store is local and
+    torchrun always ends."""
     if layout.rdzv_endpoint is None:
         return None
-    rejoin = launch.rdzv_timeout_s + 30 if launch.max_restarts else 0
-    return float(launch.rdzv_timeout_s + rejoin)
+    if not launch.max_restarts:
+        return 10.0
+    return float(2 * launch.rdzv_timeout_s + 30)
 
 
 def build_launch_command(

@@ -67,7 +67,8 @@ def run_forwarding_signals(
     exactly once (from here) rather than twice (terminal and here), which would cut short its
     shutdown of the ranks. ``stderr_log``: copy the child's stderr there (:class:`StderrTee`).
     ``stuck(pid)``: polled every second; when it says True the child is terminated (SIGTERM,
-    then SIGKILL 10 s later).
+    then SIGKILL 5 s later: a torchrun stuck on an unreachable store is stuck in its SIGTERM
+    handler too).
     """
     ignored = [s for s in _IGNORED_BY_TORCHRUN if s in stop_signals]
     before = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}  # inherited by torchrun
@@ -114,7 +115,7 @@ def _wait(child: subprocess.Popen, stuck: Callable[[int], bool] | None) -> int:
         if stuck(child.pid):
             child.terminate()
             try:
-                return child.wait(timeout=10)
+                return child.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 child.kill()
                 return child.wait()

@@ -329,6 +329,8 @@ def test_a_partition_ends_both_sides_and_an_unreachable_first_node_is_one_line(
                 "launch",
                 str(recipe),
                 f"run_dir={unknown}",
+                "--nproc-per-node",
+                "1",
                 "--nnodes",
                 "2",
                 "--node-rank",
