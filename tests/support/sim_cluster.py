@@ -25,6 +25,7 @@ addresses of this machine (127.0.0.2, 127.0.0.3, ...), named by address, with no
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -130,6 +131,18 @@ class SimCluster:
     def heal(self, node: SimNode) -> None:
         self._require_netns("a partition")
         _ip("-n", self.switch, "link", "set", f"{self.prefix}-s{node.index}", "up")
+
+    def link_bytes(self, node: SimNode) -> tuple[int, int]:
+        """Bytes ``node`` has sent and received on its link so far (its ``eth0`` counters)."""
+        self._require_netns("link counters")
+        out = subprocess.run(
+            ["ip", "-n", node.netns or "", "-s", "-j", "link", "show", "eth0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
 
     def kill_node(self, node: SimNode) -> list[int]:
         """SIGKILL every process ``node`` runs (a machine that dies); returns their pids."""
