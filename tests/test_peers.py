@@ -86,3 +86,8 @@ def test_a_torchrun_that_outlives_its_failed_ranks_is_stopped(tmp_path: Path) ->
         [sys.executable, "-c", "import time; time.sleep(2)"], env, tmp_path, 1, (), 0.5
     )
     assert done == 0
+
+
+def test_a_timeout_that_is_not_a_collectives_is_left_as_it_is() -> None:
+    line = describe_comm_failure("connection to the queue timed out", rank=0, known=PEERS)
+    assert line is None

@@ -45,7 +45,8 @@ def train_main(recipe_path: str, overrides: Sequence[str]) -> int:
         record_error(env.rank, 2, f"megatron-ext: error: {exc}")
         raise
     except Exception as exc:
-        lost = describe_comm_failure(str(exc), env.rank)  # a peer that went away, named
+        # a peer that went away, named (torch raises RuntimeError and its subclasses for them)
+        lost = describe_comm_failure(str(exc), env.rank) if isinstance(exc, RuntimeError) else None
         if lost is not None:
             print(f"megatron-ext: error: {lost}", file=sys.stderr, flush=True)
         record_error(

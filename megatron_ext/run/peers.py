@@ -74,10 +74,14 @@ def peers() -> list[Peer]:
 _ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
 _LOST = re.compile(
     r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|"
-    r"remote process exited|Socket closed|Read error|Write error",
+    r"remote process exited|Socket closed|Read error \[|Write error \[",
     re.IGNORECASE,
 )
-_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms|timed out|Timeout", re.IGNORECASE)
+# gloo's recv/send timeout and its pair closed for it; NCCL's watchdog
+_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ms|Application timeout caused pair closure|"
+    r"Watchdog caught collective operation timeout"
+)
 _FIX = "relaunch every node once it is back (checkpoint.load=auto resumes from the last checkpoint)"
 
 
