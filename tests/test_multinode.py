@@ -268,7 +268,11 @@ def test_elastic_restarts_resume_a_crashed_rank_from_the_last_checkpoint(
 ) -> None:
     """``launch.max_restarts=1``: node 1's rank SIGKILLed after the step-10 checkpoint; torchrun
     restarts the worker group on both nodes, which resumes from the last checkpoint and ends
-    with the uninterrupted run's losses; both launchers exit 0."""
+    with the uninterrupted run's losses; both launchers exit 0.
+
+    Fails today (issue 42, open): both torchruns restart their ranks, whose new gloo groups
+    do not connect (node 1: connectFullMesh ``Connection refused`` to node 0's rank; node 0:
+    ``Connect timeout``); docs/cluster.md has the run."""
     run_dir = cluster.shared / "restarted"
     procs = [launch_on(n, cluster, recipe, run_dir, "launch.max_restarts=1") for n in cluster.nodes]
     wait_until(lambda: max(losses(run_dir), default=0) > EVERY + 2, 120, "step 12")
