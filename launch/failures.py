@@ -25,7 +25,14 @@ __all__ = ["StderrTee", "failure_report", "torchrun_exit_codes"]
 
 _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 _TORCHRUN_LOG = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ \d+ \S*torch/")  # glog lines
+# torch's C++ side: its log lines ([W1205 07:25:53.86 socket.cpp:767] ...) and the stack of a
+# c10::Error (Exception raised from ..., frame #N: ..., <omitting python frames>)
+_CPP_LOG = re.compile(
+    r"^\[[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ \S+\]|^frame #\d+:|^Exception raised from |"
+    r"^<omitting python frames>"
+)
 _ERROR = "megatron-ext: error:"
+_RENDEZVOUS = re.compile(r"\b(Rendezvous(?:Timeout|Connection|Closed)Error)\b")
 
 
 class StderrTee:
@@ -60,7 +67,8 @@ class StderrTee:
             if line.startswith("====="):
                 in_table = not in_table
                 continue
-            if in_traceback or in_table or _TORCHRUN_LOG.match(line) or line.startswith(_ERROR):
+            hidden = _TORCHRUN_LOG.match(line) or _CPP_LOG.match(line) or line.startswith(_ERROR)
+            if in_traceback or in_table or hidden:
                 continue
             self._terminal.write(raw)
             self._terminal.flush()
@@ -103,6 +111,13 @@ def failure_report(errors_dir: Path, log_path: Path, torchrun_code: int) -> tupl
             lines.append(f"megatron-ext: error: {where} failed ({_exit_code_text(c)}) [{where}]")
         first = died[min(died)] if died else 0
         code = (128 - first if first < 0 else first) or torchrun_code
+        rendezvous = _RENDEZVOUS.search(text) if not died else None
+        if rendezvous:
+            lines.append(
+                f"megatron-ext: error: torchrun's rendezvous failed ({rendezvous.group(1)}): "
+                "not every node joined within launch.rdzv_timeout_s, or the first node's "
+                "store became unreachable; start every node with the same --rdzv-endpoint"
+            )
     lines.append(f"megatron-ext: the ranks' tracebacks and torchrun's report: {log_path}")
     return lines, code
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.moe_presets import describe_moe_preset
 from megatron_ext.config.reads import describe_reads
-from megatron_ext.config.schema import Recipe
+from megatron_ext.config.schema import LaunchConfig, Recipe
 from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.fit import check_fit, job_plan
@@ -166,8 +166,27 @@ def launch_main(args: argparse.Namespace) -> int:
     training = recipe.sections.get("training")
     stop = [getattr(signal, name) for name in (training.exit_signals if training else ())]
     return run_ranks(
-        argv, {**os.environ, **env, **resume}, Path(recipe.run_dir), layout.node_rank, stop
+        argv,
+        {**os.environ, **env, **resume},
+        Path(recipe.run_dir),
+        layout.node_rank,
+        stop,
+        torchrun_grace_s(layout, recipe.launch),
     )
+
+
+def torchrun_grace_s(layout: NodeLayout, launch: LaunchConfig) -> float | None:
+    """How long torchrun may outlive this node's failed ranks before the launcher stops it
+    (multi-node only). Without elastic restarts torchrun has nothing left to do but close the
+    rendezvous, which a reachable store answers at once, and its monitor notices the failure
+    within 5 s: 10 s. With restarts it rejoins the rendezvous (up to the join timeout, then
+    torchrun's 30 s last call), twice over for margin. None on one node: its store is local and
+    torchrun always ends."""
+    if layout.rdzv_endpoint is None:
+        return None
+    if not launch.max_restarts:
+        return 10.0
+    return float(2 * launch.rdzv_timeout_s + 30)
 
 
 def build_launch_command(
@@ -191,7 +210,7 @@ def build_launch_command(
         python,
         "-m",
         "torch.distributed.run",
-        *torchrun_args(layout),
+        *torchrun_args(layout, recipe.launch),
         *RANK_ENTRY,
         request.recipe,
         *request.overrides,
@@ -253,12 +272,17 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return m["ip6"] or m["host"], port
 
 
-def torchrun_args(layout: NodeLayout) -> list[str]:
-    """torchrun's own options for this layout."""
+def torchrun_args(layout: NodeLayout, launch: LaunchConfig) -> list[str]:
+    """torchrun's own options for this layout and the recipe's ``launch`` section."""
+    restarts = ["--max-restarts", str(launch.max_restarts)] if launch.max_restarts else []
     if layout.rdzv_endpoint is None:
-        return ["--standalone", "--nproc-per-node", str(layout.nproc_per_node)]
+        return ["--standalone", "--nproc-per-node", str(layout.nproc_per_node), *restarts]
     # With the c10d backend torchrun orders global ranks at the rendezvous and only logs
     # --node-rank; it is passed so every node's command line says which node it is.
+    # join_timeout bounds the wait for every node; read_timeout each call to the store on the
+    # first node (also the connection to it): torchrun's defaults, 600 s and 60 s, left an
+    # unreachable endpoint failing after minutes and a partitioned node's torchrun waiting.
+    rdzv_conf = f"join_timeout={launch.rdzv_timeout_s},read_timeout={launch.rdzv_timeout_s}"
     return [
         "--nnodes",
         str(layout.nnodes),
@@ -272,6 +296,9 @@ def torchrun_args(layout: NodeLayout) -> list[str]:
         layout.rdzv_endpoint,
         "--rdzv-id",
         layout.rdzv_id,
+        "--rdzv-conf",
+        rdzv_conf,
+        *restarts,
     ]
 
 

@@ -23,13 +23,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from megatron_ext.launch.failures import StderrTee, failure_report, print_lines
+from megatron_ext.run.lifetime import die_with_parent_hook
 from megatron_ext.run.rank_errors import ERRORS_DIR_VAR, read_stop
 
-__all__ = ["FORWARDED_SIGNALS", "run_forwarding_signals", "run_ranks"]
+__all__ = ["FORWARDED_SIGNALS", "TorchrunWatch", "run_forwarding_signals", "run_ranks"]
 
 # The signals torchrun handles by terminating its ranks; it is their only receiver unless they
 # are stop signals.
@@ -39,14 +40,14 @@ _IGNORED_BY_TORCHRUN = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """The processes whose parent is ``pid`` (torchrun's ranks), from ``/proc``."""
+    """The live processes whose parent is ``pid`` (torchrun's ranks), from ``/proc``."""
     found = []
     for stat in proc.glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and fields[0] != "Z":  # a zombie has ended, unreaped
             found.append(int(stat.parent.name))
     return sorted(found)
 
@@ -57,6 +58,7 @@ def run_forwarding_signals(
     *,
     stop_signals: Collection[int] = (),
     stderr_log: Path | None = None,
+    stuck: Callable[[int], bool] | None = None,
 ) -> int:
     """Run ``argv`` to completion; pass signals on (see the module docstring); return its exit
     code, 128+N for death by signal N, as a shell would.
@@ -64,6 +66,9 @@ def run_forwarding_signals(
     The child gets its own process group so that a Ctrl-C at the terminal reaches torchrun
     exactly once (from here) rather than twice (terminal and here), which would cut short its
     shutdown of the ranks. ``stderr_log``: copy the child's stderr there (:class:`StderrTee`).
+    ``stuck(pid)``: polled every second; when it says True the child is terminated (SIGTERM,
+    then SIGKILL 5 s later: a torchrun stuck on an unreachable store is stuck in its SIGTERM
+    handler too).
     """
     ignored = [s for s in _IGNORED_BY_TORCHRUN if s in stop_signals]
     before = {s: signal.signal(s, signal.SIG_IGN) for s in ignored}  # inherited by torchrun
@@ -72,6 +77,7 @@ def run_forwarding_signals(
         argv,
         env=dict(env),
         process_group=0,
+        preexec_fn=die_with_parent_hook(os.getpid()),  # a killed launcher takes its ranks along
         stderr=subprocess.PIPE if log else None,
         text=True,
         errors="replace",
@@ -89,7 +95,7 @@ def run_forwarding_signals(
     handled = {*FORWARDED_SIGNALS, *stop_signals}
     previous = {sig: signal.signal(sig, forward) for sig in handled}
     try:
-        code = child.wait()
+        code = _wait(child, stuck)
     finally:
         for sig, handler in {**previous, **before}.items():
             signal.signal(sig, handler)
@@ -100,30 +106,82 @@ def run_forwarding_signals(
     return 128 - code if code < 0 else code
 
 
+def _wait(child: subprocess.Popen, stuck: Callable[[int], bool] | None) -> int:
+    if stuck is None:
+        return child.wait()
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return child.wait(timeout=1.0)
+        if stuck(child.pid):
+            child.terminate()
+            try:
+                return child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                return child.wait()
+
+
+class TorchrunWatch:
+    """Says when torchrun outlives its failed ranks: every rank of this node has ended, at
+    least one recorded a failure, and torchrun has not exited within ``grace_s``.
+
+    Seen on a partitioned node (issue 42): its ranks fail at the collective timeout, and its
+    torchrun then waits on the rendezvous store of the unreachable first node far beyond its
+    own read timeout (in ``num_nodes_waiting``, minutes). A node whose ranks succeeded is never
+    stopped: torchrun then waits at its exit barrier for the other nodes, as it should."""
+
+    def __init__(self, errors_dir: Path, grace_s: float) -> None:
+        self.errors_dir, self.grace_s = errors_dir, grace_s
+        self.since: float | None = None
+        self.fired = False
+
+    def __call__(self, pid: int) -> bool:
+        failed = any(self.errors_dir.glob("rank_*.json"))
+        if not failed or children(pid):
+            self.since = None
+            return False
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.fired = now - self.since >= self.grace_s
+        return self.fired
+
+
 def run_ranks(
     argv: list[str],
     env: Mapping[str, str],
     run_dir: Path,
     node_rank: int,
     stop_signals: Collection[int],
+    torchrun_grace_s: float | None = None,
 ) -> int:
     """Run the torchrun command with its stderr logged in ``run_dir/logs``; on failure print
     each distinct rank error once and return the failed rank's exit code; after a run that
-    stopped early on purpose print rank 0's stop line (where, how to resume) last."""
+    stopped early on purpose print rank 0's stop line (where, how to resume) last.
+    ``torchrun_grace_s``: stop a torchrun that outlives its failed ranks by that long
+    (:class:`TorchrunWatch`); None = wait for it however long it takes."""
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-node{node_rank}"
     logs = run_dir / "logs"
     errors_dir = logs / f"errors-{stamp}"
     errors_dir.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"launch-{stamp}.log"
+    watch = None if torchrun_grace_s is None else TorchrunWatch(errors_dir, torchrun_grace_s)
     code = run_forwarding_signals(
         argv,
         {**env, ERRORS_DIR_VAR: str(errors_dir)},
         stop_signals=stop_signals,
         stderr_log=log_path,
+        stuck=watch,
     )
     stop = read_stop(errors_dir)
     if code != 0:
         lines, code = failure_report(errors_dir, log_path, code)
+        if watch is not None and watch.fired:
+            lines.insert(
+                -1,
+                f"megatron-ext: torchrun had not exited {watch.grace_s:g} s after this node's "
+                "ranks failed (waiting on the rendezvous store of an unreachable first node?): "
+                "the launcher stopped it",
+            )
         print_lines(lines, sys.stderr)
     elif stop is not None:
         print(stop, flush=True)

@@ -89,6 +89,8 @@ def test_cli_dry_run_under_simulated_slurm(tmp_path: Path) -> None:
         "gpu007:29611",
         "--rdzv-id",
         "4242",
+        "--rdzv-conf",
+        "join_timeout=600,read_timeout=600",
     ]
 
 

@@ -603,3 +603,14 @@ def test_an_fp8_pair_no_precision_has_is_refused() -> None:
     assert conversion.model_changing == ["--fp8-format e4m3"]  # e4m3 + delayed: not one of ours
     alone = _convert("--global-batch-size 8 --train-iters 10 --fp8-recipe tensorwise")
     assert alone.model_changing == [] and len(alone.unmapped) == 1
+
+
+def test_the_distributed_timeout_becomes_the_collective_timeout_in_seconds() -> None:
+    """--distributed-timeout-minutes (Megatron-LM's process groups' timeout) is the recipe's
+    launch.collective_timeout_s (issue 42), in seconds."""
+    args = read_megatron_args(
+        SCRIPT.replace("--manual-gc", "--manual-gc --distributed-timeout-minutes 3"), SCRIPT_ARGS
+    )
+    conversion = convert(args)
+    assert conversion.recipe["launch"]["collective_timeout_s"] == 180.0
+    assert "--distributed-timeout-minutes 3" in conversion.mapped

@@ -146,6 +146,8 @@ def test_multi_node_from_flags(tmp_path: Path) -> None:
             "node01:29400",
             "--rdzv-id",
             "exp7",
+            "--rdzv-conf",
+            "join_timeout=600,read_timeout=600",
         ),
         *RANK_ENTRY,
         recipe,
@@ -218,6 +220,8 @@ def test_slurm_environment_gives_the_rendezvous(tmp_path: Path) -> None:
             "gpu007:29611",
             "--rdzv-id",
             "4242",
+            "--rdzv-conf",
+            "join_timeout=600,read_timeout=600",
         ),
         *RANK_ENTRY,
         recipe,
@@ -343,6 +347,29 @@ def test_a_rendezvous_port_in_use_on_this_node_is_refused() -> None:
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", port)  # free again
     check_port_free("192.0.2.1", port)  # another machine's address (TEST-NET): not checked
+
+
+def test_a_port_holding_only_time_wait_connections_is_free() -> None:
+    """The previous job's store closed its connections first, leaving TIME_WAIT sockets on the
+    port: torchrun's store binds with SO_REUSEADDR and succeeds, so the check must too (it
+    refused such a port: issue 42). A plain bind is refused there, which is what this sets up."""
+    import socket
+
+    from megatron_ext.launch.preflight import check_port_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store does
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the listening side closes first: its end goes to TIME_WAIT
+    client.close()
+    server.close()
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))
+    check_port_free("127.0.0.1", port)
 
 
 def test_too_little_disk_for_a_checkpoint_is_a_warning(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -150,6 +150,8 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "log-interval": ("logging.log_interval", _I),
     "save-interval": ("checkpoint.save_interval", _I),
     "save": ("run_dir", _S),
+    # Megatron-LM's process groups' timeout, in minutes; ours is in seconds
+    "distributed-timeout-minutes": ("launch.collective_timeout_s", lambda v: 60.0 * int(v)),
 }
 # flags whose only effect is already the recipe's (consumed, nothing to set)
 CONSUMED = {

@@ -52,6 +52,28 @@ class LaunchConfig:
     nproc_per_node_cpu: int = spec(2, ge=1, help="ranks per node on a CPU-only host")
     master_port: int = spec(29500, ge=1, le=65535)
     threads_per_rank: int = spec(0, ge=0, help="torch threads per rank; 0 = cores / ranks")
+    # Multi-node: how long a lost peer or a partitioned network may go unnoticed. Without
+    # them a partition holds every rank in a collective (and every torchrun at its store)
+    # for torch's defaults, 10 minutes and more.
+    collective_timeout_s: float = spec(
+        0.0,
+        ge=0,
+        help="seconds a collective may wait for a peer before the rank fails (the process "
+        "groups' timeout); 0 = the trainer's default (GPT, DiPaCo 600, SOMA 1800)",
+    )
+    rdzv_timeout_s: int = spec(
+        600,
+        ge=1,
+        help="multi-node: seconds torchrun waits for every node to join the rendezvous, and "
+        "for any one call to the rendezvous store on node 0 (torchrun's join_timeout, "
+        "read_timeout)",
+    )
+    max_restarts: int = spec(
+        0,
+        ge=0,
+        help="torchrun's elastic restarts: after a rank fails, restart every node's ranks "
+        "up to N times (they resume from the last checkpoint, checkpoint.load=auto)",
+    )
 
 
 @dataclass

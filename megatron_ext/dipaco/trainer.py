@@ -31,7 +31,12 @@ def start_worker_process(recipe: Recipe) -> int:
     depend on it). Returns the global rank."""
     from megatron_ext.megatron.parallel import init_distributed
 
-    joined = init_distributed(recipe.parallel, recipe.seed, recipe.launch.master_port)
+    joined = init_distributed(
+        recipe.parallel,
+        recipe.seed,
+        recipe.launch.master_port,
+        recipe.launch.collective_timeout_s,
+    )
     torch.set_num_threads(recipe.launch.threads_per_rank or 1)
     return joined.rank
 

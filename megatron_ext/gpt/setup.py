@@ -60,7 +60,12 @@ class GPTRun:
 def setup(recipe: Recipe) -> GPTRun:
     """Join the process groups and build data, model, optimizer and schedule (the recipe was
     checked at this world size by the entry point)."""
-    env = init_distributed(recipe.parallel, recipe.seed, recipe.launch.master_port)
+    env = init_distributed(
+        recipe.parallel,
+        recipe.seed,
+        recipe.launch.master_port,
+        recipe.launch.collective_timeout_s,
+    )
     t = recipe.training
     dp_size = parallel_state.get_data_parallel_world_size()
     schedule = training_schedule(recipe)

@@ -27,10 +27,14 @@ if TYPE_CHECKING:  # the GPT trainer's sections, read here, never built: no runt
 TIMEOUT = timedelta(minutes=10)
 
 
-def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 29500) -> DistEnv:
+def init_distributed(
+    parallel: ParallelConfig, seed: int, master_port: int = 29500, collective_timeout_s: float = 0
+) -> DistEnv:
     """The default group (``parallel.backend``; this rank's GPU when CUDA is present), then
-    megatron-core's model-parallel groups and the RNG streams."""
-    env = init_process_group(parallel.backend, master_port=master_port, timeout=TIMEOUT)
+    megatron-core's model-parallel groups and the RNG streams. ``collective_timeout_s``: how long
+    a collective waits for a peer (the recipe's ``launch.collective_timeout_s``; 0 = 600 s)."""
+    timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else TIMEOUT
+    env = init_process_group(parallel.backend, master_port=master_port, timeout=timeout)
     apply_cpu_compat()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -38,6 +42,9 @@ def init_distributed(parallel: ParallelConfig, seed: int, master_port: int = 295
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
+            # its groups' own timeout (default 30 min): the data-parallel collectives run on
+            # them, so a lost peer would otherwise hold a survivor that long
+            distributed_timeout_minutes=timeout.total_seconds() / 60,
         )
         on_teardown(parallel_state.destroy_model_parallel)
     set_seeds(seed)

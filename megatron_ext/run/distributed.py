@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.run.peers import gather_peers
 from megatron_ext.run.rank_env import detect_rank_env, export_torch_env
 
 __all__ = ["DistEnv", "destroy_process_groups", "init_process_group", "on_teardown"]
@@ -94,6 +95,8 @@ def init_process_group(
     dist.init_process_group(
         backend=resolved, rank=env.rank, world_size=env.world_size, timeout=timeout
     )
+    # where every rank runs, so that a lost peer can be named (run.peers)
+    gather_peers(dist, env.rank, env.world_size, timeout.total_seconds())
     return DistEnv(env.rank, env.world_size, where, resolved)
 
 

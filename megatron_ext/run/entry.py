@@ -22,6 +22,8 @@ from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.run.hardware import check_precision_on_rank
 from megatron_ext.run.lazy_compile import defer_compile_on_cpu
+from megatron_ext.run.lifetime import die_with_parent
+from megatron_ext.run.peers import describe_comm_failure
 from megatron_ext.run.rank_env import detect_rank_env
 from megatron_ext.run.rank_errors import record_error, record_stop
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR, RunStopped
@@ -35,13 +37,21 @@ def train_main(recipe_path: str, overrides: Sequence[str]) -> int:
     ``ConfigError`` propagates (exit 2). A failure is recorded for the launcher
     (:mod:`megatron_ext.run.rank_errors`)."""
     env = detect_rank_env(os.environ)
+    if LAUNCH_COMMAND_VAR in os.environ:  # under `megatron-ext launch`: a lost launcher ends us
+        die_with_parent()
     try:
         return _train_main(recipe_path, overrides, env.rank, env.world_size)
     except ConfigError as exc:
         record_error(env.rank, 2, f"megatron-ext: error: {exc}")
         raise
     except Exception as exc:
-        record_error(env.rank, 1, f"{type(exc).__name__}: {exc}")
+        # a peer that went away, named (torch raises RuntimeError and its subclasses for them)
+        lost = describe_comm_failure(str(exc), env.rank) if isinstance(exc, RuntimeError) else None
+        if lost is not None:
+            print(f"megatron-ext: error: {lost}", file=sys.stderr, flush=True)
+        record_error(
+            env.rank, 1, f"megatron-ext: error: {lost}" if lost else f"{type(exc).__name__}: {exc}"
+        )
         raise
 
 

@@ -294,7 +294,9 @@ def train(recipe: Recipe) -> None:
     env = init_process_group(
         "gloo",
         master_port=recipe.launch.master_port,
-        timeout=TIMEOUT,
+        timeout=timedelta(seconds=recipe.launch.collective_timeout_s)
+        if recipe.launch.collective_timeout_s
+        else TIMEOUT,
         device="cpu",
         single_rank_group=False,
     )
