@@ -106,7 +106,7 @@ def test_upgraded_checkpoints_with_fp32_norms_load(recipe_file, upgraded, tmp_pa
 
 
 def test_the_report_compares_at_matched_tokens():
-    def run(losses):
+    def run(losses, step_times):
         n = len(losses)
         return {
             "steps": list(range(1, n + 1)),
@@ -115,17 +115,25 @@ def test_the_report_compares_at_matched_tokens():
             "final_loss": sum(losses[-2:]) / 2,
             "tokens_per_s_per_device": 100.0,
             "tflops_per_device": 0.5,
-            "step_time_s": 1.0,
+            "step_time_s": sorted(step_times)[len(step_times) // 2],
+            "step_times_s": step_times,  # as read_run gives them: every step but the first
             "memory": None,
         }
 
-    runs = {"bf16": run([4.0, 3.0, 2.0, 1.0]), "mxfp8": run([4.0, 3.5, 2.5, 1.5])}
+    runs = {
+        "bf16": run([4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 2.0]),
+        "mxfp8": run([4.0, 3.5, 2.5, 1.5], [0.5, 0.6, 1.4]),
+    }
     report = build_report(["bf16", "mxfp8"], runs, 2, {"tflops": 2.0, "basis": "x"}, noise=0.25)
     assert report["matched_tokens"] == [10, 20, 30, 40] and report["matched_window"] == 1
     mx = report["results"]["mxfp8"]
     assert mx["matched_loss"] == [4.0, 3.5, 2.5, 1.5]
     assert mx["final_loss_delta"] == 0.5 and mx["delta_over_noise"] == 2.0
     assert mx["mfu"] == 0.25 and "(FP8/FP4 runs too" in report["mfu_basis"]
+    # the step-time ratio is taken step by step against the reference, with its spread
+    spread = mx["step_time_vs_reference"]
+    assert spread["rounds"] == 3 and spread["median"] == pytest.approx(0.6)
+    assert report["results"]["bf16"]["step_time_vs_reference"]["median"] == 1.0
     runs["mxfp8"]["tokens"] = [11, 21, 31, 41]
     with pytest.raises(RuntimeError, match="other token counts"):
         build_report(["bf16", "mxfp8"], runs, 2, {"tflops": 2.0, "basis": "x"}, noise=None)
