@@ -5,8 +5,8 @@ source to build it from is given, the tokenizer file is one, the dataset's token
 model's vocabulary (:mod:`.preflight_data`), the run directory is writable, the rendezvous host
 resolves, the rendezvous port is free on the node that hosts it and, on the other nodes, answers
 within ``launch.rdzv_timeout_s``. ``launch --dry-run`` makes the same checks and writes nothing
-(the run directory is not created: the folder it would be created in must be writable; the other
-nodes do not wait for a rendezvous). Free disk for the next checkpoint is only a warning: the
+(the run directory is not created: the folder it would be created in must be writable; the
+endpoint's host is not resolved and the other nodes do not wait for a rendezvous). Free disk for the next checkpoint is only a warning: the
 planner's :func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and
 their optimizer state) leaves out file metadata and the data loader's state.
 
@@ -50,7 +50,8 @@ def check_before_launch(
         check_run_dir(Path(recipe.run_dir))
     if rdzv_endpoint is not None:
         host, _, port = rdzv_endpoint.rpartition(":")
-        check_endpoint_resolves(host.strip("[]"), int(port))
+        if not dry_run:  # a dry run may check a cluster's command on another machine
+            check_endpoint_resolves(host.strip("[]"), int(port))
         if node_rank == 0:
             check_port_free(host.strip("[]"), int(port))
         elif not dry_run:

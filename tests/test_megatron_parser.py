@@ -266,7 +266,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path) -> None:
     cases = [
         ("binary.sh", "r.yaml", "binary.sh: a binary file, not a launch script"),
         ("ok.sh", "missing/r.yaml", "the folder missing does not exist"),
-        ("ok.sh", "folder", "folder: a folder, not a file"),
+        ("ok.sh", "folder", "-o folder is a folder"),
     ]
     for source, output, message in cases:
         proc = subprocess.run(

@@ -44,9 +44,10 @@ BASE = [
 TRAJECTORIES = (("fp32", 0.0), ("bf16", 0.0), ("bf16", 1.0))
 
 
-def replicated_factory(cfg: Any) -> Any:
+def replicated_factory(cfg: Any, qkv_layout: Any = None) -> Any:
     """The reference: AdamW on every rank over every parameter (megatron-core's non-distributed
-    optimizer), rank 0 of each data-parallel group writing."""
+    optimizer), rank 0 of each data-parallel group writing; ``qkv_layout`` is unused (the
+    signature of :func:`~megatron_ext.megatron.optimizer_factories.inner_factory`)."""
     import torch
 
     from megatron_ext.megatron.optimizer_factories import hyperparameters
