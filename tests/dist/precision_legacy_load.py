@@ -3,7 +3,8 @@ kept their norms in fp32 (no fp32 master saved for them), then train two steps; 
 line on rank 0.
 
 Checks on every rank: every parameter is bf16 now (Float16Module, norms included); the fp32
-master of each norm is bit for bit the fp32 weight the original checkpoint holds, and the bf16
+master of each norm is bit for bit the fp32 weight the original checkpoint holds (with the
+element-sharded AdamW, this rank's 1-D range of it; the ranks' ranges cover it), and the bf16
 norm its rounding.
 
 Usage (under torchrun): precision_legacy_load.py RECIPE UPGRADED_DIR ORIGINAL_DIR [key=value ...]
@@ -24,6 +25,7 @@ def main() -> None:
     from megatron_ext.gpt.checkpoint import Checkpointer
     from megatron_ext.gpt.setup import setup
     from megatron_ext.gpt.step import train_step
+    from megatron_ext.megatron.optimizer import _flat_range as flat_range
 
     recipe_path, ckpt, original, *overrides = sys.argv[1:]
     recipe = load_recipe(recipe_path, [*overrides, f"checkpoint.load={ckpt}"], world_size=2)
@@ -48,12 +50,26 @@ def main() -> None:
     }
     saved = dist_checkpointing.load(request, original)
     moved = 0
-    for i in norms:
+    held = torch.zeros(len(norms), dtype=torch.int64, device=opt.model_params[0].device)
+    sharded = 0
+    for k, i in enumerate(norms):
         master, param, weight = opt.master_params[i], opt.model_params[i], saved[names[i]]
-        assert master.dtype == torch.float32 and torch.equal(master, weight), names[i]
-        assert torch.equal(param, weight.bfloat16()), names[i]
+        # an element-sharded (ZeRO-1 AdamW) master is this rank's 1-D range of the weight
+        flat = flat_range(opt.optimizer, names[i])
+        expect = weight if flat is None else weight.reshape(-1)[flat[0] : flat[1]]
+        sharded += int(flat is not None)
+        assert master.dtype == torch.float32, names[i]
+        assert torch.equal(master.detach().cpu(), expect), names[i]
+        assert torch.equal(param.cpu(), weight.bfloat16()), names[i]
+        held[k] = master.numel()
         moved += int(not torch.equal(weight, weight.bfloat16().float()))
     assert moved, "the saved norms should hold values bf16 cannot (else the check is void)"
+    # element-sharded masters: the ranks' ranges together hold each norm's every element once
+    assert sharded in (0, len(norms)), "norms are all element-sharded or none"
+    if sharded:
+        torch.distributed.all_reduce(held)
+        want = [opt.model_params[i].numel() for i in norms]
+        assert held.tolist() == want, (held.tolist(), want)
     start = int(loop["step"])
     losses = [train_step(run, step).loss for step in range(start, start + 2)]
     if torch.distributed.get_rank() == 0:
