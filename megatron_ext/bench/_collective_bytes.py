@@ -2,7 +2,8 @@
 
 ``bench layerwise --against megatron-core`` compares two optimizers whose communication is
 written differently (megatron-core: DDP's bucket all-reduce, an uneven all-gather; megatron-ext:
-an ``all_to_all_single`` reduce-scatter-v, per-rank broadcasts).  Neither side's own counters
+a reduce-scatter-v of point-to-point sends and receives in one ``batch_isend_irecv``, the
+element-sharded AdamW parts' reduce-scatter, per-rank broadcasts).  Neither side's own counters
 can be compared with the other's, so :class:`CollectiveBytes` wraps the collectives in the
 ``torch.distributed`` namespace itself (both sides look them up there at call time) and counts
 what each call moves for this rank under one model of the wire, into the phase that is open
@@ -14,7 +15,8 @@ and its kind (``gather``: all-gathers and broadcasts; ``reduce``: the rest):
 * ``reduce_scatter_tensor`` / ``_reduce_scatter_base``: sent the input except the own segment,
   received (n−1) own-segment sizes;
 * ``broadcast``: the source sends the tensor once, every other rank receives it;
-* ``all_to_all_single``: sent the input except the own slice, received the output except it.
+* ``all_to_all_single``: sent the input except the own slice, received the output except it;
+* ``batch_isend_irecv``: sent every ``isend``'s tensor, received every ``irecv``'s.
 
 A call outside an open phase is not counted (the bench's own loss all-reduce, barriers).  The
 wrappers are installed for the worker process only (:meth:`install`), never by the library.
@@ -39,6 +41,7 @@ WRAPPED = (
     "_reduce_scatter_base",
     "broadcast",
     "all_to_all_single",
+    "batch_isend_irecv",
 )
 
 
@@ -114,7 +117,7 @@ class CollectiveBytes:
     def _wrap(self, name: str, original: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             if self.phase is not None:
-                group = kwargs.get("group")
+                group = _p2p_group(args[0]) if name == "batch_isend_irecv" else kwargs.get("group")
                 n = dist.get_world_size(group)
                 if n > 1:
                     kind = "gather" if name in GATHERS else "reduce"
@@ -124,10 +127,25 @@ class CollectiveBytes:
         return counted
 
 
+def _p2p_name(op: Any) -> str:
+    """``isend`` or ``irecv``: the operation of a ``dist.P2POp`` (its function's name, so a
+    wrapped or re-bound function is recognised too)."""
+    return getattr(op.op, "__name__", "").lstrip("_")
+
+
+def _p2p_group(ops: Any) -> Any:
+    """The process group of a ``batch_isend_irecv`` (every op of a batch shares one)."""
+    return ops[0].group if ops else None
+
+
 def _payload(
     name: str, n: int, rank: int, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[float, float]:
     """(sent, received) bytes of one call for this rank (the module docstring's model)."""
+    if name == "batch_isend_irecv":
+        ops = args[0]
+        sent = sum(_nbytes(op.tensor) for op in ops if _p2p_name(op) == "isend")
+        return sent, sum(_nbytes(op.tensor) for op in ops if _p2p_name(op) == "irecv")
     if name == "all_reduce":
         b = 2 * (n - 1) / n * _nbytes(args[0])
         return b, b
