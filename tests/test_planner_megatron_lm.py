@@ -102,9 +102,17 @@ def megatron_lm_weight_and_optimizer_bytes(flags: list[str], world: int, vocab: 
     return weights_mib * MIB
 
 
+#: what Megatron-LM's launch scripts export before torchrun (examples/llama, examples/gpt3):
+#: its validate_args requires it with tensor parallelism before Blackwell, and the converter
+#: reads it from the script's own assignments, as a user's script would give it
+LAUNCH_ENV = "export CUDA_DEVICE_MAX_CONNECTIONS=1\n"
+
+
 def planned(flags: str, world: int, extra: list[str], vocab: int) -> Any:
-    """``plan_run`` of the converted recipe on ``world`` H100s (one node)."""
-    conversion = convert(read_megatron_args(flags + " " + " ".join(extra)))
+    """``plan_run`` of the converted recipe on ``world`` H100s (one node), validated by the
+    converter at that world size (``--world-size``), as Megatron-LM's side is."""
+    script = LAUNCH_ENV + flags + " " + " ".join(extra)
+    conversion = convert(read_megatron_args(script), world_size=world)
     recipe = recipe_from_dict(conversion.recipe)
     recipe.model.vocab_size = vocab
     return plan_run(recipe, Cluster(GPUS["h100"], 1, world), baselines=False)
