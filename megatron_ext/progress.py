@@ -14,10 +14,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["step"]
+__all__ = ["on_terminal", "step"]
 
 
-def _terminal() -> bool:
+def on_terminal() -> bool:
+    """Whether stderr is a terminal (progress is shown there only)."""
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty and isatty())
 
@@ -26,7 +27,7 @@ def _terminal() -> bool:
 def step(command: str, what: str) -> Iterator[None]:
     """Show ``megatron-ext: COMMAND: WHAT`` while the block runs (terminal only), then its
     time; the line is erased on leaving (an error then prints on a clean line)."""
-    if not _terminal():
+    if not on_terminal():
         yield
         return
     sys.stderr.write(f"\r\033[Kmegatron-ext: {command}: {what} ...")

@@ -88,6 +88,7 @@ def convert_main(args: argparse.Namespace) -> int:
     # torch and the converters load only when a conversion runs (--help stays torch-free)
     with step("convert", "importing torch and megatron-core"):
         from megatron_ext.convert.hf import read_hf_config
+    _quiet_loading()
 
     if args.convert_command == "mcore-to-hf":
         return _mcore_to_hf(args)
@@ -99,6 +100,34 @@ def convert_main(args: argparse.Namespace) -> int:
     if args.convert_command == "check":
         return _check(args, raw)
     raise ConfigError(f"unknown convert action {args.convert_command!r}")
+
+
+#: torch.distributed.checkpoint's warnings on every load of a checkpoint in one process
+_DCP_WARNINGS = (
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized"),
+    (UserWarning, r"The argument order of load has been changed"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+def _quiet_loading() -> None:
+    """Keep the loaders' noise off stderr unless ``--verbose``: torch's checkpoint-reader
+    warnings (one process, no group: expected here) and transformers' "Loading weights" bar
+    (shown only on a terminal, as :mod:`megatron_ext.progress`), so that a failing command's
+    stderr is its one error line."""
+    import warnings
+
+    from megatron_ext.progress import on_terminal
+    from megatron_ext.verbosity import is_verbose
+
+    if is_verbose():
+        return
+    for category, message in _DCP_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    if not on_terminal():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def load_hf(hf_dir: Path):
