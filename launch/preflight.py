@@ -6,9 +6,10 @@ model's vocabulary (:mod:`.preflight_data`), the run directory is writable, the 
 resolves, the rendezvous port is free on the node that hosts it and, on the other nodes, answers
 within ``launch.rdzv_timeout_s``. ``launch --dry-run`` makes the same checks and writes nothing
 (the run directory is not created: the folder it would be created in must be writable; the
-endpoint's host is not resolved and the other nodes do not wait for a rendezvous). Free disk for the next checkpoint is only a warning: the
-planner's :func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and
-their optimizer state) leaves out file metadata and the data loader's state.
+endpoint's host is not resolved and the other nodes do not wait for a rendezvous). Free disk for
+the next checkpoint is only a warning: the planner's
+:func:`~megatron_ext.planner.plan.checkpoint_bytes` (the whole model's parameters and their
+optimizer state) leaves out file metadata and the data loader's state.
 
 Torch-free.
 """
