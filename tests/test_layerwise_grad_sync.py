@@ -79,6 +79,38 @@ def test_collectives_one_per_bucket_and_one_for_the_replicated(ranks):
             assert rank["ops"] == {} and rank["recv_buffers"] == 0, rank["ops"]
 
 
+def test_sharded_adamw_part_joins_the_same_path(ranks):
+    """The AdamW-routed parameters in the element-sharded AdamW beside the matrices (as the GPT
+    trainer builds them, small buckets): their buckets' reduce-scatter-v start from backward
+    in descending order (all but the word embedding's before backward ends), out of DDP's own
+    grad buffer into receive buffers allocated once; the parameters live in their buckets'
+    all-gather buffers; the sync allocates nothing, issues one batched exchange per bucket at
+    DP=2 and nothing at DP=1; every rank's ranges equal megatron-core's all-reduced gradients
+    bit for bit."""
+    for rank in ranks:
+        sh = rank["sharded"]
+        assert sh["buckets"] >= 3 and sh["inside_ddp"], sh["buckets"]
+        for events in _split(sh["events"]):
+            end = events.index(("backward_end", -1))
+            launched = [i for what, i in events[:end] if what == "grad_launch"]
+            assert launched == list(range(sh["buckets"] - 1, 0, -1)), events
+            waits = [i for what, i in events if what == "grad_wait"]
+            assert events.index(("grad_wait", waits[0])) > end
+            assert sorted(waits) == [-1, *range(sh["buckets"])], events
+        first, *later = sh["pointers"]
+        assert all(p == first for p in later), sh["pointers"]
+        assert sh["allocations"] == 0, sh["ops"]
+        assert sh["equal_to_mcore"] and all(sh["equal_to_mcore"].values()), sh["equal_to_mcore"]
+        if rank["world"] == 1:
+            assert all(c == {} for c in sh["calls"]) and sh["ops"] == {}, sh
+            assert first["gather"] == [] and sh["recv_buffers"] == 0
+            assert not any(sh["params_in_buckets"])
+        else:
+            assert all(c == {"batch_isend_irecv": sh["buckets"]} for c in sh["calls"]), sh
+            assert sh["recv_buffers"] == sh["buckets"] == len(first["gather"])
+            assert all(sh["params_in_buckets"])
+
+
 def _split(events: list) -> list[list[tuple[str, int]]]:
     steps: list[list[tuple[str, int]]] = []
     for what, i in events:

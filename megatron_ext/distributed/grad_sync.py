@@ -66,6 +66,9 @@ class GradSync:
         rank, world, group: this rank in the data-parallel ``group`` of ``world`` ranks.
         events: when a list, ``("grad_launch", bucket)`` and ``("grad_wait", bucket)`` are
             appended as they happen (bucket ``-1``: the replicated gradients).
+        tag_base: bucket ``i``'s point-to-point messages carry tag ``tag_base + i``: two syncs
+            over one group in flight together (the layer-wise matrices and the element-sharded
+            AdamW parameters beside them) need disjoint tags on gloo, which matches by tag.
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class GradSync:
         world: int,
         group: Any,
         events: list[tuple[str, int]] | None = None,
+        tag_base: int = 0,
     ) -> None:
         self.rank, self.world, self.group, self.events = rank, world, group, events
+        self.tag_base = tag_base
         self.layout: dict[str, tuple[int, int]] = {}  # name -> (start, numel) in the storage
         self.bucket_of: dict[str, int] = {}  # name -> bucket index, -1 = replicated
         self.buckets: list[GradBucket] = []
@@ -160,7 +165,13 @@ class GradSync:
             region.mul_(self.scale)  # DDP's gradient_scaling_factor, before the sum
         if self.world > 1:
             bucket.handles = start_reduce_scatter_v(
-                region, bucket.recv, bucket.counts, self.rank, self.group, self.wire, bucket.index
+                region,
+                bucket.recv,
+                bucket.counts,
+                self.rank,
+                self.group,
+                self.wire,
+                self.tag_base + bucket.index,
             )
         bucket.launched = True
         self._record("grad_launch", bucket.index)

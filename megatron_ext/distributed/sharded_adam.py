@@ -21,14 +21,18 @@ for three reasons found by reading both:
   same code on a CPU host (gloo) and on GPUs (NCCL).
 
 Layout (:mod:`.shard_layout`): buckets of parameters in forward order, each bucket's flat
-index space split evenly over the ranks. Per step and bucket: the gradient reduce-scatter
-(one ``all_to_all_single``; each rank sums the ``world`` contributions to its range in rank
-order, so the sum is the same bits on any backend), ``torch.optim.AdamW`` over the rank's
-fp32 master ranges, and an all-gather-v (:mod:`.allgather_v`) of the updated ranges in the
-model dtype. AdamW is element-wise, so each element's update is the single-process one; the
-only arithmetic that differs from a replicated AdamW is the gradient sum's order (rank order
-here, the backend's ring order in DDP's all-reduce) and the global norm's sum (per rank, then
-over ranks).
+index space split evenly over the ranks; with more than one rank the parameters live in one
+flat buffer per bucket. Per step and bucket: the gradient reduce-scatter-v
+(:class:`~.grad_sync.GradSync`, the layer-wise matrices' path: started from backward once the
+bucket's gradients are complete, out of the bucket's region of DDP's grad buffer into receive
+buffers allocated once; each rank adds the ``world`` contributions to its range in rank order,
+so the sum is the same bits on any backend), ``torch.optim.AdamW`` over the rank's fp32
+master ranges, and an in-place all-gather-v (:mod:`.allgather_v`) of the bucket's buffer in
+the model dtype. Nothing is allocated or copied per step (a bf16 parameter's range is rounded
+from its master). AdamW is element-wise, so each element's update is the single-process one;
+the only arithmetic that differs from a replicated AdamW is the gradient sum's order (rank
+order here, the backend's ring order in DDP's all-reduce) and the global norm's sum (per rank,
+then over ranks).
 """
 
 from __future__ import annotations
@@ -40,41 +44,29 @@ from typing import Any
 import torch
 
 from megatron_ext.distributed.allgather_v import AllGatherV, Pending, WireStats
+from megatron_ext.distributed.grad_sync import GradSync
 from megatron_ext.distributed.layerwise import MASTER_KEY, PARAM_ATTRIBUTES, forward_wait_hooks
 from megatron_ext.distributed.plan import BucketLayout
-from megatron_ext.distributed.shard_layout import piece_ranges, rank_range, shard_buckets
+from megatron_ext.distributed.shard_layout import piece_ranges, shard_buckets
 from megatron_ext.optimizers.routing import decays_weight
 
-__all__ = ["ShardedAdamW", "reduce_scatter_flat"]
+__all__ = ["GRAD_TAG_BASE", "ShardedAdamW"]
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 #: builds the element-wise optimizer over parameter groups (megatron-core's weight-decay split)
 BuildOptimizer = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-def reduce_scatter_flat(
-    send: torch.Tensor, counts: Sequence[int], rank: int, group: Any, wire: WireStats
-) -> torch.Tensor:
-    """Sum the flat ``send`` (this rank's contribution, ``sum(counts)`` elements) over
-    ``group``; returns this rank's range ``counts[rank]`` of the sum, added in rank order."""
-    world = len(counts)
-    mine = counts[rank]
-    recv = send.new_empty(world * mine)
-    torch.distributed.all_to_all_single(recv, send, [mine] * world, list(counts), group=group)
-    parts = recv.view(world, mine)
-    total = parts[0].clone()
-    for r in range(1, world):
-        total += parts[r]
-    size = send.element_size()
-    wire.sent += (send.numel() - mine) * size
-    wire.received += (world - 1) * mine * size
-    return total
+#: bucket ``i``'s gradient messages carry tag ``GRAD_TAG_BASE + i``, apart from the layer-wise
+#: matrices' buckets (tags from 0) reduce-scattered over the same group at the same time
+GRAD_TAG_BASE = 1 << 20
 
 
 @dataclass
 class _Bucket:
     layout: BucketLayout
     params: list[tuple[str, torch.nn.Parameter]]  # forward order
+    buffer: torch.Tensor | None = None  # world > 1: the parameters live here, forward order
     pending: Pending | None = None
 
 
@@ -118,6 +110,9 @@ class ShardedAdamW:
             for (name, _), (lo, hi, at) in zip(bucket.params, pieces, strict=True):
                 self._range[name] = (lo, hi)
                 self._offset[name] = at - lo
+            if self.world > 1:
+                self._move_into_buffer(bucket)
+        # after the move: an fp32 master is a view of its parameter's storage
         self.masters = {n: self._master(n, p) for n, p in self.named_params}
         decay, no_decay = [], []
         for name, p in self.named_params:
@@ -131,7 +126,30 @@ class ShardedAdamW:
         # a rank may hold no element at all (more ranks than elements): an optimizer over an
         # empty parameter keeps the interface (param_groups) without state
         self.optimizer = build(groups or [{"params": [], "weight_decay": 0.0}])
-        self.grad_wire = WireStats()
+        # gradients: the buckets' layout is rank-major as it is (rank r's range is counts[r]
+        # consecutive elements), the reduce-scatter-v layout of the layer-wise matrices
+        self.grad_sync = GradSync(
+            [([(n, p.numel()) for n, p in b.params], b.layout.counts) for b in self.buckets],
+            [],
+            self.rank,
+            self.world,
+            gather.group if gather else None,
+            tag_base=GRAD_TAG_BASE,
+        )
+
+    @torch.no_grad()
+    def _move_into_buffer(self, bucket: _Bucket) -> None:
+        """Give ``bucket`` one flat buffer in its dtype, its parameters in forward order, and make
+        each parameter a view of its place (values unchanged; the ``Parameter`` objects, and so
+        the model's references, stay the same): the all-gather then runs in place, nothing is
+        allocated or copied per step."""
+        first = bucket.params[0][1]
+        bucket.buffer = first.new_empty(bucket.layout.numel)
+        for name, p in bucket.params:
+            at = self._offset[name]
+            place = bucket.buffer[at : at + p.numel()].view_as(p)
+            place.copy_(p)
+            p.data = place
 
     def _master(self, name: str, p: torch.nn.Parameter) -> torch.nn.Parameter:
         lo, hi = self._range[name]
@@ -168,7 +186,7 @@ class ShardedAdamW:
             4 * m.numel() for n, m in self.masters.items() if self._params[n].dtype != torch.float32
         )
 
-    # -- gradients ------------------------------------------------------------------------
+    # -- gradients: reduce-scatter-v of each bucket to the ranks holding its ranges ------------
     def set_grads(self, grads: Mapping[str, torch.Tensor | None]) -> None:
         """Each master's gradient: its range of the (summed) gradient, as fp32 (a view of an
         fp32 gradient, not a copy)."""
@@ -178,78 +196,62 @@ class ShardedAdamW:
             lo, hi = self._range[name]
             self.masters[name].grad = None if g is None else g.reshape(-1)[lo:hi].float()
 
-    @torch.no_grad()
-    def reduce_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Sum each gradient over the group into this rank's range of it, in place, one
-        reduce-scatter per bucket (``grads[name]`` already scaled, e.g. by 1/dp); outside its
-        range a rank keeps its local values, which nothing reads."""
-        if self.world == 1:
-            return
-        for bucket in self.buckets:
-            names = [n for n, _ in bucket.params]
-            self._reduce_bucket(bucket, torch.cat([grads[n].reshape(-1) for n in names]), grads)
+    @property
+    def grad_wire(self) -> WireStats:
+        """Payload bytes of the gradient reduce-scatters, cumulative (assignable, to reset)."""
+        return self.grad_sync.wire
 
-    def _reduce_bucket(
-        self, bucket: _Bucket, send: torch.Tensor, grads: Mapping[str, torch.Tensor]
-    ) -> None:
-        """Reduce-scatter one bucket's flat contribution ``send`` and write this rank's ranges
-        of the sums into ``grads``."""
-        group = self.gather.group if self.gather else None
-        total = reduce_scatter_flat(send, bucket.layout.counts, self.rank, group, self.grad_wire)
-        start, _ = rank_range(bucket.layout, self.rank)
-        for name, _ in bucket.params:
-            lo, hi = self._range[name]
-            if hi > lo:
-                at = self._offset[name] + lo - start
-                grads[name].view(-1)[lo:hi].copy_(total[at : at + hi - lo])
+    @grad_wire.setter
+    def grad_wire(self, wire: WireStats) -> None:
+        self.grad_sync.wire = wire
 
-    # -- gradient sync under DDP (MegatronExtOptimizer.take_over_grad_sync) ---------------
     @property
     def grad_numel(self) -> int:
         """Elements of gradient storage :meth:`bind_grad_storage` lays out."""
-        return sum(p.numel() for _, p in self.named_params)
+        return self.grad_sync.numel
 
     def bind_grad_storage(self, storage: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
         """Lay the gradients out in ``storage`` (1-D, e.g. a region of DDP's grad buffer)
-        bucket after bucket, each bucket contiguous in its own order, so that a bucket's
-        region is its reduce-scatter's send buffer as it is (no concatenation); ``scale``
+        bucket after bucket, each in its forward order, so that a bucket's region is its
+        reduce-scatter's send buffer as it is and this rank's ranges of the sums land in place
+        (:class:`~.grad_sync.GradSync`, receive buffers allocated here, once); ``scale``
         (DDP's 1/dp) is applied before the sum. Returns each parameter's 1-D view."""
-        if storage.dim() != 1 or storage.numel() < self.grad_numel:
-            raise ValueError(
-                f"gradient storage of shape {tuple(storage.shape)} cannot hold the "
-                f"{self.grad_numel} gradient elements of the element-sharded AdamW"
-            )
-        self._grad_scale = scale
-        self._grad_views: dict[str, torch.Tensor] = {}
-        self._grad_regions: list[torch.Tensor] = []
-        at = 0
-        for bucket in self.buckets:
-            start = at
-            for name, p in bucket.params:
-                self._grad_views[name] = storage[at : at + p.numel()]
-                at += p.numel()
-            self._grad_regions.append(storage[start:at])
-        return self._grad_views
+        return self.grad_sync.bind(storage, scale)
 
     def grad_ready(self, name: str) -> None:
-        """Backward completed ``name``'s gradient. The AdamW parameters' reduce-scatters run in
-        :meth:`finish_grad_sync`, after backward: they are the embeddings, the output layer and
-        the norms, whose gradients backward completes last (the word embeddings) or that are
-        small, so starting them early would overlap little."""
+        """Backward completed ``name``'s gradient: a bucket whose gradients are all complete
+        starts its reduce-scatter-v, later buckets first (:meth:`.GradSync.grad_ready`). The
+        word embeddings complete last, so their bucket starts at the end of backward."""
+        self.grad_sync.grad_ready(name)
 
     def finish_grad_sync(self) -> None:
-        """Scale and reduce-scatter every bucket of the bound storage (:meth:`bind_grad_storage`)
-        in place; afterwards this rank's ranges hold the sums over the group."""
-        regions = getattr(self, "_grad_regions", None)
-        if regions is None:
-            raise RuntimeError("the gradient sync has no storage: bind_grad_storage() first")
-        for region in regions:
-            if self._grad_scale != 1.0:
-                region.mul_(self._grad_scale)
+        """Start what backward did not, wait for every bucket and add the contributions in rank
+        order; afterwards this rank's ranges of the bound storage hold the sums."""
+        self.grad_sync.finish()
+
+    @torch.no_grad()
+    def reduce_grads(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Sum each gradient over the group into this rank's range of it, in place, for
+        gradients that live outside a bound storage (``grads[name]`` already scaled, e.g. by
+        1/dp): copied into the sync's own storage (allocated once), reduced as under DDP, this
+        rank's ranges copied back; outside them a rank keeps its local values, which nothing
+        reads."""
         if self.world == 1:
             return
-        for bucket, region in zip(self.buckets, regions, strict=True):
-            self._reduce_bucket(bucket, region, self._grad_views)
+        sync = self.grad_sync
+        if sync.storage is None:
+            first = next(iter(grads.values()))
+            sync.allocate(first.dtype, first.device)
+        for name, view in sync.views.items():
+            g = grads[name]
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+        sync.finish()
+        for name, view in sync.views.items():
+            g = grads[name].view(-1)
+            lo, hi = self._range[name]
+            if hi > lo and g.data_ptr() != view.data_ptr():
+                g[lo:hi].copy_(view[lo:hi])
 
     # -- step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -262,35 +264,23 @@ class ShardedAdamW:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        """Round this rank's updated masters into the model dtype, in the parameters and in
-        the bucket's buffer, and start the bucket's all-gather."""
-        first = bucket.params[0][1]
-        buffer = None
-        if self.world > 1:
-            buffer = torch.empty(bucket.layout.numel, dtype=first.dtype, device=first.device)
+        """Round this rank's updated masters into the model dtype, in place in the parameters
+        (an fp32 master is its parameter's range already), and start the bucket's in-place
+        all-gather."""
         for name, p in bucket.params:
             lo, hi = self._range[name]
-            if hi == lo:
-                continue
-            master = self.masters[name]
-            mine = p.view(-1)[lo:hi]
-            if p.dtype != torch.float32:
-                mine.copy_(master)
-            if buffer is not None:
-                at = self._offset[name] + lo
-                buffer[at : at + hi - lo].copy_(mine)
-        if buffer is not None and self.gather is not None:
-            bucket.pending = self.gather.start(buffer, bucket.layout.counts)
+            if hi > lo and p.dtype != torch.float32:
+                p.view(-1)[lo:hi].copy_(self.masters[name])
+        if bucket.buffer is not None and self.gather is not None:
+            bucket.pending = self.gather.start(bucket.buffer, bucket.layout.counts)
 
     @torch.no_grad()
     def wait_bucket(self, bucket: _Bucket) -> None:
-        """Wait for ``bucket``'s all-gather and write the other ranks' ranges back."""
+        """Wait for ``bucket``'s all-gather: the other ranks' ranges have then arrived in
+        place."""
         if bucket.pending is None:
             return
-        buffer = bucket.pending.wait()
-        for name, p in bucket.params:
-            at = self._offset[name]
-            p.view(-1).copy_(buffer[at : at + p.numel()])
+        bucket.pending.wait()
         bucket.pending = None
 
     def finish(self) -> None:
