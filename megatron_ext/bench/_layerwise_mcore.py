@@ -20,7 +20,8 @@ Figures per (depth, DP), ours / megatron-core where a ratio (never pass/fail):
   backward + gradient sync and of ``optimizer.step()``; the ratio is the median over steps of
   ours / theirs with its ≈95 % CI (``spread``); wall-clock ratios beside;
 * optimizer-state bytes per rank and the peak RSS increase during an iteration (the resident
-  set's high-water mark over the resident set before it, median over steps, worst rank);
+  set's high-water mark over the resident set before it, median over steps, worst rank), and
+  the same within ``optimizer.step()`` and within forward + backward + gradient sync;
 * compute imbalance: max / mean over ranks of the per-rank median ``step()`` CPU seconds.
 """
 
@@ -225,6 +226,15 @@ def summarise(ranks: list[dict[str, Any]], min_steps: int) -> dict[str, Any]:
             for rk in rows[arm]
         ]
         out[f"peak_rss_increase_{tag}"] = max(peaks)
+        # the same per phase: where each arm's transient memory is (the optimizers differ in
+        # step(); forward + backward is the same model's)
+        for phase in ("fwd_bwd_sync", "step"):
+            out[f"peak_rss_increase_{phase}_{tag}"] = max(
+                statistics.median(x["peak_rss_increase_phase_kib"][phase] for x in rk) * 1024
+                if ranks[0]["peak_rss_measured"]
+                else float("nan")
+                for rk in rows[arm]
+            )
         per_rank_step = [
             statistics.median(x["clocks"]["step"]["thread"] for x in rk) for rk in rows[arm]
         ]
@@ -265,7 +275,8 @@ def print_against(report: dict[str, Any]) -> None:
     print(
         f"{'run':>8s} {'steps':>5s} {'loss Δ':>8s} {'param Δ':>8s} {'iter':>6s} {'±':>5s} "
         f"{'step':>6s} {'±':>5s} {'f+b+s':>6s} {'iter wall':>9s} {'grad B':>6s} "
-        f"{'param B':>7s} {'state MiB':>13s} {'peak RSS MiB':>13s} {'imbalance':>11s}"
+        f"{'param B':>7s} {'state MiB':>13s} {'peak RSS MiB':>13s} {'step() RSS':>13s} "
+        f"{'imbalance':>11s}"
     )
     for key, r in report["runs"].items():
         print(
@@ -278,6 +289,8 @@ def print_against(report: dict[str, Any]) -> None:
             f"{r['state_bytes_core'] / 2**20:6.2f}/{r['state_bytes_ext'] / 2**20:<6.2f} "
             f"{r['peak_rss_increase_core'] / 2**20:6.2f}/"
             f"{r['peak_rss_increase_ext'] / 2**20:<6.2f} "
+            f"{r['peak_rss_increase_step_core'] / 2**20:6.2f}/"
+            f"{r['peak_rss_increase_step_ext'] / 2**20:<6.2f} "
             f"{r['compute_imbalance_core']:5.3f}/{r['compute_imbalance_ext']:<5.3f}"
         )
     print(
@@ -287,8 +300,8 @@ def print_against(report: dict[str, Any]) -> None:
         "iteration / optimizer.step() / forward+backward+gradient sync, ± its ≈95% CI "
         "half-width; grad B: gradient-sync bytes per rank (max of sent, received; worst rank); "
         "param B: parameter bytes received (worst rank); state, peak RSS increase during an "
-        "iteration (worst rank), compute imbalance (max/mean step CPU over ranks): "
-        "megatron-core/megatron-ext"
+        "iteration and during optimizer.step() alone (worst rank), compute imbalance (max/mean "
+        "step CPU over ranks): megatron-core/megatron-ext"
     )
     for key, r in report["runs"].items():
         print(f"{key}: stopped after {r['steps_run']} steps: {r['stopped']}")

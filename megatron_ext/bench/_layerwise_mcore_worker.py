@@ -14,8 +14,10 @@ and step it records, on this rank:
   ``finalize_model_grads``) and step (the parameter gather and the norms), by
   :mod:`._collective_bytes`;
 * the peak resident set during the iteration over the resident set before it (Linux:
-  ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM``), and the optimizer-state
-  bytes held.
+  ``/proc/self/clear_refs`` resets the high-water mark ``VmHWM``), per phase (forward +
+  backward + gradient sync, ``step()``, the parameter-sync wait: the high-water mark is reset
+  as each begins and read as it ends) and over the whole iteration (the largest of them), and
+  the optimizer-state bytes held.
 
 With ``--device cuda`` (one GPU per rank, NCCL) the clocks wait for the GPU at both ends of
 each span, the iteration ratio is of wall time, and peak memory is the CUDA allocator's.
@@ -163,13 +165,9 @@ def main() -> None:
             arm = arms[name]
             dist.barrier()
             rss0 = _memory_now(cuda)
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            else:
-                _reset_peak()
             with clocks.span("iteration"):
-                loss = _step_counted(arm, tokens, clocks, wire)
-            peak = _memory_peak(cuda) - rss0 if peak_ok else None
+                loss, peaks = _step_counted(arm, tokens, clocks, wire, cuda, rss0)
+            peak = max(peaks.values()) if peak_ok else None
             mean = torch.tensor([loss], dtype=torch.float64, device=tokens.device)
             dist.all_reduce(mean)  # outside any counted phase
             rows[name].append(
@@ -179,6 +177,7 @@ def main() -> None:
                     "grad_bytes": wire.take("grad"),
                     "step_bytes": wire.take("step"),
                     "peak_rss_increase_kib": peak,
+                    "peak_rss_increase_phase_kib": peaks if peak_ok else None,
                 }
             )
         step += 1
@@ -231,16 +230,26 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _step_counted(arm: Any, tokens: torch.Tensor, clocks: Clocks, wire: CollectiveBytes) -> float:
-    """:func:`train_step` with the gradient-sync and step phases counted apart."""
+def _step_counted(
+    arm: Any, tokens: torch.Tensor, clocks: Clocks, wire: CollectiveBytes, cuda: bool, rss0: int
+) -> tuple[float, dict[str, int]]:
+    """:func:`train_step` with the gradient-sync and step phases counted apart; returns the
+    loss and each phase's peak memory over ``rss0`` (KiB, the memory before the iteration)."""
+    peaks: dict[str, int] = {}
 
     class _Phased:
         @contextlib.contextmanager
         def span(self, name: str) -> Iterator[None]:
-            with clocks.span(name), wire.counting("grad" if name == "fwd_bwd_sync" else "step"):
+            phase = "grad" if name == "fwd_bwd_sync" else "step"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            else:
+                _reset_peak()
+            with clocks.span(name), wire.counting(phase):
                 yield
+            peaks[name] = _memory_peak(cuda) - rss0
 
-    return train_step(arm, tokens, _Phased())
+    return train_step(arm, tokens, _Phased()), peaks
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def main() -> None:
         (n, torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device, dtype)))
         for n, s in named
     ]
-    # bf16-representable values: the dp shares g/dp (dp <= 4) then sum back to g exactly.
+    # bf16-representable values: the dp shares g/dp (dp a power of two <= 4) sum back to g exactly
     grads = [(torch.randn(s, generator=gen) * 1e-3).bfloat16().float().to(device) for _, s in named]
 
     world = dist.get_world_size()
@@ -137,19 +137,28 @@ def main() -> None:
         k: [] for k in ("compute_cpu_s", "compute_process_cpu_s", "compute_wall_s")
     }
     rows |= {"step_wall_s": [], "exposed_comm_s": [], "grad_sync_s": []}
+    # the gradient path a training run takes (:meth:`MegatronExtOptimizer.take_over_grad_sync`):
+    # one storage laid out by the optimizer, scaled by 1/dp before the sum, each gradient
+    # reported complete as backward would (later parameters first), the buckets' reduce-scatter-v
+    # started as they fill and waited for in finish_grad_sync
+    views = opt.bind_grad_storage(torch.zeros(opt.grad_numel, device=device), 1.0 / world)
+    grads_of = {n: views[n].view_as(p) for n, p in params}
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             gather.stats = WireStats()
             opt.grad_wire = WireStats()
-        # each rank's share of the fp32 gradient, scaled as DDP scales before its sum
-        shares = {n: g / world for (n, _), g in zip(params, grads, strict=True)}
+        # what backward leaves in the storage: this rank's unscaled gradient (untimed)
+        for (n, _), g in zip(params, grads, strict=True):
+            grads_of[n].copy_(g)
         sync()
         dist.barrier()
         g0 = time.perf_counter()
-        opt.reduce_grads(shares)  # reduce-scatter-v to the owners
+        for n, _ in reversed(params):
+            opt.grad_ready(n)
+        opt.finish_grad_sync()
         sync()
         grad_sync_s = time.perf_counter() - g0
-        opt.set_grads(shares)  # the owners' sums to their (fp32) masters
+        opt.set_grads(grads_of)  # the owners' sums to their (fp32) masters
         timer.reset()
         w0 = time.perf_counter()
         opt.step()

@@ -19,7 +19,9 @@ Figures, per DP size (never pass/fail):
   exactly the bytes of the parameters it does not own (zero padding).
 * gradient-sync bytes per rank: the measured payload of the layer-wise optimizer's
   reduce-scatter-v to the owners (sends B − owned, receives (n−1)·owned), beside what a ring
-  all-reduce of every gradient would move each way, 2·(n−1)/n·B; and its wall time.
+  all-reduce of every gradient would move each way, 2·(n−1)/n·B; and its wall time (the
+  path a training run takes: the gradients in the optimizer's storage, each bucket started as
+  its gradients are reported complete, no copy in or out).
 * the ownership plan's compute and memory imbalance (max / mean of its cost model per rank), and
   the measured compute imbalance (max / mean of the ranks' CPU seconds).
 
@@ -68,10 +70,11 @@ MEGATRON_CORE_NOTE = (
     "without the model and DDP its optimizer needs)"
 )
 GRAD_SYNC_NOTE = (
-    "gradient sync: each rank starts from its own share (gradient / dp) and the layer-wise "
-    "optimizer's reduce-scatter-v (one all_to_all_single per bucket) leaves each sum on its "
-    "owner; gradients are rounded to bf16-representable values so the sums are exact and DP=n "
-    "stays bit-comparable with DP=1"
+    "gradient sync: the training path -- each rank's gradient in the optimizer's own storage, "
+    "reported complete parameter by parameter as backward would (later ones first), each "
+    "bucket scaled by 1/dp and its reduce-scatter-v (one batched point-to-point exchange) "
+    "started as it fills, waited for in finish_grad_sync; gradients are rounded to "
+    "bf16-representable values so the sums are exact and DP=n stays bit-comparable with DP=1"
 )
 
 
