@@ -167,11 +167,13 @@ def test_state_from_a_different_model_is_refused(tmp_path):
 def test_gradients_reduce_scatter_to_their_owners(tmp_path, world):
     """Different gradients on every rank: after reduce_grads each owner holds the rank-ordered
     sum bit for bit, and each rank sent only the gradients it does not own and received
-    (world - 1) copies of the ones it does (no padding)."""
+    (world - 1) copies of the ones it does (no padding); the element-sharded AdamW's
+    reduce_grads leaves each rank's range of every gradient the rank-ordered sum."""
     out = tmp_path / "reduce"
     run_torchrun(DIST / "layerwise_reduce.py", world, str(out))
     results = [json.loads((tmp_path / f"reduce.{r}.json").read_text()) for r in range(world)]
     for r in results:
         assert r["wrong"] == [], r["wrong"]
+        assert r["sharded_wrong"] == [], r["sharded_wrong"]
         assert r["owned"] > 0
         assert r["sent"] == r["expected_sent"] and r["received"] == r["expected_received"], r

@@ -2,7 +2,9 @@
 
 Every rank has different gradients; after ``reduce_grads`` each owned (and replicated) gradient
 must equal the sum over ranks added in rank order, bit for bit, computed here from every rank's
-regenerated gradients. Writes ``OUT.<rank>.json`` with the check and the byte counters.
+regenerated gradients; the same for the element-sharded AdamW (``ShardedAdamW.reduce_grads``,
+small buckets): each rank's range of every parameter. Writes ``OUT.<rank>.json`` with the
+checks and the byte counters.
 
 Usage: layerwise_reduce.py OUT
 """
@@ -16,12 +18,31 @@ from layerwise_step import make_params  # same folder (run as a script)
 from megatron_ext.distributed.allgather_v import make_allgather_v
 from megatron_ext.distributed.layerwise import LayerwiseOptimizer
 from megatron_ext.distributed.plan import OwnershipPlan
+from megatron_ext.distributed.sharded_adam import ShardedAdamW
 from tests.dist.ending import leave
 
 
 def grads_of(rank: int, params) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(77 + rank)
     return {n: torch.randn(p.shape, generator=gen) for n, p in params}
+
+
+def sharded_wrong(params, every: list[dict[str, torch.Tensor]], rank: int) -> list[str]:
+    """Names whose range on this rank is not the rank-ordered sum after ShardedAdamW's
+    reduce_grads (fresh parameters and gradients: the layer-wise run above moved its own)."""
+    fresh = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+    adam = ShardedAdamW(fresh, torch.optim.AdamW, make_allgather_v(), bucket_numel=5000)
+    grads = {n: g.clone() for n, g in every[rank].items()}
+    adam.reduce_grads(grads)
+    wrong = []
+    for name, _ in fresh:
+        lo, hi = adam.flat_range(name)
+        want = every[0][name].reshape(-1)[lo:hi].clone()
+        for r in range(1, len(every)):
+            want += every[r][name].reshape(-1)[lo:hi]
+        if not torch.equal(grads[name].reshape(-1)[lo:hi], want):
+            wrong.append(name)
+    return wrong
 
 
 def main(out: str) -> None:
@@ -46,6 +67,7 @@ def main(out: str) -> None:
     owned = sum(b for n, b in nbytes.items() if opt.plan.owner[n] == opt.rank)
     result = {
         "wrong": wrong,
+        "sharded_wrong": sharded_wrong(params, every, opt.rank),
         "sent": opt.grad_wire.sent,
         "received": opt.grad_wire.received,
         "expected_sent": sum(nbytes.values()) - owned,
