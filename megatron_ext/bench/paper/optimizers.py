@@ -44,15 +44,19 @@ are reported so: no setting was tuned to make one pass.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from megatron_ext.bench.paper._optimizers_arms import (
     GRAD_SPIKE_RISE,
     LOSS_SPIKE_RISE,
+    OPTIMIZERS,
     RECIPE,
     SCALES,
     SPIKE_DEFINITION,
@@ -61,7 +65,11 @@ from megatron_ext.bench.paper._optimizers_arms import (
     arm_overrides,
     arms,
     final_loss,
+    lr_arms,
+    lr_name,
     spike_onsets,
+    stability_arms,
+    sweep_arms,
 )
 from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, claims
 from megatron_ext.bench.paper.report import StudyResult
@@ -77,7 +85,7 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
     times, and the curves they were computed from (every step)."""
     from megatron_ext.bench.common import read_metrics
 
-    train, _ = read_metrics(run_dir)
+    train, evals = read_metrics(run_dir)
     curve = {
         "tokens": [r["consumed_tokens"] for r in train],
         "loss": [r["loss"] for r in train],
@@ -92,6 +100,8 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
         "steps": train[-1]["step"],
         "tokens": train[-1]["consumed_tokens"],
         "final_loss": final_loss(curve["tokens"], curve["loss"], scale.final_frac),
+        # after the last step, on the same validation sequences for every arm (nats/byte)
+        "val_loss": evals[-1]["val_loss"] if evals else math.nan,
         "loss_spikes": len(loss_on),
         "grad_spikes": len(grad_on),
         "loss_spike_steps": loss_on,
@@ -103,17 +113,20 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
     }
 
 
-def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, Any]]:
-    """Every arm × seed through the launcher, ``scale.jobs`` at a time; the results by arm and
-    seed. Arms whose overrides are identical (KL-SOAP at the spike setting and in the sweep) are
-    one run, reported under each name. A seed's stability arms are queued side by side, so the
-    QR and eigh step times are taken under similar load."""
+def _run_arms(
+    scale: Scale, arm_list: list[Arm], seeds: list[int], out: Path
+) -> dict[str, dict[str, Any]]:
+    """Every arm × seed of ``arm_list`` through the launcher, ``scale.jobs`` at a time; the
+    results by arm and seed, in the order of ``arm_list``. Arms whose overrides are identical
+    (e.g. KL-SOAP at 4× in the stability and the batch sweep) are one run, reported under each
+    name. A seed's stability arms are queued side by side, so the QR and eigh step times are
+    taken under similar load."""
     from megatron_ext.bench.common import launch_run
 
     runs: dict[tuple[str, ...], tuple[Arm, int]] = {}  # overrides -> the first arm that has them
     names: dict[tuple[str, ...], list[tuple[str, int]]] = {}
     for seed in seeds:
-        for arm in arms(scale):
+        for arm in arm_list:
             key = tuple(arm_overrides(scale, arm, seed))
             runs.setdefault(key, (arm, seed))
             names.setdefault(key, []).append((arm.name, seed))
@@ -126,9 +139,9 @@ def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, A
         also = [n for n, _ in names[key] if n != arm.name]
         print(
             f"[optimizers] {arm.name} seed {seed}: final loss {result['final_loss']:.4f}, "
-            f"{result['steps']} steps, {result['tokens']:,} tokens, spikes "
-            f"loss {result['loss_spikes']} / grad {result['grad_spikes']}"
-            + (f" (also {', '.join(also)})" if also else ""),
+            f"validation {result['val_loss']:.4f}, {result['steps']} steps, "
+            f"{result['tokens']:,} tokens, spikes loss {result['loss_spikes']} / grad "
+            f"{result['grad_spikes']}" + (f" (also {', '.join(also)})" if also else ""),
             flush=True,
         )
         return key, result
@@ -138,9 +151,36 @@ def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, A
         for key, result in pool.map(one, list(runs)):
             for name, seed in names[key]:
                 results.setdefault(name, {})[str(seed)] = result
-    # in the order of arms(), whatever order the runs finished in
-    order = [a.name for a in arms(scale)]
-    return {name: results[name] for name in order}
+    return {a.name: results[a.name] for a in arm_list}
+
+
+def choose_lr(scale: Scale, results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per optimizer, the LR multiple of ``scale.lr_grid`` whose 1× runs have the lowest
+    validation loss, averaged over the seeds (a diverged run counts as +inf)."""
+
+    def mean_val(opt: str, m: float) -> float:
+        vals = [r["val_loss"] for r in results[lr_name(opt, m)].values()]
+        return statistics.fmean(vals) if all(math.isfinite(v) for v in vals) else math.inf
+
+    return {o: min(scale.lr_grid, key=lambda m, o=o: mean_val(o, m)) for o in OPTIMIZERS}
+
+
+def _run_all(
+    scale: Scale, seeds: list[int], out: Path
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """Stage 1 (the LR sweep at 1× and the stability arms), the choice of each optimizer's LR,
+    stage 2 (the batch sweep at it); every result by arm, the 1× run of the chosen LR also as
+    ``sweep.<opt>.1x``; and the chosen LR multiples."""
+    first = _run_arms(scale, [*lr_arms(scale), *stability_arms(scale)], seeds, out)
+    best = choose_lr(scale, first)
+    print(
+        "[optimizers] LR chosen on validation loss (× the reference "
+        f"{scale.lr:g}): " + ", ".join(f"{o} {m:.3g}" for o, m in best.items()),
+        flush=True,
+    )
+    second = _run_arms(scale, sweep_arms(scale, best), seeds, out)
+    chosen = {f"sweep.{o}.1x": first[lr_name(o, m)] for o, m in best.items()}
+    return {**first, **chosen, **second}, best
 
 
 def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
@@ -148,21 +188,24 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
     from megatron_ext.bench.paper._optimizers_plots import plot_all
 
     scale = SCALES[size]
-    n_arms = len(arms(scale))
     n_runs = len({tuple(arm_overrides(scale, a, 1)) for a in arms(scale)}) * len(seeds)
-    if size == "quick":
-        print(
-            f"[optimizers] --quick: tiny settings ({scale.num_layers} layer, "
-            f"d={scale.hidden_size}, "
-            f"{scale.tokens:,} tokens per run), {n_runs} runs: no evidence either way",
-            flush=True,
-        )
-    else:
-        print(f"[optimizers] {size}: {n_runs} runs of {scale.tokens:,} tokens each", flush=True)
+    print(
+        f"[optimizers] {size}: about {n_runs} runs of {scale.tokens:,} tokens each "
+        f"({scale.num_layers} layers, d={scale.hidden_size})",
+        flush=True,
+    )
     start = time.perf_counter()
-    results = _run_all(scale, seeds, out)
+    results, best = _run_all(scale, seeds, out)
     wall = time.perf_counter() - start
-    settings = {**scale.settings(), "arms": n_arms, "runs": n_runs, "wall_s": round(wall, 1)}
+    entropy = corpus_unigram_entropy()
+    settings = {
+        **scale.settings(),
+        "arms": len(results),
+        "runs": len({id(r) for per in results.values() for r in per.values()}),
+        "wall_s": round(wall, 1),
+        "chosen_lr_mult": best,
+        "unigram_entropy": entropy,
+    }
     plots = plot_all(results, scale, seeds, out)
     notes = [
         f"Spikes: {SPIKE_DEFINITION}.",
@@ -173,21 +216,43 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
         f"{scale.ramp_double_every} steps, warmup tied to the ramp, η ∝ √B at every stage.",
         f"Scale: a {scale.num_layers}-layer d={scale.hidden_size} dense GPT on ~0.5 MB of English "
         "prose, not the paper's 0.6–72 B models on trillions of tokens; the stability arms "
-        "(b)–(d) run at "
-        f"{scale.spike_mult}× the baseline batch and {scale.spike_lr_mult:g}× its LR"
-        + (" (chosen by a pilot: see below)." if scale.notes else ", set before any run."),
+        f"(b)–(d) run at {scale.spike_mult}× the baseline batch, both at the reference LR "
+        f"(stab1x.*) and at {scale.spike_lr_mult:g}× it (stab.*)"
+        + (" (the lowest spiking LR of a pilot: see below)." if scale.notes else "."),
         "Step times (d) were taken while the other runs of the study (and, on a shared machine, "
         "other jobs) used the cores: read them as same-run ratios.",
         *scale.notes,
     ]
-    if scale.spike_mult == 4 and scale.spike_lr_mult == 1:
-        notes.append(
-            "stab.kl_soap_qr and sweep.kl_soap.4x.const have identical settings: one run per seed, "
-            "reported under both names."
-        )
+    notes.append(
+        "Arms with identical settings (e.g. stab1x.kl_soap_qr and sweep.kl_soap.4x.const when "
+        "KL-SOAP's chosen LR is the reference) are one run per seed, reported under each name."
+    )
     if scale.grid == "claims":
         notes.append(
             "This size runs only the sweep arms a claim reads (1× and 4× of every optimizer, 4× "
             "ramp of AdamW, Muon and KL-SOAP, 2× ramp of Muon); the plot shows those points."
         )
-    return StudyResult(claims(results, seeds), settings, results, plots, notes)
+    notes.append(
+        "LR: each optimizer's 1× runs at "
+        + ", ".join(f"{m:.3g}" for m in scale.lr_grid)
+        + f" × {scale.lr:g}; its batch sweep at the multiple with the lowest mean validation "
+        "loss over the seeds (chosen: "
+        + ", ".join(f"{o} {m:.3g}" for o, m in best.items())
+        + "). The 1× figures the claims read are those runs (the choice and the claims share "
+        "the seeds)."
+    )
+    found, facts = claims(results, seeds, best, entropy)
+    return StudyResult(found, settings, results, plots, notes, facts)
+
+
+def corpus_unigram_entropy() -> float:
+    """The byte-unigram entropy (nats/byte) of the study's corpus: the loss of a model that knows
+    only the byte frequencies (:func:`~megatron_ext.bench.paper.claims.byte_unigram_entropy`)."""
+    from megatron_ext.bench.paper.claims import byte_unigram_entropy
+    from megatron_ext.data.corpus import python_docs_documents
+
+    counts = [0] * 256
+    for doc in python_docs_documents():
+        for b, n in enumerate(np.bincount(np.frombuffer(doc.encode(), np.uint8), minlength=256)):
+            counts[b] += int(n)
+    return byte_unigram_entropy(counts)
