@@ -20,7 +20,7 @@ from typing import Any
 from megatron_ext.bench.paper._optimizers_arms import smoothed_tokens_to
 from megatron_ext.bench.paper.claims import Claim, Fact, Precondition, below_unigram
 
-__all__ = ["CLAIM_IDS", "FIG8_RELATIVE_TOLERANCE", "REFRESH_LOSS_TOLERANCE", "claims"]
+__all__ = ["CLAIM_IDS", "FACT_IDS", "FIG8_RELATIVE_TOLERANCE", "REFRESH_LOSS_TOLERANCE", "claims"]
 
 #: |loss(QR) − loss(eigh)| that still counts as equal (nats/token), fixed before any run: ~1% of
 #: a trained loss here (~1.8 nats/byte), the scale the paper calls "slight" (Fig. 8 inset < 1%)

@@ -5,17 +5,21 @@ The arms (:mod:`._dipaco_arms`) are runs of the DiPaCo trainer on the Python Lan
 path (and equal tokens and FLOPs among the P-path arms), evaluated on held-out documents after a
 routing prefix (never scored), read to ``dipaco.eval_seq_length`` tokens. Each comparison is a
 :class:`~megatron_ext.bench.paper.claims.Claim` whose quantity is a perplexity difference signed
-so that the paper's claim is Q > 0.
+so that the paper's claim is Q > 0, with a precondition: the compared arms' ln(perplexity) at
+least 0.3 nats/token below the evaluation text's token-unigram cross-entropy, or, for the
+routing and re-routing claims, paths that have specialised (the best path beats the path
+average by >= :data:`ROUTING_GAIN_MIN` nats/token on the router documents: otherwise the
+discriminative targets are noise). Every arm takes the same outer step (the recipe's Nesterov,
+lr 0.7, momentum 0.9), the dense arm included.
 
 Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 200 documents, 8 evaluation
-documents: every comparison; 44 s for 2 seeds on an idle 2-core machine, imports and the
-tokenizer included — 72 s with 400 documents, most of it the discriminative routing, which scores
-every document with every path; its figures are no evidence) and ``full`` (a 4-block width-64 GPT,
-vocabulary 1,024, sequence 96, batch 8, a 200-step base, 6 phases of τ = 20 = 120 steps per
-path, 1,200 documents, 128 evaluation documents of up to 208 tokens: about 14,000 path steps
-for 2 seeds, estimated at 25-30 minutes on this 2-core machine unloaded; not yet run). The
-paper's scale (150M-parameter paths, 256 paths, 64K steps on C4) is 5-6 orders of magnitude away:
-a claim that does not reproduce here is reported as such.
+documents: every comparison, no verdicts) and ``full`` (a 4-block width-64 GPT, vocabulary
+1,024, sequence 48, batch 4, a 200-step base, 10 phases of τ = 40 = 400 steps per path,
+1,200 documents, 128 evaluation documents of up to 208 tokens: 57 paths × 400 = 22,800 path
+steps per seed; estimated at ~40 min for 3 seeds from the earlier estimate of ~0.12 s per
+96×8-token path step, scaled by the 4× fewer tokens per step; not yet run). The paper's scale
+(150M-parameter paths, 256 paths, 64K steps on C4) is 5-6 orders of magnitude away: a claim
+that does not reproduce here is reported as such.
 """
 
 from __future__ import annotations

@@ -71,10 +71,10 @@ from megatron_ext.bench.paper._optimizers_arms import (
     stability_arms,
     sweep_arms,
 )
-from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, claims
+from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, FACT_IDS, claims
 from megatron_ext.bench.paper.report import StudyResult
 
-__all__ = ["CLAIM_IDS", "PAPER", "TITLE", "run_study", "summarize_run"]
+__all__ = ["CLAIM_IDS", "FACT_IDS", "PAPER", "TITLE", "run_study", "summarize_run"]
 
 PAPER = "soap-muon-and-beyond.txt"
 TITLE = "SOAP, Muon and beyond (Vavre et al.): the paper's optimizer comparisons at CPU scale"

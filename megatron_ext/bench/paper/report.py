@@ -94,6 +94,13 @@ def markdown(report: dict[str, Any], title: str) -> str:
     lines = [f"# {title}", ""]
     if smoke:
         lines += [f"**{SMOKE}**: tiny settings, the figures are no evidence either way.", ""]
+    if any("precondition" not in c for c in report["claims"]):
+        lines += [
+            "**Superseded rules**: this report was written before every claim carried a "
+            "precondition and a t-interval verdict over >= 3 seeds (issue 39); its verdicts follow "
+            "the older rule printed below, and the interval column is computed from its values.",
+            "",
+        ]
     lines += [
         *provenance(report["meta"]),
         f"Size `{report['size']}`, seeds {report['seeds']} (paper: `{report['paper']}`).",
