@@ -152,7 +152,7 @@ def claims(
             "Sec. 5.3; Fig. 1, 7",
             "Fig. 1: Muon at 2×/3× the batch reaches the AdamW 1× baseline's loss; AdamW 'fails "
             "to scale effectively' (no number printed)",
-            rise_q.format("Muon") + " (no ramp, 1× LR)",
+            rise_q.format("Muon") + " (no ramp, each at its chosen LR)",
             rise_gap("muon", "const"),
         ),
         Claim(
@@ -160,7 +160,7 @@ def claims(
             "SOAP, like Muon, keeps token efficiency at large batches where AdamW degrades",
             "Sec. 1, 5.5, 7; Fig. 7",
             "Fig. 7: KL-SOAP at 1×, 2×, 4× GBS, slightly below Muon throughout (curves only)",
-            rise_q.format("KL-SOAP") + " (no ramp, 1× LR)",
+            rise_q.format("KL-SOAP") + " (no ramp, each at its chosen LR)",
             rise_gap("kl_soap", "const"),
         ),
         Claim(
@@ -168,7 +168,7 @@ def claims(
             "MOP (Muon with the exact polar factor) scales with the batch like Muon",
             "Sec. 5.5; Fig. 8",
             "Fig. 8: MOP slightly below Muon at a 24 M-token batch (curves only)",
-            rise_q.format("MOP") + " (no ramp, 1× LR)",
+            rise_q.format("MOP") + " (no ramp, each at its chosen LR)",
             rise_gap("mop", "const"),
         ),
         Claim(
