@@ -12,9 +12,11 @@ Studies (one module each, ``megatron_ext.bench.paper.<study>``):
 A study module defines ``PAPER`` (the paper's file), ``TITLE``, ``SIZES`` (the names of its
 scales: ``quick`` and ``full``) and ``run_study(size, seeds, out) -> StudyResult``
 (:mod:`.report`). Each comparison becomes a :class:`~.claims.Claim`: the paper's figure, ours per
-seed, and a verdict decided by the seed spread (:func:`~.claims.verdict`). The report is written
-to ``OUT/paper_<study>.{json,md}`` beside the study's PNGs. ``--quick`` runs every comparison on
-tiny settings (minutes) with the same JSON shape; its figures are no evidence either way.
+seed, the precondition a run must meet to be informative, and a verdict from a 95% t-interval
+over >= 3 seeds (:func:`~.claims.verdict`); comparisons that hold by construction are
+:class:`~.claims.Fact` s. The report is written to ``OUT/paper_<study>.{json,md}`` beside the
+study's PNGs. ``--quick`` runs every comparison on tiny settings with the same JSON shape: a
+smoke run, "smoke run: no verdicts", every claim's verdict ``None``.
 """
 
 from __future__ import annotations

@@ -7,39 +7,42 @@ launcher (``megatron-ext launch tiny_cpu_gpt ...``, :func:`~megatron_ext.bench.c
 with the overrides of :mod:`._optimizers_arms`, once per seed (``seed=1, 2, ...``: the model's
 initialisation and the data order):
 
-(a) **large-batch sweep** (Sec. 3.2, 5.3, 5.5; Fig. 1–2, 7, 8, 10): AdamW, Muon, MOP and KL-SOAP
-    at 1×, 2×, 4× the baseline batch at equal tokens, with the k× batch from the first step at the
-    baseline LR (``const``, Fig. 7) and with the doubling ramp + √B LR (``ramp``, Fig. 2, 10);
-    one LR for all optimizers by update-RMS matching (Sec. 5.2). Final loss = mean training loss
-    over the steps in the last 10% of the tokens (the paper compares training losses, Sec. 5.3).
+(a) **LR sweep, then large-batch sweep** (Sec. 3.2, 5.2, 5.3, 5.5; Fig. 1–2, 7, 8, 10): AdamW,
+    Muon, MOP and KL-SOAP at 1× the baseline batch at each LR of ``Scale.lr_grid``; each
+    optimizer's LR is the one with the lowest mean validation loss (the paper tunes per
+    optimizer); then 2×, 4× the batch at equal tokens at that LR, with the k× batch from the
+    first step (``const``, Fig. 7) and with the doubling ramp + √B LR (``ramp``, Fig. 2, 10).
+    Final loss = mean training loss over the steps in the last 10% of the tokens (the paper
+    compares training losses, Sec. 5.3); validation loss after the last step on 64 fixed
+    sequences (the LR choice and the preconditions).
 (b) **stale vs per-step refresh** (Sec. 5.4.1–5.4.2, Fig. 4–5): SOAP (plain Shampoo factors)
     refreshed every 10 steps from factors without the current gradient, vs per step with it, at
-    4× the baseline batch and (full size) 30× its LR; loss and gradient-norm spikes counted by
-    the fixed definition :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
-(c) **KL vs plain Shampoo factors** (Sec. 5.4.3, Fig. 6): per-step SOAP vs KL-SOAP, same setting.
-(d) **eigh vs QR refresh** (Alg. 2 lines 10–11): KL-SOAP with one QR power step vs an
-    eigendecomposition per refresh: final loss and the median optimizer-step time.
+    4× the baseline batch, both at the reference LR and (full size) at 30× it, the lowest LR at
+    which a pilot saw the stale arm spike; spikes counted by the fixed definition
+    :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
+(c) **KL vs plain Shampoo factors** (Sec. 5.4.3, Fig. 6): per-step SOAP vs KL-SOAP, same settings.
+(d) **eigh vs QR refresh** (Alg. 2 lines 10–11): KL-SOAP's final loss with one QR power step vs
+    an eigendecomposition per refresh (a claim); their optimizer-step times (a fact: QR is the
+    cheap one by construction).
+
+Every claim's precondition: each run it reads ends with a validation loss >= 0.3 nats/byte
+below the corpus' byte-unigram entropy (:func:`corpus_unigram_entropy`).
 
 Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
 
 - ``full``: the recipe's demo GPT (4 layers, d = 128, 4 heads / 2 KV groups, SwiGLU 384,
   886 K parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
-  320 steps at 1× = 328 K tokens per run; 24 arms, one run each per seed, two at a time, one
-  rank and one thread each; the stability arms at 4× the batch and 30× the LR, where a pilot on
-  seed 0 saw the stale refresh spike (``Scale.notes``). 25.0–27.9 min for 2 seeds (48 runs) on a
-  quiet 2-core machine (2026-12-04); the estimate before, from runs timed on the loaded machine:
-  forward/backward ~0.14 s per 1 K tokens on one thread (44 s per run at equal tokens), KL-SOAP's
-  step 0.26–0.30 s (835 steps over its five sweep arms), the launcher's start-up ~9 CPU-s per
-  run. A wider model (d = 192: ~2× the compute per token) would not fit the 40 min.
+  256 steps at 1× = 262 K tokens per run; only the sweep arms a claim reads; 27–28 runs per
+  seed (12 LR-sweep, 8 batch-sweep, 8 stability; identical settings run once), two at a time,
+  one rank and one thread each. Estimated 35–40 min for 3 seeds on a quiet 2-core machine
+  from the run of 2026-12-04 (48 runs of 320 steps in 25.0–27.9 min: ~33 s per run at two
+  jobs, ~4.5 s of it the launcher's start-up); not yet run under these settings.
 - ``quick``: a 1-layer d = 32 model (34 K parameters), seq 32, 32 steps of 4 sequences (4 K
-  tokens), only the arms a claim reads (16 arms, 15 runs per seed): every claim, its figures no
-  evidence either way. Its time is the launcher's start-up (~9 CPU-s per run: torch and
-  megatron-core imported in three processes), not training: 282 CPU-s in all, i.e. ~2.4 min on
-  two free cores (measured: 8 min 45 s wall on this shared machine at load average 13–18).
+  tokens), every claim (23 runs per seed): a smoke run, no verdicts. Its time is the launcher's
+  start-up (~9 CPU-s per run), not training: 13 min wall for 1 seed on this shared machine at
+  load average 11–30 under ``nice -n 10`` (2026-12-05).
 
-Every claim's quantity is signed so that the paper's claim is Q > 0 (or Q ≈ 0 for the eigh/QR
-loss); verdicts come from the seed spread (:mod:`.claims`). Claims that do not reproduce here
-are reported so: no setting was tuned to make one pass.
+Claims that do not reproduce here are reported so: no setting was tuned to make one pass.
 """
 
 from __future__ import annotations
