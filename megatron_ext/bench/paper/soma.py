@@ -26,11 +26,14 @@ holds out other documents, refits the routers and draws other batches and probes
 
 Sizes: ``quick`` (tiny widths, a few updates: the shape of every comparison, no evidence, no
 verdicts) and ``full`` (d_E = 32, D = 2, n_pert = 8, B = 4, T = 128, 513-byte windows routed on
-128 bytes and scored on 384; N in {1, 4} at width 32, 100 updates per expert after a 240-update
+128 bytes and scored on 384; N in {1, 4} at width 32, 100 updates per expert after a 600-update
 seed run; variance at fixed weights on B = 2, T = 64, n_pert = 4, 16 repeats; inference N = 8
-(wide) vs N = 64 (width 32) at ~2.1M parameters). Its time, estimated from expert updates timed
-at 0.3–0.6 s on the loaded 2-core host (2026-12-05, load 15): ~2,500 expert updates per seed,
-about 35–40 min for 3 seeds; not yet run.
+(wide) vs N = 64 (width 32) at ~2.1M parameters). The seed run's length comes from a pilot on
+seed 1 (N = 1, width 32; 2026-12-05): test loss 3.39 / 3.14 / 2.91 nats/byte after 60 / 240 /
+600 seed-run updates against the test set's unigram 3.30, so only ~600 clear the precondition.
+Time: a width-32 update took 0.19 s (600 in 115 s under ``nice -n 10`` at load average ~25);
+~4,400 width-32-equivalent updates per seed (three seed runs, the ensembles, the continuations)
+give ~14 min per seed, ~40–45 min for 3 seeds on the loaded machine; not yet run.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ SCALES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "scale": Scale(d_embed=32, blocks=2, n_pert=8, batch=4, seq=128, window_bytes=513,
-                       route_bytes=128, score_bytes=384, seed_updates=240, updates=100,
+                       route_bytes=128, score_bytes=384, seed_updates=600, updates=100,
                        corpus_bytes=1_500_000, test_fraction=0.1),
         "n_sweep": (1, 4), "width": 32, "mono_width": 64, "summed_n": 4, "shard_n": 4,
         "summed_updates": 40, "var_total_n": (1, 8), "var_width": 64, "var_repeats": 16,
