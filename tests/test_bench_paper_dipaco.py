@@ -57,6 +57,10 @@ def test_the_baselines_have_the_papers_shape(tmp_path: Path) -> None:
     assert flat.num_paths == 4 and all(len(flat.paths_of(m)) == 1 for m in flat.modules)
     # the same path model everywhere
     assert len({(r.model.num_layers, r.model.hidden_size) for r in arms.values()}) == 1
+    # one outer optimizer for every arm, the dense one included (issue 39: no arm is ordered by
+    # how hard its outer step extrapolates)
+    outer = {a: r.section(DipacoConfig) for a, r in arms.items()}
+    assert len({(o.outer_lr, o.outer_momentum, o.outer_nesterov) for o in outer.values()}) == 1
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +142,10 @@ def test_full_sync_aggregates_module_gradients_every_step(diloco_run) -> None:
             assert float((got - t.double()).abs().max()) <= lr * (1 + 1e-3)
             assert sure.any(), n  # (embedding rows of unseen tokens have g = 0 and stay)
     assert math.isfinite(lr) and not own[0]  # no path-specific parts in this layout
+
+
+def test_full_size_paths_train_at_least_400_steps() -> None:
+    """Issue 39: the paths of the full study train >= 400 steps (the run of 2026-12-03 gave
+    them 120 after a 200-step base, too few to specialise)."""
+    full = dict(o.split("=", 1) for o in A.SIZES["full"])
+    assert int(full["dipaco.phases"]) * int(full["dipaco.tau"]) >= 400

@@ -31,6 +31,8 @@ from megatron_ext.bench.paper._optimizers_arms import (
     arm_overrides,
     arms,
     final_loss,
+    lr_name,
+    smoothed_tokens_to,
     spike_onsets,
 )
 from megatron_ext.config.load import load_recipe
@@ -49,11 +51,16 @@ def test_every_arm_consumes_the_same_tokens_on_the_same_schedule(size: str) -> N
     tokens = scale.base_steps * scale.base_batch * scale.seq_length  # the 1× run's
     all_arms = arms(scale)
     sweep = [a.name for a in all_arms if a.name.startswith("sweep.")]
-    if scale.grid == "all":  # 1× once, 2× and 4× with and without the ramp, per optimizer
-        assert len(sweep) == len(OPTIMIZERS) * (1 + 2 * (len(MULTS) - 1)) == 20
-    else:  # quick: the arms a claim reads
-        assert set(sweep) == CLAIM_SWEEP_ARMS and len(sweep) == 12
-    assert len(all_arms) == len(sweep) + 4
+    lr_sweep = [a for a in all_arms if a.name.startswith("lr.")]
+    # the 1× point of every optimizer at each LR of the grid (the batch sweep's 1× is one of them)
+    assert {(a.optimizer, a.lr_mult, a.mult) for a in lr_sweep} == {
+        (o, m, 1) for o in OPTIMIZERS for m in scale.lr_grid
+    }
+    if scale.grid == "all":  # 2× and 4× with and without the ramp, per optimizer
+        assert len(sweep) == len(OPTIMIZERS) * 2 * (len(MULTS) - 1) == 16
+    else:  # the arms a claim reads
+        assert set(sweep) == CLAIM_SWEEP_ARMS and len(sweep) == 8
+    assert len(all_arms) == len(lr_sweep) + len(sweep) + 8  # 4 stability arms at 2 LRs
     for arm in all_arms:
         recipe, sched = _schedule(size, arm)
         assert sched.total_tokens == tokens, arm.name
@@ -70,17 +77,26 @@ def test_every_arm_consumes_the_same_tokens_on_the_same_schedule(size: str) -> N
 
 
 @pytest.mark.parametrize("size", ["quick", "full"])
-def test_const_arms_keep_one_batch_and_the_baseline_lr(size: str) -> None:
+def test_const_arms_keep_one_batch_and_the_chosen_lr(size: str) -> None:
     scale = SCALES[size]
-    for arm in arms(scale):
-        if arm.ramp or arm.name.startswith("stab."):
+    best = {o: scale.lr_grid[i % len(scale.lr_grid)] for i, o in enumerate(OPTIMIZERS)}
+    for arm in arms(scale, best):
+        if arm.ramp or arm.name.startswith("stab"):
             continue
         recipe, sched = _schedule(size, arm)
         assert {s.global_batch for s in sched.run_stages()} == {arm.mult * scale.base_batch}
         assert sched.steps == scale.base_steps // arm.mult
-        assert recipe.optimizer.lr == scale.lr and not sched.sqrt_lr
+        # the LR sweep at its grid point; the batch sweep at the optimizer's chosen LR
+        lr = scale.lr * (arm.lr_mult if arm.name.startswith("lr.") else best[arm.optimizer])
+        assert arm.name.startswith("lr.") or arm.lr_mult == best[arm.optimizer]
+        assert recipe.optimizer.lr == pytest.approx(lr, rel=1e-12) and not sched.sqrt_lr
         stable = scale.warmup_steps // arm.mult  # the first step after the warmup
-        assert sched.lr_at(stable) == pytest.approx(scale.lr, rel=1e-12), arm.name
+        assert sched.lr_at(stable) == pytest.approx(lr, rel=1e-12), arm.name
+        # validation after the last step only, on the same sequences at every batch
+        assert recipe.training.eval_interval == 0
+        assert recipe.training.eval_iters * recipe.training.global_batch_size == (
+            scale.val_sequences
+        )
 
 
 @pytest.mark.parametrize("size", ["quick", "full"])
@@ -133,10 +149,19 @@ def test_stability_arms_set_the_refresh_and_factors_the_paper_compares() -> None
         "stab.kl_soap_qr",
         "stab.kl_soap_eigh",
     }
+    # the same four arms at the reference LR (both settings are reported)
+    stab1x = {a.name: a for a in arms(scale) if a.name.startswith("stab1x.")}
+    assert {n.replace("stab1x.", "stab.") for n in stab1x} == set(stab)
     for arm in stab.values():
         recipe, _ = _schedule("quick", arm)
         assert arm.optimizer == "kl_soap" and arm.mult == scale.spike_mult
         assert recipe.optimizer.lr == pytest.approx(scale.lr * scale.spike_lr_mult)
+    full = SCALES["full"]
+    for arm in arms(full):
+        if arm.name.startswith("stab"):
+            recipe, _ = _schedule("full", arm)
+            mult = 1.0 if arm.name.startswith("stab1x.") else full.spike_lr_mult
+            assert recipe.optimizer.lr == pytest.approx(full.lr * mult), arm.name
     # KL-SOAP at the spike setting is the sweep's 4× run when the setting is 4× at 1× LR: one run
     same = arm_overrides(scale, stab["stab.kl_soap_qr"], 1) == arm_overrides(
         scale, next(a for a in arms(scale) if a.name == "sweep.kl_soap.4x.const"), 1
@@ -179,3 +204,28 @@ def test_final_loss_spans_the_same_tokens_at_every_batch() -> None:
     # 1×: 10 steps of 10 tokens; 2×: 5 steps of 20; the last 20% of tokens is 2 steps vs 1 step
     assert final_loss([10 * (i + 1) for i in range(10)], list(range(10)), 0.2) == 8.5
     assert final_loss([20 * (i + 1) for i in range(5)], [0, 0, 0, 0, 7.0], 0.2) == 7.0
+
+
+def test_smoothed_tokens_to_a_target_reads_the_same_token_window_at_every_batch() -> None:
+    # 1×: 10 steps of 10 tokens, loss 10, 9, ..., 1; the window is the last 20 tokens (2 steps)
+    tokens, loss = [10 * (i + 1) for i in range(10)], [10.0 - i for i in range(10)]
+    assert smoothed_tokens_to(tokens, loss, 5.5, 0.2) == 60  # mean(6, 5) = 5.5 at 60 tokens
+    assert smoothed_tokens_to(tokens, loss, 0.5, 0.2) == math.inf  # never within the run
+    # 2×: 5 steps of 20 tokens: the same 20-token window is one step
+    assert smoothed_tokens_to([20 * (i + 1) for i in range(5)], [9, 7, 5, 3, 1], 5, 0.2) == 60
+
+
+def test_the_lr_is_chosen_on_mean_validation_loss_and_a_diverged_run_never_wins() -> None:
+    from megatron_ext.bench.paper.optimizers import choose_lr
+
+    scale = SCALES["quick"]
+    lo, mid, hi = scale.lr_grid
+    val = {lo: (3.0, 3.2), mid: (2.0, 2.4), hi: (1.0, float("nan"))}  # hi diverged in seed 2
+    results = {
+        lr_name(o, m): {str(s + 1): {"val_loss": v[s]} for s in range(2)}
+        for o in OPTIMIZERS
+        for m, v in val.items()
+    }
+    assert choose_lr(scale, results) == {o: mid for o in OPTIMIZERS}
+    results[lr_name("muon", lo)] = {"1": {"val_loss": 1.5}, "2": {"val_loss": 1.6}}
+    assert choose_lr(scale, results)["muon"] == lo

@@ -26,7 +26,8 @@ def test_forward_flops_are_the_papers_count():
 
 def test_monolith_and_soma_n2_are_equal_size_wide_controls_at_equal_compute():
     """Fig. 1 / Table 2: both arms are wide controls (d != d_E: own tied head, projections) of
-    about the same total size; Eq. 21: N·F_N·s_N = F_1·s_1 at equal T, n_pert, B."""
+    about the same total size; Eq. 21 with the seed runs counted: the monolith's (seed + s_1)
+    updates at F_1 = SOMA's seed run at F_2 plus N·s_N updates at F_2, at equal T, n_pert, B."""
     full = SCALES["full"]["scale"]
     w1 = SCALES["full"]["mono_width"]
     w2 = width_for_total(2, full.layout(w1).numel, 2, d_embed=full.d_embed, wide_only=True)
@@ -37,8 +38,9 @@ def test_monolith_and_soma_n2_are_equal_size_wide_controls_at_equal_compute():
     assert abs(count(2, w2) / count(1, w1) - 1) < 0.02
     s2 = _compute_matched_updates(full, w1, w2, 2)
     f = lambda d: 2 * (2 * 16 * d * d + 2 * d * d_e + v * d_e)  # noqa: E731 2·multiply-adds
-    c1 = 2 * full.seq * full.n_pert * full.batch * 1 * f(w1) * full.updates
-    c2 = 2 * full.seq * full.n_pert * full.batch * 2 * f(w2) * s2
+    per_update = 2 * full.seq * full.n_pert * full.batch
+    c1 = per_update * f(w1) * (full.seed_updates + full.updates)
+    c2 = per_update * f(w2) * (full.seed_updates + 2 * s2)
     assert abs(c2 / c1 - 1) < 0.01  # rounding to whole updates
 
 
@@ -50,9 +52,9 @@ def test_n_sweep_experts_copy_one_seed_body_at_fixed_width():
         ens = tr.ensemble(SC, n, 8, 1, updates=0)
         assert all(torch.equal(st.theta, theta) for st in ens.states)
         assert torch.equal(ens.emb, emb)
-        _, shards = tr.corpus(SC).split(n, SC.val_fraction)
+        _, shards = tr.corpus(SC, 1).split(n, SC.val_fraction)
         every = np.sort(np.concatenate([np.concatenate([s.train, s.val]) for s in shards]))
-        assert np.array_equal(every, np.arange(len(tr.corpus(SC).windows)))
+        assert np.array_equal(every, np.arange(len(tr.corpus(SC, 1).windows)))
     trained = tr.ensemble(SC, 2, 8, 1)
     assert all(st.update == SC.updates for st in trained.states)
     assert not torch.equal(trained.states[0].theta, trained.states[1].theta)
@@ -92,7 +94,7 @@ def test_variance_and_throughput_arms_are_at_equal_total_size():
         for n in (n1, nn):
             d = width_for_total(n, total, blocks, d_embed=None)
             assert abs(n * (blocks * (2 * d + 16 * d * d) + d) / total - 1) < 0.15, (n, d)
-    windows, test = tr.corpus(SC).windows, tr.corpus(SC).test[:4]
+    windows, test = tr.corpus(SC, 1).windows, tr.corpus(SC, 1).test[:4]
     tp = meas.throughput(
         (2, 8), 1, windows, test, route_bytes=SC.route_bytes, score_bytes=SC.score_bytes,
         rounds=1, seed=0,
@@ -110,3 +112,23 @@ def test_k_sweep_at_k_equal_n_averages_every_expert():
     assert tr.test_loss(ens, 1) != tr.test_loss(ens, 2)
     with pytest.raises(Exception, match="top-k"):
         tr.test_loss(ens, 3)
+
+
+def test_seeds_hold_out_other_documents_and_random_shards_keep_the_cluster_sizes():
+    """Each seed holds out other documents (the split varies with the seed); the random shards of
+    the ablation (Fig. 9) partition the same windows into shards of the tf-idf clusters' sizes
+    with other members; the precondition's reference is the unigram cross-entropy of the scored
+    test bytes under the training bytes' frequencies."""
+    one, two = tr.corpus(SC, 1), tr.corpus(SC, 2)
+    assert not np.array_equal(one.test[: len(two.test)], two.test[: len(one.test)])
+    _, tfidf = one.split(2, SC.val_fraction)
+    _, rand = one.split(2, SC.val_fraction, "random")
+    members = [np.sort(np.concatenate([s.train, s.val])) for s in (*tfidf, *rand)]
+    assert [len(m) for m in members[:2]] == [len(m) for m in members[2:]]
+    assert not np.array_equal(members[0], members[2])
+    assert np.array_equal(np.sort(np.concatenate(members[2:])), np.arange(len(one.windows)))
+    train = np.bincount(one.windows.ravel(), minlength=256) + 1.0
+    s = SC.route_bytes
+    scored = one.test[:, s + 1 : s + 1 + SC.score_bytes].ravel()
+    want = -np.mean(np.log(train[scored] / train.sum()))
+    assert tr.test_unigram_entropy(SC, 1) == pytest.approx(want, rel=1e-12)

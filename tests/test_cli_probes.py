@@ -412,6 +412,7 @@ PROBES = [
     Probe("bench ramp nosuch_recipe", "not found; shipped recipes"),
     Probe("bench ramp tiny_cpu_gpt --start 0", "--start"),
     Probe("bench paper nosuch", "invalid choice"),
+    Probe("bench paper soma --seeds 2", "--seeds must be >= 3"),
     Probe("bench dipaco --tasks 0", "--tasks"),
 ]
 

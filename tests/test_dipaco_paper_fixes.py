@@ -165,3 +165,27 @@ def test_the_paper_reshards_once_by_default() -> None:
     assert reshard_phases(paper) == [214]  # one re-shard, halfway
     tiny = load_recipe("dipaco_tiny", ["dipaco.phases=5", "dipaco.reshards=4"])
     assert reshard_phases(tiny) == [1, 2, 3, 4]  # before every phase, as reshard_every=1 was
+
+
+def test_the_w_router_reads_the_whole_prefix_so_far() -> None:
+    """Re-routing (paper Sec. 4.4) routes chunk i + 1 on everything before it: the row for chunk
+    i is the mean per-token feature over chunks 0..i, built from the stored chunk means; a
+    document's last chunk routes nothing."""
+    from megatron_ext.dipaco.data.features import chunk_spans
+    from megatron_ext.dipaco.run.evaluate import _prefix_rows
+
+    rng = np.random.default_rng(0)
+    lengths, r, w = [23, 9, 40], 5, 8
+    spans = [chunk_spans(n, r, w) for n in lengths]
+    tokens = [rng.normal(size=(n, 3)) for n in lengths]  # per-token features of each document
+    chunk_means = np.concatenate(
+        [[t[a:b].mean(0) for a, b in s] for t, s in zip(tokens, spans, strict=True)]
+    )
+    offsets = np.cumsum([0, *(len(s) for s in spans)])
+    rows = _prefix_rows(chunk_means, offsets, spans)
+    for t, s, got in zip(tokens, spans, rows, strict=True):
+        assert got.shape == (len(s) - 1, 3)
+        for i, (_, end) in enumerate(s[:-1]):
+            np.testing.assert_allclose(got[i], t[:end].mean(0), rtol=1e-12)
+    with pytest.raises(ValueError, match="rows for"):
+        _prefix_rows(chunk_means[:-1], offsets - np.r_[0, 0, 0, 1], spans)

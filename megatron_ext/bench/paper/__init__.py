@@ -12,9 +12,11 @@ Studies (one module each, ``megatron_ext.bench.paper.<study>``):
 A study module defines ``PAPER`` (the paper's file), ``TITLE``, ``SIZES`` (the names of its
 scales: ``quick`` and ``full``) and ``run_study(size, seeds, out) -> StudyResult``
 (:mod:`.report`). Each comparison becomes a :class:`~.claims.Claim`: the paper's figure, ours per
-seed, and a verdict decided by the seed spread (:func:`~.claims.verdict`). The report is written
-to ``OUT/paper_<study>.{json,md}`` beside the study's PNGs. ``--quick`` runs every comparison on
-tiny settings (minutes) with the same JSON shape; its figures are no evidence either way.
+seed, the precondition a run must meet to be informative, and a verdict from a 95% t-interval
+over >= 3 seeds (:func:`~.claims.verdict`); comparisons that hold by construction are
+:class:`~.claims.Fact` s. The report is written to ``OUT/paper_<study>.{json,md}`` beside the
+study's PNGs. ``--quick`` runs every comparison on tiny settings with the same JSON shape: a
+smoke run, "smoke run: no verdicts", every claim's verdict ``None``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ JSON_KEYS = (
     "meta",
     "verdict_rule",
     "claims",
+    "facts",
     "arms",
     "plots",
     "notes",
@@ -65,7 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "study's docstring); quick: tiny settings, every comparison (--quick)",
     )
     p.add_argument(
-        "--seeds", type=int, default=2, help="seeds per arm (>= 2: the verdicts use the spread)"
+        "--seeds",
+        type=int,
+        default=None,
+        help="seeds per arm (full: >= 3, default 3: the verdicts use a t-interval over them; "
+        "quick: default 1, no verdicts)",
     )
     p.add_argument("--out", default=None, help="run folder (default runs/bench_paper/STUDY)")
     p.add_argument("--json", default=None, help="also write the JSON here")
@@ -81,16 +88,24 @@ def study_module(name: str) -> ModuleType:
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.atomic import atomic_path
     from megatron_ext.bench.common import run_meta, write_json
+    from megatron_ext.bench.paper.claims import MIN_SEEDS, SMOKE
     from megatron_ext.bench.paper.report import markdown, payload
 
-    if args.seeds < 2:
+    smoke = args.size == "quick"
+    seeds_n = args.seeds if args.seeds is not None else (1 if smoke else MIN_SEEDS)
+    if seeds_n < (1 if smoke else MIN_SEEDS):
         raise ConfigError(
-            f"--seeds must be >= 2 (a verdict is decided by the seed spread), got {args.seeds}"
+            f"--seeds must be >= {MIN_SEEDS} for --size full (a verdict is decided by a "
+            f"t-interval over the seeds), got {seeds_n}"
+            if not smoke
+            else f"--seeds must be >= 1, got {seeds_n}"
         )
+    if smoke:
+        print(f"[paper] {SMOKE} (--size quick: tiny settings, every comparison)", flush=True)
     module = study_module(args.study)
     out = Path(args.out or f"runs/bench_paper/{args.study}")
     out.mkdir(parents=True, exist_ok=True)
-    seeds = list(range(1, args.seeds + 1))
+    seeds = list(range(1, seeds_n + 1))
     result = module.run_study(args.size, seeds, out)
     report = payload(args.study, module.PAPER, result, seeds, args.size, run_meta())
     page = markdown(report, module.TITLE)

@@ -38,12 +38,18 @@ __all__ = [
     "SCALES",
     "SPIKE_DEFINITION",
     "SPIKE_WINDOW",
+    "STABILITY",
     "Arm",
     "Scale",
     "arm_overrides",
     "arms",
     "final_loss",
+    "lr_arms",
+    "lr_name",
+    "smoothed_tokens_to",
     "spike_onsets",
+    "stability_arms",
+    "sweep_arms",
 ]
 
 RECIPE = "tiny_cpu_gpt"
@@ -104,7 +110,7 @@ class Scale:
     warmup_steps: int  # of the 1× run (a multiple of 4)
     wsd_decay_steps: int  # the WSD window of the 1× run (a multiple of 4)
     ramp_double_every: int  # steps per ramp stage (a multiple of 4)
-    lr: float  # the baseline (1×) peak LR, shared by every optimizer (update-RMS matching)
+    lr: float  # the reference peak LR (the middle of the LR grid; the stability arms' 1×)
     min_lr: float
     spike_mult: int  # the stability arms' batch, × base_batch
     spike_lr_mult: float  # the stability arms' LR, × lr
@@ -112,6 +118,12 @@ class Scale:
     jobs: int  # runs at a time
     grid: Literal["all", "claims"] = "all"  # claims: only the arms a claim reads (quick)
     final_frac: float = 0.1  # the final loss: mean over the steps of the last 10% of tokens
+    #: the LR grid of the 1× sweep, × lr: each optimizer's batch sweep runs at the one with the
+    #: lowest mean validation loss (the paper tunes every optimizer's LR, Sec. 5.2)
+    lr_grid: tuple[float, ...] = (1 / 3, 1.0, 3.0)
+    #: validation sequences after the last step (the same samples for every arm and batch:
+    #: ``eval_iters = val_sequences / global batch``)
+    val_sequences: int = 64
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -161,7 +173,7 @@ SCALES: dict[str, Scale] = {
         seq_length=128,
         base_batch=8,
         micro_batch=8,
-        base_steps=320,
+        base_steps=256,
         warmup_steps=32,
         wsd_decay_steps=64,
         ramp_double_every=20,
@@ -172,18 +184,23 @@ SCALES: dict[str, Scale] = {
         spike_lr_mult=30.0,
         nproc=1,
         jobs=2,
+        # 3 seeds × (12 LR-sweep + 8 batch-sweep + 8 stability runs) must fit 40 min
+        grid="claims",
         notes=(
             "Spike setting: the issue asks for the stability arms at a batch and LR where spikes "
             "appear. At 4× the batch and 1× the LR (the full run of 2026-12-03, seeds 1 and 2) "
             "the stale arm spiked once in one seed (one loss and one gradient-norm spike) and "
             "the per-step arm never: too few to tell from noise. A pilot on seed 0, which is not "
             "a study seed, ran the "
-            "stale and the per-step SOAP arms at 3×, 10× and 30× the LR: by the spike definition "
+            "stale and the per-step SOAP arms (320 steps then; 256 now, to fit three seeds and the "
+            "LR sweep in 40 min) at 3×, 10× and 30× the LR: by the spike definition "
             "neither spiked at 3× or 10×; at 30× the stale arm had 4 gradient-norm spikes (one "
             "after each refresh from step 40 on) and the per-step arm none, so the study runs its "
-            "stability arms at 30× (LR 0.09). Loss spikes (t ≥ 20) appeared in neither; the stale "
+            "stability arms at 30× (LR 0.09) and at 1×. Loss spikes (t ≥ 20) appeared in "
+            "neither; the stale "
             "arm's loss went back up to its initial value between steps 5 and 12, inside the "
-            "definition's first 20 steps. Longer runs (4× the tokens at 3× the LR) were no "
+            "definition's first 20 steps. The stability claims are reported at both LRs. "
+            "Longer runs (4× the tokens at 3× the LR) were no "
             "alternative: past a few epochs of the corpus, batch-to-batch noise exceeds +5% "
             "in both arms (9 and 17 'loss spikes').",
         ),
@@ -195,8 +212,10 @@ SCALES: dict[str, Scale] = {
 class Arm:
     """One configuration of the study (run once per seed).
 
-    ``name``: ``sweep.<optimizer>.<k>x.<const|ramp>`` or ``stab.<soap_stale|soap_per_step|
-    kl_soap_qr|kl_soap_eigh>``; ``mult``: global batch at the target, × base_batch.
+    ``name``: ``lr.<optimizer>.<lr multiple>`` (the 1× LR sweep), ``sweep.<optimizer>.<k>x.
+    <const|ramp>`` (at the optimizer's chosen LR), ``stab.<soap_stale|soap_per_step|kl_soap_qr|
+    kl_soap_eigh>`` (spike setting) or ``stab1x.<...>`` (the same at the reference LR);
+    ``mult``: global batch at the target, × base_batch; ``lr_mult``: the LR, × ``Scale.lr``.
     """
 
     name: str
@@ -221,37 +240,53 @@ STABILITY = {
 }
 
 
-#: the sweep arms a claim reads (``grid="claims"``); the others only fill the plot
+#: the sweep arms a claim reads at k > 1 (``grid="claims"``); the others only fill the plot
 CLAIM_SWEEP_ARMS = frozenset(
-    [f"sweep.{o}.1x" for o in OPTIMIZERS]
-    + [f"sweep.{o}.4x.const" for o in OPTIMIZERS]
+    [f"sweep.{o}.4x.const" for o in OPTIMIZERS]
     + [f"sweep.{o}.4x.ramp" for o in ("adamw", "muon", "kl_soap")]
     + ["sweep.muon.2x.ramp"]
 )
 
 
-def arms(scale: Scale) -> list[Arm]:
-    """Every arm of the study: the batch sweep (the 1× run serves both ramp modes: there is no
-    ramp to 1×; ``grid="claims"``: only :data:`CLAIM_SWEEP_ARMS`), then the stability arms."""
-    return [
-        a
-        for a in _all_arms(scale)
-        if scale.grid == "all" or not a.name.startswith("sweep.") or a.name in CLAIM_SWEEP_ARMS
-    ]
+def lr_name(opt: str, lr_mult: float) -> str:
+    """The name of the LR-sweep arm of ``opt`` at ``lr_mult`` × the reference LR."""
+    return f"lr.{opt}.{lr_mult:.3g}"
 
 
-def _all_arms(scale: Scale) -> list[Arm]:
+def lr_arms(scale: Scale) -> list[Arm]:
+    """Stage 1: every optimizer at 1× the batch at each LR of ``scale.lr_grid``."""
+    return [Arm(lr_name(o, m), o, 1, lr_mult=m) for o in OPTIMIZERS for m in scale.lr_grid]
+
+
+def stability_arms(scale: Scale) -> list[Arm]:
+    """The stability arms at the spike setting (``stab.``) and at the reference LR (``stab1x.``),
+    both at ``spike_mult`` × the batch; independent of the LR sweep."""
+    out = []
+    for prefix, mult in (("stab1x", 1.0), ("stab", scale.spike_lr_mult)):
+        for name, extra in STABILITY.items():
+            out.append(Arm(f"{prefix}.{name}", "kl_soap", scale.spike_mult, False, mult, extra))
+    return out
+
+
+def sweep_arms(scale: Scale, best: dict[str, float]) -> list[Arm]:
+    """Stage 2: the batch sweep above 1× of every optimizer at its chosen LR multiple
+    ``best[opt]`` (``grid="claims"``: only :data:`CLAIM_SWEEP_ARMS`)."""
     out = []
     for opt in OPTIMIZERS:
-        out.append(Arm(f"sweep.{opt}.1x", opt, 1))
         for k in MULTS[1:]:
-            out.append(Arm(f"sweep.{opt}.{k}x.const", opt, k))
-            out.append(Arm(f"sweep.{opt}.{k}x.ramp", opt, k, ramp=True))
-    for name, extra in STABILITY.items():
-        out.append(
-            Arm(f"stab.{name}", "kl_soap", scale.spike_mult, False, scale.spike_lr_mult, extra)
-        )
+            for ramp in (False, True):
+                name = f"sweep.{opt}.{k}x.{'ramp' if ramp else 'const'}"
+                if scale.grid == "all" or name in CLAIM_SWEEP_ARMS:
+                    out.append(Arm(name, opt, k, ramp, best[opt]))
     return out
+
+
+def arms(scale: Scale, best: dict[str, float] | None = None) -> list[Arm]:
+    """Every run of the study: the LR sweep, the batch sweep at ``best`` (default: the reference
+    LR for every optimizer, for building and testing the arms before stage 1 chose) and the
+    stability arms. The 1× point of the batch sweep is the LR sweep's run at the chosen LR."""
+    best = best or {o: 1.0 for o in OPTIMIZERS}
+    return [*lr_arms(scale), *sweep_arms(scale, best), *stability_arms(scale)]
 
 
 def arm_overrides(scale: Scale, arm: Arm, seed: int) -> list[str]:
@@ -259,6 +294,8 @@ def arm_overrides(scale: Scale, arm: Arm, seed: int) -> list[str]:
     k = arm.mult
     if scale.base_steps % (4 * k) or scale.warmup_steps % k or scale.wsd_decay_steps % k:
         raise ValueError(f"{scale.name}: step counts must divide by 4·{k} (exact token counts)")
+    if scale.val_sequences % (k * scale.base_batch):
+        raise ValueError(f"{scale.name}: val_sequences must divide by {k}·base_batch")
     lr, min_lr = scale.lr * arm.lr_mult, scale.min_lr * arm.lr_mult
     common = [
         f"seed={seed}",
@@ -277,8 +314,8 @@ def arm_overrides(scale: Scale, arm: Arm, seed: int) -> list[str]:
         "training.lr_decay_style=WSD",
         "training.lr_wsd_decay_style=minus_sqrt",
         f"training.lr_wsd_decay_steps={scale.wsd_decay_steps // k}",  # the same tokens
-        "training.eval_iters=0",
-        "training.eval_interval=0",
+        f"training.eval_iters={scale.val_sequences // (k * scale.base_batch)}",
+        "training.eval_interval=0",  # after the last step only
         f"launch.nproc_per_node_cpu={scale.nproc}",
         "launch.threads_per_rank=1",
         "logging.tensorboard=false",
@@ -319,3 +356,19 @@ def final_loss(tokens: Sequence[int], loss: Sequence[float], frac: float) -> flo
     start = tokens[-1] * (1 - frac)
     tail = [v for t, v in zip(tokens, loss, strict=True) if t > start]
     return statistics.fmean(tail)
+
+
+def smoothed_tokens_to(
+    tokens: Sequence[int], loss: Sequence[float], target: float, frac: float
+) -> float:
+    """Tokens consumed when the training loss, averaged over the steps of the last ``frac`` of
+    the run's tokens before each step, first falls to ``target`` or below (``inf``: never within
+    the run). The window is in tokens, so runs of any batch are smoothed alike."""
+    span = tokens[-1] * frac
+    for i, t in enumerate(tokens):
+        if t < span:
+            continue  # the first window is not full yet
+        window = [v for tt, v in zip(tokens[: i + 1], loss[: i + 1], strict=True) if tt > t - span]
+        if statistics.fmean(window) <= target:
+            return float(t)
+    return math.inf

@@ -7,9 +7,10 @@ An ensemble is trained the paper's way (Sec. 4, App. D): a seed run (N = 1, the 
 pool; a narrow body's shared tied E, or a wide body's own head, by the delta rule), then N experts
 that copy the seed and train on their own tf-idf cluster (a narrow body's E frozen, a wide
 body's own head still updated by the delta rule: the paper's wide N = 1, 2, 8 controls). The
-seed of a run changes the initialisation, the sampled batches and the probes; the corpus, the
-document split and the routers are fixed (paper App. I.2: seeds change batches and
-perturbations).
+seed of a run changes the initialisation, the sampled batches and the probes, the held-out
+documents (the train/test split) and the routers (k-means seeding); the shards are either the
+tf-idf clusters (the paper's) or a random disjoint partition of the same sizes (the paper's
+ablation, Sec. 6 / Fig. 9: "semantically clustered shards outperform random disjoint shards").
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -65,37 +66,57 @@ class Scale:
         return BodyLayout.from_shape(ExpertShape(256, self.d_embed, d_model, self.blocks))
 
 
+ShardMode = Literal["tfidf", "random"]
+
+
 @dataclass
 class Corpus:
     """Training windows (held-out documents excluded), the test windows (one per held-out
-    document) and, per N, the router and its shards (cached)."""
+    document) and, per (N, shard mode), the router and its shards (cached). ``seed``: the
+    split's, also the routers' k-means seeding and the random partition's."""
 
     windows: np.ndarray
     test: np.ndarray
-    routers: dict[int, Any] = field(default_factory=dict)
-    shards: dict[int, list[Any]] = field(default_factory=dict)
+    seed: int
+    routers: dict[tuple[int, str], Any] = field(default_factory=dict)
+    shards: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
+    assign: dict[int, np.ndarray] = field(default_factory=dict)  # N -> tf-idf cluster per window
 
-    def split(self, n: int, val_fraction: float) -> tuple[Any, list[Any]]:
+    def split(
+        self, n: int, val_fraction: float, mode: ShardMode = "tfidf"
+    ) -> tuple[Any, list[Any]]:
+        """(router, shards) of N experts: the tf-idf router and its clusters, or (``random``) the
+        same router with a random disjoint partition of the same cluster sizes."""
         from megatron_ext.soma.data import expert_shards, window_texts
         from megatron_ext.soma.router import RouterConfig, fit_router
 
-        if n not in self.routers:
-            router, assign = fit_router(window_texts(self.windows), RouterConfig(n, svd_dim=32))
+        if (n, "tfidf") not in self.routers:
+            cfg = RouterConfig(n, svd_dim=32, seed=self.seed)
+            router, assign = fit_router(window_texts(self.windows), cfg)
+            self.routers[n, "tfidf"] = self.routers[n, "random"] = router
+            self.assign[n] = np.asarray(assign)
+        key = (n, mode)
+        if key not in self.shards:
+            assign = self.assign[n]
+            if mode == "random":  # the same cluster sizes, members drawn at random
+                assign = np.random.default_rng((self.seed, n, 5)).permutation(assign)
             pool = np.arange(len(self.windows), dtype=np.int64)
-            self.routers[n] = router
-            self.shards[n] = expert_shards(assign, pool, n, val_fraction=val_fraction, seed=0)
-        return self.routers[n], self.shards[n]
+            self.shards[key] = expert_shards(
+                assign, pool, n, val_fraction=val_fraction, seed=self.seed
+            )
+        return self.routers[key], self.shards[key]
 
 
 @functools.cache
-def corpus(scale: Scale) -> Corpus:
-    """The python-stdlib docstrings (first ``corpus_bytes``), split by document (seed 0)."""
+def corpus(scale: Scale, seed: int = 0) -> Corpus:
+    """The python-stdlib docstrings (first ``corpus_bytes``), split by document with ``seed``
+    (each study seed holds out other documents)."""
     from megatron_ext.soma.data import split_documents
 
     split = split_documents(
-        ["python-stdlib"], scale.test_fraction, 0, scale.window_bytes, scale.corpus_bytes
+        ["python-stdlib"], scale.test_fraction, seed, scale.window_bytes, scale.corpus_bytes
     )
-    return Corpus(split.train.windows, split.test)
+    return Corpus(split.train.windows, split.test, seed)
 
 
 @dataclass
@@ -108,6 +129,7 @@ class Ensemble:
     states: list[Any]
     emb: Any
     seed: int
+    shards: ShardMode = "tfidf"
 
     @property
     def n(self) -> int:
@@ -136,7 +158,7 @@ def _ctx(scale: Scale, d_model: int, seed: int, emb: Any, loss_mode: str = "inde
         cfg=scale.cfg(d_model, loss_mode),
         layout=scale.layout(d_model),
         emb=emb,
-        windows=corpus(scale).windows,
+        windows=corpus(scale, seed).windows,
         seed=seed,
         split=DirectionSplit(scale.n_pert),
     )
@@ -148,7 +170,7 @@ def advance(ens: Ensemble, updates: int, loss_mode: str = "independent") -> Ense
     from megatron_ext.soma.update import head_update, spsa_update
 
     ctx = _ctx(ens.scale, ens.d_model, ens.seed, ens.emb, loss_mode)
-    _, shards = corpus(ens.scale).split(ens.n, ens.scale.val_fraction)
+    _, shards = corpus(ens.scale, ens.seed).split(ens.n, ens.scale.val_fraction, ens.shards)
     wide = ctx.layout.shape.wide
     for _ in range(updates):
         u = ens.states[0].update
@@ -176,7 +198,7 @@ def seed_run(scale: Scale, d_model: int, seed: int) -> tuple[Any, Any]:
     emb = init_embedding(layout.shape, gen)
     st = _state(scale, SEED_EXPERT, theta, d_model, scale.seed_lr)
     ctx = _ctx(scale, d_model, seed, emb)
-    pool = np.arange(len(corpus(scale).windows), dtype=np.int64)
+    pool = np.arange(len(corpus(scale, seed).windows), dtype=np.int64)
     shard = ExpertShard(0, pool, pool[:0])
     adam = st.head_adam if layout.shape.wide else ZOAdam(emb.numel())
     for u in range(scale.seed_updates):
@@ -185,12 +207,19 @@ def seed_run(scale: Scale, d_model: int, seed: int) -> tuple[Any, Any]:
     return st.theta.clone(), emb.clone()
 
 
-def ensemble(scale: Scale, n: int, d_model: int, seed: int, updates: int | None = None) -> Ensemble:
+def ensemble(
+    scale: Scale,
+    n: int,
+    d_model: int,
+    seed: int,
+    updates: int | None = None,
+    shards: ShardMode = "tfidf",
+) -> Ensemble:
     """N experts copied from the seed run at width ``d_model``, trained ``updates`` (default
-    ``scale.updates``) updates each on their own cluster."""
+    ``scale.updates``) updates each on their own shard (``shards``: tf-idf or random)."""
     theta, emb = seed_run(scale, d_model, seed)
     states = [_state(scale, e, theta, d_model, scale.lr) for e in range(n)]
-    ens = Ensemble(scale, d_model, states, emb.clone(), seed)
+    ens = Ensemble(scale, d_model, states, emb.clone(), seed, shards)
     return advance(ens, scale.updates if updates is None else updates)
 
 
@@ -201,11 +230,11 @@ def test_loss(ens: Ensemble, k: int | None = None) -> float:
     from megatron_ext.soma.evaluate import routed_eval
 
     sc = ens.scale
-    router, _ = corpus(sc).split(ens.n, sc.val_fraction)
+    router, _ = corpus(sc, ens.seed).split(ens.n, sc.val_fraction, ens.shards)
     k = min(4, ens.n) if k is None else k
     with torch.inference_mode():
         r = routed_eval(
-            corpus(sc).test, router, [st.theta for st in ens.states], ens.emb,
+            corpus(sc, ens.seed).test, router, [st.theta for st in ens.states], ens.emb,
             sc.layout(ens.d_model), k, sc.route_bytes, sc.score_bytes,
         )  # fmt: skip
     return r.nats_per_byte
@@ -213,3 +242,14 @@ def test_loss(ens: Ensemble, k: int | None = None) -> float:
 
 def with_scale(scale: Scale, **changes: Any) -> Scale:
     return replace(scale, **changes)
+
+
+def test_unigram_entropy(scale: Scale, seed: int) -> float:
+    """Byte-unigram entropy (nats/byte) of the scored bytes of the test windows under the
+    training windows' byte frequencies (the cross-entropy of a model that learned only those):
+    the reference of the studies' precondition."""
+    train = np.bincount(corpus(scale, seed).windows.ravel(), minlength=256).astype(np.float64)
+    p = (train + 1) / (train.sum() + 256)  # add-one: a test byte unseen in training is finite
+    s = scale.route_bytes
+    test = corpus(scale, seed).test[:, s + 1 : s + 1 + scale.score_bytes]
+    return float(-np.log(p[test.ravel()]).mean())

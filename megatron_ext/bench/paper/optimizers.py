@@ -7,52 +7,59 @@ launcher (``megatron-ext launch tiny_cpu_gpt ...``, :func:`~megatron_ext.bench.c
 with the overrides of :mod:`._optimizers_arms`, once per seed (``seed=1, 2, ...``: the model's
 initialisation and the data order):
 
-(a) **large-batch sweep** (Sec. 3.2, 5.3, 5.5; Fig. 1–2, 7, 8, 10): AdamW, Muon, MOP and KL-SOAP
-    at 1×, 2×, 4× the baseline batch at equal tokens, with the k× batch from the first step at the
-    baseline LR (``const``, Fig. 7) and with the doubling ramp + √B LR (``ramp``, Fig. 2, 10);
-    one LR for all optimizers by update-RMS matching (Sec. 5.2). Final loss = mean training loss
-    over the steps in the last 10% of the tokens (the paper compares training losses, Sec. 5.3).
+(a) **LR sweep, then large-batch sweep** (Sec. 3.2, 5.2, 5.3, 5.5; Fig. 1–2, 7, 8, 10): AdamW,
+    Muon, MOP and KL-SOAP at 1× the baseline batch at each LR of ``Scale.lr_grid``; each
+    optimizer's LR is the one with the lowest mean validation loss (the paper tunes per
+    optimizer); then 2×, 4× the batch at equal tokens at that LR, with the k× batch from the
+    first step (``const``, Fig. 7) and with the doubling ramp + √B LR (``ramp``, Fig. 2, 10).
+    Final loss = mean training loss over the steps in the last 10% of the tokens (the paper
+    compares training losses, Sec. 5.3); validation loss after the last step on 64 fixed
+    sequences (the LR choice and the preconditions).
 (b) **stale vs per-step refresh** (Sec. 5.4.1–5.4.2, Fig. 4–5): SOAP (plain Shampoo factors)
     refreshed every 10 steps from factors without the current gradient, vs per step with it, at
-    4× the baseline batch and (full size) 30× its LR; loss and gradient-norm spikes counted by
-    the fixed definition :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
-(c) **KL vs plain Shampoo factors** (Sec. 5.4.3, Fig. 6): per-step SOAP vs KL-SOAP, same setting.
-(d) **eigh vs QR refresh** (Alg. 2 lines 10–11): KL-SOAP with one QR power step vs an
-    eigendecomposition per refresh: final loss and the median optimizer-step time.
+    4× the baseline batch, both at the reference LR and (full size) at 30× it, the lowest LR at
+    which a pilot saw the stale arm spike; spikes counted by the fixed definition
+    :data:`~._optimizers_arms.SPIKE_DEFINITION` (chosen before any run).
+(c) **KL vs plain Shampoo factors** (Sec. 5.4.3, Fig. 6): per-step SOAP vs KL-SOAP, same settings.
+(d) **eigh vs QR refresh** (Alg. 2 lines 10–11): KL-SOAP's final loss with one QR power step vs
+    an eigendecomposition per refresh (a claim); their optimizer-step times (a fact: QR is the
+    cheap one by construction).
+
+Every claim's precondition: each run it reads ends with a validation loss >= 0.3 nats/byte
+below the corpus' byte-unigram entropy (:func:`corpus_unigram_entropy`).
 
 Scales (``--size``; :data:`~._optimizers_arms.SCALES`):
 
 - ``full``: the recipe's demo GPT (4 layers, d = 128, 4 heads / 2 KV groups, SwiGLU 384,
   886 K parameters incl. byte embeddings), seq 128, baseline batch 8 sequences (1 K tokens),
-  320 steps at 1× = 328 K tokens per run; 24 arms, one run each per seed, two at a time, one
-  rank and one thread each; the stability arms at 4× the batch and 30× the LR, where a pilot on
-  seed 0 saw the stale refresh spike (``Scale.notes``). 25.0–27.9 min for 2 seeds (48 runs) on a
-  quiet 2-core machine (2026-12-04); the estimate before, from runs timed on the loaded machine:
-  forward/backward ~0.14 s per 1 K tokens on one thread (44 s per run at equal tokens), KL-SOAP's
-  step 0.26–0.30 s (835 steps over its five sweep arms), the launcher's start-up ~9 CPU-s per
-  run. A wider model (d = 192: ~2× the compute per token) would not fit the 40 min.
+  256 steps at 1× = 262 K tokens per run; only the sweep arms a claim reads; 27–28 runs per
+  seed (12 LR-sweep, 8 batch-sweep, 8 stability; identical settings run once), two at a time,
+  one rank and one thread each. Estimated 35–40 min for 3 seeds on a quiet 2-core machine
+  from the run of 2026-12-04 (48 runs of 320 steps in 25.0–27.9 min: ~33 s per run at two
+  jobs, ~4.5 s of it the launcher's start-up); not yet run under these settings.
 - ``quick``: a 1-layer d = 32 model (34 K parameters), seq 32, 32 steps of 4 sequences (4 K
-  tokens), only the arms a claim reads (16 arms, 15 runs per seed): every claim, its figures no
-  evidence either way. Its time is the launcher's start-up (~9 CPU-s per run: torch and
-  megatron-core imported in three processes), not training: 282 CPU-s in all, i.e. ~2.4 min on
-  two free cores (measured: 8 min 45 s wall on this shared machine at load average 13–18).
+  tokens), every claim (23 runs per seed): a smoke run, no verdicts. Its time is the launcher's
+  start-up (~9 CPU-s per run), not training: 13 min wall for 1 seed on this shared machine at
+  load average 11–30 under ``nice -n 10`` (2026-12-05).
 
-Every claim's quantity is signed so that the paper's claim is Q > 0 (or Q ≈ 0 for the eigh/QR
-loss); verdicts come from the seed spread (:mod:`.claims`). Claims that do not reproduce here
-are reported so: no setting was tuned to make one pass.
+Claims that do not reproduce here are reported so: no setting was tuned to make one pass.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from megatron_ext.bench.paper._optimizers_arms import (
     GRAD_SPIKE_RISE,
     LOSS_SPIKE_RISE,
+    OPTIMIZERS,
     RECIPE,
     SCALES,
     SPIKE_DEFINITION,
@@ -61,12 +68,16 @@ from megatron_ext.bench.paper._optimizers_arms import (
     arm_overrides,
     arms,
     final_loss,
+    lr_arms,
+    lr_name,
     spike_onsets,
+    stability_arms,
+    sweep_arms,
 )
-from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, claims
+from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, FACT_IDS, claims
 from megatron_ext.bench.paper.report import StudyResult
 
-__all__ = ["CLAIM_IDS", "PAPER", "TITLE", "run_study", "summarize_run"]
+__all__ = ["CLAIM_IDS", "FACT_IDS", "PAPER", "TITLE", "run_study", "summarize_run"]
 
 PAPER = "soap-muon-and-beyond.txt"
 TITLE = "SOAP, Muon and beyond (Vavre et al.): the paper's optimizer comparisons at CPU scale"
@@ -77,7 +88,7 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
     times, and the curves they were computed from (every step)."""
     from megatron_ext.bench.common import read_metrics
 
-    train, _ = read_metrics(run_dir)
+    train, evals = read_metrics(run_dir)
     curve = {
         "tokens": [r["consumed_tokens"] for r in train],
         "loss": [r["loss"] for r in train],
@@ -92,6 +103,8 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
         "steps": train[-1]["step"],
         "tokens": train[-1]["consumed_tokens"],
         "final_loss": final_loss(curve["tokens"], curve["loss"], scale.final_frac),
+        # after the last step, on the same validation sequences for every arm (nats/byte)
+        "val_loss": evals[-1]["val_loss"] if evals else math.nan,
         "loss_spikes": len(loss_on),
         "grad_spikes": len(grad_on),
         "loss_spike_steps": loss_on,
@@ -103,17 +116,20 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
     }
 
 
-def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, Any]]:
-    """Every arm × seed through the launcher, ``scale.jobs`` at a time; the results by arm and
-    seed. Arms whose overrides are identical (KL-SOAP at the spike setting and in the sweep) are
-    one run, reported under each name. A seed's stability arms are queued side by side, so the
-    QR and eigh step times are taken under similar load."""
+def _run_arms(
+    scale: Scale, arm_list: list[Arm], seeds: list[int], out: Path
+) -> dict[str, dict[str, Any]]:
+    """Every arm × seed of ``arm_list`` through the launcher, ``scale.jobs`` at a time; the
+    results by arm and seed, in the order of ``arm_list``. Arms whose overrides are identical
+    (e.g. KL-SOAP at 4× in the stability and the batch sweep) are one run, reported under each
+    name. A seed's stability arms are queued side by side, so the QR and eigh step times are
+    taken under similar load."""
     from megatron_ext.bench.common import launch_run
 
     runs: dict[tuple[str, ...], tuple[Arm, int]] = {}  # overrides -> the first arm that has them
     names: dict[tuple[str, ...], list[tuple[str, int]]] = {}
     for seed in seeds:
-        for arm in arms(scale):
+        for arm in arm_list:
             key = tuple(arm_overrides(scale, arm, seed))
             runs.setdefault(key, (arm, seed))
             names.setdefault(key, []).append((arm.name, seed))
@@ -126,9 +142,9 @@ def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, A
         also = [n for n, _ in names[key] if n != arm.name]
         print(
             f"[optimizers] {arm.name} seed {seed}: final loss {result['final_loss']:.4f}, "
-            f"{result['steps']} steps, {result['tokens']:,} tokens, spikes "
-            f"loss {result['loss_spikes']} / grad {result['grad_spikes']}"
-            + (f" (also {', '.join(also)})" if also else ""),
+            f"validation {result['val_loss']:.4f}, {result['steps']} steps, "
+            f"{result['tokens']:,} tokens, spikes loss {result['loss_spikes']} / grad "
+            f"{result['grad_spikes']}" + (f" (also {', '.join(also)})" if also else ""),
             flush=True,
         )
         return key, result
@@ -138,9 +154,36 @@ def _run_all(scale: Scale, seeds: list[int], out: Path) -> dict[str, dict[str, A
         for key, result in pool.map(one, list(runs)):
             for name, seed in names[key]:
                 results.setdefault(name, {})[str(seed)] = result
-    # in the order of arms(), whatever order the runs finished in
-    order = [a.name for a in arms(scale)]
-    return {name: results[name] for name in order}
+    return {a.name: results[a.name] for a in arm_list}
+
+
+def choose_lr(scale: Scale, results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per optimizer, the LR multiple of ``scale.lr_grid`` whose 1× runs have the lowest
+    validation loss, averaged over the seeds (a diverged run counts as +inf)."""
+
+    def mean_val(opt: str, m: float) -> float:
+        vals = [r["val_loss"] for r in results[lr_name(opt, m)].values()]
+        return statistics.fmean(vals) if all(math.isfinite(v) for v in vals) else math.inf
+
+    return {o: min(scale.lr_grid, key=lambda m, o=o: mean_val(o, m)) for o in OPTIMIZERS}
+
+
+def _run_all(
+    scale: Scale, seeds: list[int], out: Path
+) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """Stage 1 (the LR sweep at 1× and the stability arms), the choice of each optimizer's LR,
+    stage 2 (the batch sweep at it); every result by arm, the 1× run of the chosen LR also as
+    ``sweep.<opt>.1x``; and the chosen LR multiples."""
+    first = _run_arms(scale, [*lr_arms(scale), *stability_arms(scale)], seeds, out)
+    best = choose_lr(scale, first)
+    print(
+        "[optimizers] LR chosen on validation loss (× the reference "
+        f"{scale.lr:g}): " + ", ".join(f"{o} {m:.3g}" for o, m in best.items()),
+        flush=True,
+    )
+    second = _run_arms(scale, sweep_arms(scale, best), seeds, out)
+    chosen = {f"sweep.{o}.1x": first[lr_name(o, m)] for o, m in best.items()}
+    return {**first, **chosen, **second}, best
 
 
 def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
@@ -148,21 +191,24 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
     from megatron_ext.bench.paper._optimizers_plots import plot_all
 
     scale = SCALES[size]
-    n_arms = len(arms(scale))
     n_runs = len({tuple(arm_overrides(scale, a, 1)) for a in arms(scale)}) * len(seeds)
-    if size == "quick":
-        print(
-            f"[optimizers] --quick: tiny settings ({scale.num_layers} layer, "
-            f"d={scale.hidden_size}, "
-            f"{scale.tokens:,} tokens per run), {n_runs} runs: no evidence either way",
-            flush=True,
-        )
-    else:
-        print(f"[optimizers] {size}: {n_runs} runs of {scale.tokens:,} tokens each", flush=True)
+    print(
+        f"[optimizers] {size}: about {n_runs} runs of {scale.tokens:,} tokens each "
+        f"({scale.num_layers} layers, d={scale.hidden_size})",
+        flush=True,
+    )
     start = time.perf_counter()
-    results = _run_all(scale, seeds, out)
+    results, best = _run_all(scale, seeds, out)
     wall = time.perf_counter() - start
-    settings = {**scale.settings(), "arms": n_arms, "runs": n_runs, "wall_s": round(wall, 1)}
+    entropy = corpus_unigram_entropy()
+    settings = {
+        **scale.settings(),
+        "arms": len(results),
+        "runs": len({id(r) for per in results.values() for r in per.values()}),
+        "wall_s": round(wall, 1),
+        "chosen_lr_mult": best,
+        "unigram_entropy": entropy,
+    }
     plots = plot_all(results, scale, seeds, out)
     notes = [
         f"Spikes: {SPIKE_DEFINITION}.",
@@ -173,21 +219,43 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
         f"{scale.ramp_double_every} steps, warmup tied to the ramp, η ∝ √B at every stage.",
         f"Scale: a {scale.num_layers}-layer d={scale.hidden_size} dense GPT on ~0.5 MB of English "
         "prose, not the paper's 0.6–72 B models on trillions of tokens; the stability arms "
-        "(b)–(d) run at "
-        f"{scale.spike_mult}× the baseline batch and {scale.spike_lr_mult:g}× its LR"
-        + (" (chosen by a pilot: see below)." if scale.notes else ", set before any run."),
+        f"(b)–(d) run at {scale.spike_mult}× the baseline batch, both at the reference LR "
+        f"(stab1x.*) and at {scale.spike_lr_mult:g}× it (stab.*)"
+        + (" (the lowest spiking LR of a pilot: see below)." if scale.notes else "."),
         "Step times (d) were taken while the other runs of the study (and, on a shared machine, "
         "other jobs) used the cores: read them as same-run ratios.",
         *scale.notes,
     ]
-    if scale.spike_mult == 4 and scale.spike_lr_mult == 1:
-        notes.append(
-            "stab.kl_soap_qr and sweep.kl_soap.4x.const have identical settings: one run per seed, "
-            "reported under both names."
-        )
+    notes.append(
+        "Arms with identical settings (e.g. stab1x.kl_soap_qr and sweep.kl_soap.4x.const when "
+        "KL-SOAP's chosen LR is the reference) are one run per seed, reported under each name."
+    )
     if scale.grid == "claims":
         notes.append(
             "This size runs only the sweep arms a claim reads (1× and 4× of every optimizer, 4× "
             "ramp of AdamW, Muon and KL-SOAP, 2× ramp of Muon); the plot shows those points."
         )
-    return StudyResult(claims(results, seeds), settings, results, plots, notes)
+    notes.append(
+        "LR: each optimizer's 1× runs at "
+        + ", ".join(f"{m:.3g}" for m in scale.lr_grid)
+        + f" × {scale.lr:g}; its batch sweep at the multiple with the lowest mean validation "
+        "loss over the seeds (chosen: "
+        + ", ".join(f"{o} {m:.3g}" for o, m in best.items())
+        + "). The 1× figures the claims read are those runs (the choice and the claims share "
+        "the seeds)."
+    )
+    found, facts = claims(results, seeds, best, entropy)
+    return StudyResult(found, settings, results, plots, notes, facts)
+
+
+def corpus_unigram_entropy() -> float:
+    """The byte-unigram entropy (nats/byte) of the study's corpus: the loss of a model that knows
+    only the byte frequencies (:func:`~megatron_ext.bench.paper.claims.byte_unigram_entropy`)."""
+    from megatron_ext.bench.paper.claims import byte_unigram_entropy
+    from megatron_ext.data.corpus import python_docs_documents
+
+    counts = [0] * 256
+    for doc in python_docs_documents():
+        for b, n in enumerate(np.bincount(np.frombuffer(doc.encode(), np.uint8), minlength=256)):
+            counts[b] += int(n)
+    return byte_unigram_entropy(counts)

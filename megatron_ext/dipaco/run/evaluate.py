@@ -5,10 +5,12 @@ never is). Each path's per-token losses come from its ``final`` task (its early-
 version); the evaluation picks, per span of targets, whose losses count:
 
 - ``once``: one path per document, the last training router's top-1 on the prefix features;
-- ``w<W>``: every W tokens, chunk i's features choose the path for chunk i + 1 (chunk 0 is the
-  prefix, so the first scored chunk is routed by the prefix). Its router is fitted on the router
-  documents' chunks, each chunk's target being the path with the lowest loss over the next
-  chunk's W tokens (logistic regression + frequency bias, as the training router);
+- ``w<W>``: every W tokens a sequence router reads the whole document so far: the first scored
+  chunk is routed as ``once`` is (the last training router on the prefix), chunk i + 1 (i >= 1)
+  by the mean base-model feature over chunks 0..i (the paper's re-routing, Sec. 4.4: the router
+  sees everything before the chunk it routes, never the chunk itself). That router is fitted on
+  the router documents' chunks i >= 1, each one's target being the path with the lowest loss
+  over the next chunk's W tokens (logistic regression + frequency bias, as the training router);
 - ``base``: the dense base model, the reference DiPaCo has to beat.
 
 Writes ``summary.json`` (figures, each path's early-stopping choice) and, through the run's
@@ -33,6 +35,7 @@ from megatron_ext.dipaco.run.plan import final_id, shard_phase, train_id
 from megatron_ext.dipaco.run.store import RunFiles, load_tensors
 from megatron_ext.dipaco.run.tools import TaskTools
 from megatron_ext.dipaco.steps.routing import Router, fit_discriminative
+from megatron_ext.errors import ConfigError
 from megatron_ext.run.metrics import MetricsLogger
 
 __all__ = ["evaluate", "routed_loss"]
@@ -62,10 +65,21 @@ def _window_targets(losses, spans) -> np.ndarray:
     return np.asarray(rows).reshape(-1, len(losses))
 
 
-def _chunk_rows(feats: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Rows of every chunk but each document's last (the ones that route a next chunk)."""
-    keep = np.concatenate([np.arange(a, b - 1) for a, b in itertools.pairwise(offsets)])
-    return feats[keep]
+def _prefix_rows(
+    feats: np.ndarray, offsets: np.ndarray, spans: list[list[tuple[int, int]]]
+) -> list[np.ndarray]:
+    """Per document, for every chunk i but its last (the ones that route a next chunk): the
+    mean feature over the tokens of chunks 0..i, (chunks − 1, hidden). Chunk features are
+    means over their spans, so the token-weighted running mean is the mean over the whole
+    prefix read so far (the base model is causal: a token's feature does not see the future)."""
+    rows = []
+    for (a, b), doc_spans in zip(itertools.pairwise(offsets), spans, strict=True):
+        if b - a != len(doc_spans):
+            raise ValueError(f"chunk features hold {b - a} rows for {len(doc_spans)} spans")
+        n = np.asarray([e - s for s, e in doc_spans], dtype=np.float64)[:, None]
+        running = np.cumsum(feats[a:b] * n, axis=0) / np.cumsum(n, axis=0)
+        rows.append(running[:-1])
+    return rows
 
 
 def evaluate(recipe: Recipe, files: RunFiles, tools: TaskTools) -> dict[str, Any]:
@@ -105,16 +119,28 @@ def evaluate(recipe: Recipe, files: RunFiles, tools: TaskTools) -> dict[str, Any
     for w in d.eval_every_tokens:
         tools.check_lease()
         spans = [chunk_spans(n, r, w) for n in router_lengths]
-        targets = _window_targets(router_losses, spans)
-        x = _chunk_rows(feats[f"router_w{w}"], feats[f"router_w{w}_offsets"])
-        w_router = fit_discriminative(x, targets, max_iter=d.router_max_iter, seed=seed)
+        targets = _window_targets(router_losses, spans)  # rows: (document, chunk i < last)
+        rows = _prefix_rows(feats[f"router_w{w}"], feats[f"router_w{w}_offsets"], spans)
+        # chunk 1 is routed by the prefix router: the W-router learns chunks i >= 1 only
+        later = np.concatenate([np.arange(len(x)) >= 1 for x in rows])
+        x = np.concatenate(rows)[later]
+        w_router = (
+            fit_discriminative(x, targets[later], max_iter=d.router_max_iter, seed=seed)
+            if len(x)
+            else None
+        )
         eval_spans = [chunk_spans(n, r, w) for n in lengths]
-        offsets = feats[f"eval_w{w}_offsets"]
-        choice = w_router.route(_chunk_rows(feats[f"eval_w{w}"], offsets), 1)[:, 0]
-        per_doc, start = [], 0
-        for doc_spans in eval_spans:
-            per_doc.append([int(p) for p in choice[start : start + len(doc_spans) - 1]])
-            start += len(doc_spans) - 1
+        eval_rows = _prefix_rows(feats[f"eval_w{w}"], feats[f"eval_w{w}_offsets"], eval_spans)
+        if w_router is None and any(len(x) > 1 for x in eval_rows):
+            raise ConfigError(
+                f"dipaco.eval_every_tokens W={w}: no router document is longer than the prefix "
+                "plus one chunk, so the W-router has nothing to learn from; lower W or raise "
+                "dipaco.eval_seq_length"
+            )
+        per_doc = []
+        for first, doc_rows in zip(top, eval_rows, strict=True):
+            rest = w_router.route(doc_rows[1:], 1)[:, 0] if len(doc_rows) > 1 else []
+            per_doc.append([int(first), *(int(p) for p in rest)][: len(doc_rows)])
         results[f"w{w}"] = _mean(routed_loss(finals, per_doc, eval_spans))
     scored = sum(n - min(r, n) for n in lengths)
     return _write_summary(recipe, files, results, len(lengths), scored)
