@@ -59,8 +59,8 @@ DEFAULT_RDZV_ID = "megatron-ext"
 # restarted worker group then finds the previous round's keys in it: gloo's full-mesh connect
 # reads the dead ranks' addresses ("Connection refused", then "Connect timeout") and no
 # restart ever trains. With sharing off, rank 0 of every round hosts a new store on a port the
-# round publishes, so a restart starts clean. Only with elastic restarts (launch.max_restarts):
-# without them a job has one round.
+# round publishes, so a restart starts clean (pytorch/pytorch#135712; still so in torch 2.9).
+# Only with elastic restarts (launch.max_restarts): without them a job has one round.
 FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 

@@ -108,7 +108,7 @@ def test_queue_on_node_0_workers_on_nodes_1_and_2_a_lost_node_and_the_single_nod
                 return False
 
             wait_until(node_2_holds_a_task, 180, "node 2 holding a train or outer task")
-            killed = cluster.kill_node(node2)
+            killed, killed_at = cluster.kill_node(node2), time.time()
             lost_at = time.monotonic() - start
             _finished(workers[node1.host], root / "node1.log")
             two_took = time.monotonic() - start
@@ -119,12 +119,14 @@ def test_queue_on_node_0_workers_on_nodes_1_and_2_a_lost_node_and_the_single_nod
             difference = max_abs_difference(load_recipe(RECIPE, single), ours)
         finally:
             queue.close()
-    print(
-        f"node 2 lost {lost_at:.1f} s in holding {held} ({len(killed)} processes); the 2-node "
-        f"run finished at {two_took:.1f} s, the single-node run at {time.monotonic() - start:.1f} s"
-    )
     (task, token), *_ = held
     claims = [e for e in events if e[1] == task and e[4] in ("claim", "take-over")]
+    print(
+        f"node 2 lost {lost_at:.1f} s in, holding {task} ({len(killed)} processes SIGKILLed); "
+        f"node 1 took it over {claims[-1][0] - killed_at:.1f} s later (the database's clock, "
+        f"this machine's); the 2-node run finished at {two_took:.1f} s, the single-node run at "
+        f"{time.monotonic() - start:.1f} s"
+    )
     assert [(e[2], e[3], e[4]) for e in claims[:1]] == [(node2.host, token, "claim")], claims
     assert [(e[2], e[4]) for e in claims[1:]] == [(node1.host, "take-over")], claims
     assert not [e for e in events if e[2] == node2.host and e[1] == task and e[4] == "complete"]
