@@ -49,13 +49,20 @@ def _worker(node: SimNode, cluster: SimCluster, overrides: list[str], log: Path)
 
 
 def _held(queue: TaskQueue, worker: str) -> list[tuple[str, str]]:
-    """(task, token) of the train and outer tasks ``worker`` holds a lease on."""
+    """(task, token) of the train tasks ``worker`` holds a lease on."""
     rows = queue.db.query(
         "SELECT id, token FROM dipaco_tasks WHERE state = 'running' AND worker = ? "
-        "AND kind IN ('train', 'outer')",
+        "AND kind = 'train'",
         (worker,),
     )
     return [(task, token) for task, token in rows]
+
+
+def _joined(queue: TaskQueue) -> set[str]:
+    """The workers that have claimed (or asked for) a task so far."""
+    with contextlib.suppress(UndefinedTable):  # no worker has made the tables yet
+        return {w[0] for w in queue.workers()}
+    return set()
 
 
 def _signal_all(pids: list[int], signum: int) -> None:
@@ -72,7 +79,7 @@ def _finished(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
 def test_queue_on_node_0_workers_on_nodes_1_and_2_a_lost_node_and_the_single_node_result(
     cluster: SimCluster,
 ) -> None:
-    """Node 2 is lost (every process SIGKILLed) while it holds a train or outer task: node 1
+    """Node 2 is lost (every process SIGKILLed) while it holds a train task: node 1
     takes the task over once its lease expires and finishes the run, whose final modules and
     momenta equal the single-node run's bit for bit."""
     node0, node1, node2 = cluster.nodes
@@ -87,28 +94,29 @@ def test_queue_on_node_0_workers_on_nodes_1_and_2_a_lost_node_and_the_single_nod
         try:
             start = time.monotonic()
             reference = _worker(node0, cluster, single, root / "single.log")
-            workers = {
-                n.host: _worker(n, cluster, two, root / f"{n.host}.log") for n in (node1, node2)
-            }
+            # Node 1 starts once node 2 is in the run: started together, on this loaded 2-core
+            # machine one worker's start-up outlasted the other's whole run (seen: node 2 got
+            # no task). Each worker holds one task at a time, so node 2 gets a train task.
+            workers = {node2.host: _worker(node2, cluster, two, root / "node2.log")}
+            wait_until(lambda: node2.host in _joined(queue), 180, "node 2 joining the run")
+            workers[node1.host] = _worker(node1, cluster, two, root / "node1.log")
             held: list[tuple[str, str]] = []
 
             def node_2_holds_a_task() -> bool:
                 if workers[node2.host].poll() is not None:
-                    pytest.fail(
-                        f"node 2's worker ended holding nothing: {workers[node2.host].returncode}"
-                    )
-                with contextlib.suppress(UndefinedTable):  # the first worker has not made them
-                    if _held(queue, node2.host):
-                        pids = node2.pids()
-                        _signal_all(pids, signal.SIGSTOP)  # frozen, then checked: no race
-                        held[:] = _held(queue, node2.host)
-                        if held:
-                            return True
-                        _signal_all(pids, signal.SIGCONT)  # completed meanwhile: go on
+                    pytest.fail(f"node 2's worker ended: {workers[node2.host].returncode}")
+                if _held(queue, node2.host):
+                    pids = node2.pids()
+                    _signal_all(pids, signal.SIGSTOP)  # frozen, then checked: no race
+                    held[:] = _held(queue, node2.host)
+                    if held:
+                        return True
+                    _signal_all(pids, signal.SIGCONT)  # completed meanwhile: go on
                 return False
 
-            wait_until(node_2_holds_a_task, 180, "node 2 holding a train or outer task")
+            wait_until(node_2_holds_a_task, 180, "node 2 holding a train task")
             killed, killed_at = cluster.kill_node(node2), time.time()
+            node_1_in = "in the run" if node1.host in _joined(queue) else "starting"
             lost_at = time.monotonic() - start
             _finished(workers[node1.host], root / "node1.log")
             two_took = time.monotonic() - start
@@ -122,7 +130,8 @@ def test_queue_on_node_0_workers_on_nodes_1_and_2_a_lost_node_and_the_single_nod
     (task, token), *_ = held
     claims = [e for e in events if e[1] == task and e[4] in ("claim", "take-over")]
     print(
-        f"node 2 lost {lost_at:.1f} s in, holding {task} ({len(killed)} processes SIGKILLed); "
+        f"node 2 lost {lost_at:.1f} s in, holding {task} ({len(killed)} processes SIGKILLed; "
+        f"node 1 {node_1_in}); "
         f"node 1 took it over {claims[-1][0] - killed_at:.1f} s later (the database's clock, "
         f"this machine's); the 2-node run finished at {two_took:.1f} s, the single-node run at "
         f"{time.monotonic() - start:.1f} s"
