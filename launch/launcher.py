@@ -54,6 +54,14 @@ from megatron_ext.schedules.table import describe_schedule
 # ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
 RANK_ENTRY = ("-m", "megatron_ext.launch.cli", "train")
 DEFAULT_RDZV_ID = "megatron-ext"
+# torchrun's c10d rendezvous (torch >= 2.4) by default hands its ranks one TCP store for the
+# whole job (the first node's agent hosts it; the ranks join it unprefixed as MASTER_PORT). A
+# restarted worker group then finds the previous round's keys in it: gloo's full-mesh connect
+# reads the dead ranks' addresses ("Connection refused", then "Connect timeout") and no
+# restart ever trains. With sharing off, rank 0 of every round hosts a new store on a port the
+# round publishes, so a restart starts clean (pytorch/pytorch#135712; still so in torch 2.9).
+# Only with elastic restarts (launch.max_restarts): without them a job has one round.
+FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)
@@ -326,12 +334,16 @@ def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict
     CUDA_DEVICE_MAX_CONNECTIONS=1 (GPU, tp or cp > 1): megatron-core overlaps tensor/context
     parallel communication with compute by issue order, which holds only with one hardware
     queue (required up to Hopper; set before CUDA starts, hence here).
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (``launch.max_restarts`` > 0): a fresh store for the
+    ranks of each rendezvous round (:data:`FRESH_STORE_PER_ROUND`).
     """
     threads = recipe.launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     p = recipe.sections.get("parallel")
     if host.gpus and p and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    if recipe.launch.max_restarts:
+        env.update(FRESH_STORE_PER_ROUND)
     return env
 
 

@@ -124,6 +124,20 @@ def test_layout_that_does_not_fit_the_world_fails_before_launch(tmp_path: Path) 
         build(recipe, nnodes=2, node_rank=0, rdzv_endpoint="node01:29500", nproc_per_node=3)
 
 
+def test_elastic_restarts_give_each_rendezvous_round_a_fresh_store(tmp_path: Path) -> None:
+    """With launch.max_restarts the ranks of every round get a new store (torchrun's shared one
+    keeps the previous round's keys: the restarted ranks' gloo connects to dead addresses;
+    tests/test_multinode.py runs the restart); without, torchrun's default is left alone."""
+    (tmp_path / "restarts").mkdir()
+    restarts = write_recipe(tmp_path / "restarts", launch={"max_restarts": 2})
+    plain = write_recipe(tmp_path)
+    for flags in ({}, {"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "node01:29400"}):
+        argv, env = build(restarts, **flags)
+        assert argv[argv.index("--max-restarts") + 1] == "2"
+        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in build(plain, **flags)[1]
+
+
 # --------------------------------------------------------------------------- multi-node flags
 
 

@@ -13,11 +13,12 @@ distributed optimizer, so its all-gathers cross the nodes) serve every test. In 
   mid-run: node 0 exits non-zero within 60 s naming rank 1 and node 1, no checkpoint is left
   half-written, relaunching both nodes resumes bit for bit, and node 1's link carries the
   bytes ``megatron-ext plan`` gives for the layer-wise optimizer's collectives;
-* a wrong endpoint, or one that does not resolve: one line within the rendezvous timeout.
+* a wrong endpoint, or one that does not resolve: one line within the rendezvous timeout;
+* ``launch.max_restarts=1``: a rank SIGKILLed on one of 2 nodes, and on a single node of 2
+  ranks: torchrun restarts the worker group, which resumes from the last checkpoint exactly.
 
 By hand (``MEGATRON_EXT_MULTINODE_ALL=1``: outside the suite's time budget; docs/cluster.md has
-their figures): a partition ends both sides within 60 s and the cut-off node cannot rejoin;
-``launch.max_restarts=1`` restarts a crashed rank's worker group, which resumes exactly.
+its figures): a partition ends both sides within 60 s and the cut-off node cannot rejoin.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from tests.support.multinode_runs import (
     check_bytes_as_planned,
     endpoint,
     finish,
+    launch_alone,
     launch_on,
     losses,
+    rank_pid,
     sbatch_with_stub_srun,
     wait_until,
 )
@@ -262,35 +265,34 @@ def test_a_partition_ends_both_sides_and_the_cut_off_node_cannot_rejoin(
         cluster.heal(cluster.nodes[1])
 
 
-@by_hand
-def test_elastic_restarts_resume_a_crashed_rank_from_the_last_checkpoint(
+def test_elastic_restarts_resume_a_crashed_rank_on_two_nodes_and_on_one(
     cluster: SimCluster, recipe: Path, reference: dict[int, float]
 ) -> None:
-    """``launch.max_restarts=1``: node 1's rank SIGKILLed after the step-10 checkpoint; torchrun
-    restarts the worker group on both nodes, which resumes from the last checkpoint and ends
-    with the uninterrupted run's losses; both launchers exit 0.
+    """``launch.max_restarts=1``, two jobs at once (sharing the wait): 2 nodes x 1 rank, node
+    1's rank SIGKILLed, and 1 node x 2 ranks, its rank 1 SIGKILLed, each after the step-10
+    checkpoint. torchrun restarts the worker group (both nodes' ranks; both ranks), which
+    resumes from the last checkpoint (not from step 0) and ends with the uninterrupted run's
+    losses; every launcher exits 0."""
+    two, one = cluster.shared / "restarted", cluster.shared / "restarted_one_node"
+    restarts = "launch.max_restarts=1"
+    procs = [launch_on(n, cluster, recipe, two, restarts) for n in cluster.nodes]
+    alone = launch_alone(cluster.nodes[0], cluster, recipe, one, restarts)
+    # each killed as soon as it is past step 12 (the rest of its 60 steps take about a second)
+    crashes = {two: (procs[1], 0), one: (alone, 1)}
 
-    Fails today (issue 42, open): both torchruns restart their ranks, whose new gloo groups
-    do not connect (node 1: connectFullMesh ``Connection refused`` to node 0's rank; node 0:
-    ``Connect timeout``); docs/cluster.md has the run."""
-    run_dir = cluster.shared / "restarted"
-    procs = [launch_on(n, cluster, recipe, run_dir, "launch.max_restarts=1") for n in cluster.nodes]
-    wait_until(lambda: max(losses(run_dir), default=0) > EVERY + 2, 120, "step 12")
+    def crash_the_ones_past_step_12() -> bool:
+        for run_dir in [d for d in crashes if max(losses(d), default=0) > EVERY + 2]:
+            launcher, local_rank = crashes.pop(run_dir)
+            os.kill(rank_pid(launcher.pid, local_rank), signal.SIGKILL)
+        return not crashes
 
-    def the_rank() -> int:
-        """Node 1's rank: the child of its torchrun (its forked helpers are the rank's)."""
-        for pid in cluster.nodes[1].pids():
-            try:
-                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                if b"torch.distributed.run" in Path(f"/proc/{parent}/cmdline").read_bytes():
-                    return pid
-            except OSError:
-                continue
-        raise AssertionError("node 1 runs no rank")
-
-    crashed = the_rank()
-    os.kill(crashed, signal.SIGKILL)
+    wait_until(crash_the_ones_past_step_12, 120, "step 12 in both runs")
     start = time.monotonic()
-    finish(procs, run_dir)
-    print(f"restarted run finished {time.monotonic() - start:.1f} s after the crash")
-    assert losses(run_dir) == reference
+    finish(procs, two)
+    finish([alone], one)
+    print(f"both restarted runs finished {time.monotonic() - start:.1f} s after the crashes")
+    for run_dir in (two, one):
+        out = (run_dir / "node0.out").read_text()
+        resumed = [int(s) for s in re.findall(r"\| steps (\d+)->60", out)]
+        assert len(resumed) == 2 and resumed[0] == 0 and resumed[1] >= EVERY, out[-3000:]
+        assert losses(run_dir) == reference

@@ -5,6 +5,12 @@ database per test or measurement, everything removed at the end.
 The server binaries are looked up on PATH, then in Debian's ``/usr/lib/postgresql/*/bin``.
 PostgreSQL refuses to run as root: under root the server runs as the ``postgres`` user (or
 ``nobody``), which then owns the temporary folder.
+
+For the simulated cluster's tests (tests/test_multinode_dipaco.py) the server can listen on
+another address (``listen``, e.g. a node's), accept password-less connections from the networks
+that address is on (``samenet``), and run inside a network namespace (``run_in``: the command
+prefix that enters it, e.g. ``ip netns exec NAME``); its unix socket, a file in the temporary
+folder, reaches it from anywhere on the machine (:meth:`PostgresServer.socket_url`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["PostgresServer", "find_postgres_bin"]
@@ -41,8 +48,10 @@ def free_port() -> int:
 class PostgresServer:
     """``start()`` a private server; ``url(dbname)`` for psycopg; ``new_database()`` per test."""
 
-    def __init__(self, bindir: Path) -> None:
-        self.bindir = bindir
+    def __init__(
+        self, bindir: Path, *, listen: str = "127.0.0.1", run_in: Sequence[str] = ()
+    ) -> None:
+        self.bindir, self.listen, self.run_in = bindir, listen, list(run_in)
         self.root = Path(tempfile.mkdtemp(prefix="dipaco-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -53,13 +62,14 @@ class PostgresServer:
             os.chown(self.root, info.pw_uid, info.pw_gid)
 
     def _run(self, *args: str, timeout: int = 120) -> None:
+        command = [str(self.bindir / args[0]), *args[1:]]
+        user = self.user
+        if self.run_in and user is not None:  # entering a namespace needs root: switch after
+            command, user = [*self.run_in, "runuser", "-u", user, "--", *command], None
+        else:
+            command = [*self.run_in, *command]
         proc = subprocess.run(
-            [str(self.bindir / args[0]), *args[1:]],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            user=self.user,
-            cwd=self.root,
+            command, capture_output=True, text=True, timeout=timeout, user=user, cwd=self.root
         )
         if proc.returncode:
             raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
@@ -70,8 +80,13 @@ class PostgresServer:
         server binds it: then (the log says so, and only then) a new port is chosen, up to
         three times."""
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        if self.listen != "127.0.0.1":  # initdb's rules admit loopback clients only
+            with open(self.data / "pg_hba.conf", "a", encoding="utf-8") as hba:
+                hba.write("host all all samenet trust\n")
         for attempt in range(3):
-            options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off"
+            options = (
+                f"-c listen_addresses={self.listen} -p {self.port} -k {self.root} -c fsync=off"
+            )
             try:
                 self._run(
                     "pg_ctl",
@@ -102,17 +117,22 @@ class PostgresServer:
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def url(self, dbname: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+    def url(self, dbname: str = "postgres", host: str = "") -> str:
+        """The URL over TCP: to ``host`` (default: the listen address)."""
+        return f"postgresql://postgres@{host or self.listen}:{self.port}/{dbname}"
 
-    def new_database(self) -> str:
-        """Create an empty database; returns its URL."""
+    def socket_url(self, dbname: str = "postgres") -> str:
+        """The URL over the unix socket (from this machine, whatever the namespace)."""
+        return f"postgresql://postgres@:{self.port}/{dbname}?host={self.root}"
+
+    def new_database(self, host: str = "") -> str:
+        """Create an empty database; returns its URL (to ``host``, as :meth:`url`)."""
         import psycopg
 
         name = f"t_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(self.url(), autocommit=True) as conn:
+        with psycopg.connect(self.socket_url(), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
+        return self.url(name, host)
 
 
 def _has_user(name: str) -> bool:

@@ -4,6 +4,7 @@ on every node, the losses a run wrote, and a node's link bytes against ``megatro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_ext.launch.supervise import children
 from tests.conftest import ROOT
 from tests.support.sim_cluster import SimCluster, SimNode
 
@@ -22,8 +24,10 @@ __all__ = [
     "check_bytes_as_planned",
     "endpoint",
     "finish",
+    "launch_alone",
     "launch_on",
     "losses",
+    "rank_pid",
     "sbatch_with_stub_srun",
     "wait_until",
 ]
@@ -68,6 +72,35 @@ def launch_on(
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     return node.popen(argv, env=env, cwd=cluster.shared, log=run_dir / f"node{node.index}.out")
+
+
+def launch_alone(
+    node: SimNode, cluster: SimCluster, recipe: Path, run_dir: Path, *overrides: str
+) -> subprocess.Popen:
+    """``megatron-ext launch RECIPE`` as one node of its own (torchrun --standalone, the
+    recipe's ``launch.nproc_per_node_cpu`` ranks) on ``node``, output to ``run_dir/node0.out``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [str(MEGATRON_EXT), "launch", str(recipe), f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return node.popen(argv, env=env, cwd=cluster.shared, log=run_dir / "node0.out")
+
+
+def rank_pid(launcher: int, local_rank: int) -> int:
+    """The pid of local rank ``local_rank`` of the torchrun that ``launcher`` (the pid of a
+    ``megatron-ext launch``) runs: a child of that torchrun whose LOCAL_RANK it is."""
+    (torchrun,) = [p for p in children(launcher) if b"torch.distributed.run" in _cmdline(p)]
+    for pid in children(torchrun):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"LOCAL_RANK={local_rank}".encode() in environ:
+                return pid
+    raise AssertionError(f"torchrun {torchrun} runs no local rank {local_rank}")
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
 
 
 def finish(procs: list[subprocess.Popen], run_dir: Path, timeout: float = 300) -> None:

@@ -9,7 +9,7 @@ throwaway server too, outside pytest, so the helper ships with the benchmarks an
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import pytest
@@ -20,16 +20,19 @@ __all__ = ["postgres_server"]
 
 
 @contextmanager
-def postgres_server() -> Iterator[PostgresServer]:
+def postgres_server(
+    listen: str = "127.0.0.1", run_in: Sequence[str] = ()
+) -> Iterator[PostgresServer]:
     """A started server, stopped (and its folder removed) on exit; skips the test without
-    server binaries (initdb, pg_ctl, postgres on PATH or in /usr/lib/postgresql/*/bin)."""
+    server binaries (initdb, pg_ctl, postgres on PATH or in /usr/lib/postgresql/*/bin).
+    ``listen``, ``run_in``: as :class:`PostgresServer` takes them (a simulated node's)."""
     bindir = find_postgres_bin()
     if bindir is None:
         pytest.skip(
             "no PostgreSQL server binaries (initdb, pg_ctl, postgres) on PATH or in "
             "/usr/lib/postgresql/*/bin: apt-get install postgresql"
         )
-    server = PostgresServer(bindir)
+    server = PostgresServer(bindir, listen=listen, run_in=run_in)
     server.start()
     try:
         yield server
