@@ -62,6 +62,7 @@ from megatron_ext.config.load import recipe_from_dict
 from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.mcore_grad_norm import McoreGradNorm
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
 
@@ -149,6 +150,8 @@ def get_megatron_optimizer(
     named = _named_parameters(model_chunks)
     layout = model_qkv_layout(get_model_config(model_chunks[0])) if ext.split_qkv else None
     optimizer = MegatronExtOptimizer(named, inner_factory(ext, layout), config)
+    if ext.matrix_routing == "megatron_core":  # megatron-core's norm, to the last bit
+        optimizer.grad_norm_fn = McoreGradNorm(config, model_chunks)
     _tag_param_groups(optimizer, config)
     if dump_param_to_param_group_map is not None:
         _dump_groups(ext.name, ext.matrix_routing, named, dump_param_to_param_group_map)
