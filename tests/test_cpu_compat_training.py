@@ -28,20 +28,26 @@ def test_docstring_lists_exactly_what_is_replaced() -> None:
     # nothing replaced that the docstring does not name: modules' torch, the two .cuda methods,
     # the clip in its module and where optimizer.py imported it, the JIT warm-up
     names = {c.rsplit(".", 1)[-1] for c in calls}
-    assert names == {"torch", "cuda", "clip_grad_by_total_norm_fp32", "_warmup_jit_function"}
-    assert len(calls) == len(compat.TORCH_VIEW_MODULES) + 5
+    assert names == {
+        "torch",
+        "cuda",
+        "clip_grad_by_total_norm_fp32",
+        "_warmup_jit_function",
+        "build_train_valid_test_data_iterators",
+    }
+    assert len(calls) == len(compat.TORCH_VIEW_MODULES) + 6
 
 
 def test_changes_nothing_when_cuda_present(monkeypatch) -> None:
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.training.training as training
 
-    monkeypatch.setattr(compat, "_APPLIED", False)
+    monkeypatch.setattr(compat.PATCHES, "applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = (training.torch, torch.Tensor.cuda, clip_grads.clip_grad_by_total_norm_fp32)
     assert compat.apply_training_cpu_compat() is False
     assert (training.torch, torch.Tensor.cuda, clip_grads.clip_grad_by_total_norm_fp32) == before
-    assert compat._APPLIED is False
+    assert compat.PATCHES.applied is False
 
 
 def test_the_torch_view_moves_only_cuda_devices() -> None:
