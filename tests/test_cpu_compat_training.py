@@ -140,3 +140,30 @@ def test_the_runner_without_a_script_says_how_to_call_it() -> None:
         "error: the first argument must be the script ('missing.py' is no file)"
     )
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dp", "save", "load", "refused"),
+    [
+        ("torch", 2, "ckpt", None, True),
+        ("torch", 4, None, "ckpt", True),
+        ("torch", 1, "ckpt", "ckpt", False),  # one rank holds every optimizer state
+        ("torch_dist", 2, "ckpt", "ckpt", False),
+        ("torch", 2, None, None, False),  # nothing saved or loaded
+    ],
+)
+def test_the_legacy_torch_format_is_refused_only_where_it_loses_state(
+    fmt: str, dp: int, save: str | None, load: str | None, refused: bool
+) -> None:
+    """Megatron-LM's ``--ckpt-format torch`` writes data-parallel rank 0's optimizer state only
+    (the launch in tests/test_megatron_lm_pretrain.py checks the refusal end to end)."""
+    from argparse import Namespace
+
+    from megatron_ext.errors import ConfigError
+
+    args = Namespace(ckpt_format=fmt, save=save, load=load)
+    if refused:
+        with pytest.raises(ConfigError, match=f"sharded over the {dp} data-parallel ranks"):
+            megatron_lm.check_checkpoint_format(args, dp)
+    else:
+        megatron_lm.check_checkpoint_format(args, dp)
