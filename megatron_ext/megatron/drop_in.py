@@ -31,8 +31,8 @@ its ``medium`` (megatron-core's default) also runs the iteration in bf16, as meg
 Muon (Emerging-Optimizers) does; under megatron-core's routing the gradient norm that clipping
 divides by is megatron-core's own arithmetic and order (:mod:`.mcore_grad_norm`), so that
 ``muon`` gives megatron-core's Muon's losses bit for bit. An extra attribute of a megatron-ext
-field name overrides any of these. Fields megatron-ext cannot honour (MOP's ``muon_fp32_matmul_prec``: its polar factor
-is an SVD) are named once in a warning on rank 0.
+field name overrides any of these. Fields megatron-ext cannot honour (MOP's
+``muon_fp32_matmul_prec``: its polar factor is an SVD) are named once in a warning on rank 0.
 
 Requirements, each checked with a message naming the fix: bf16 or fp32 parameters (no fp16
 loss scaling); the model chunks' DDP with ``use_distributed_optimizer=False`` (the optimizer
