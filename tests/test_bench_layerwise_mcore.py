@@ -104,12 +104,12 @@ def test_compat_changes_nothing_when_cuda_present(monkeypatch) -> None:
     def patched(*args):
         raise AssertionError("a replacement was applied on a CUDA host")
 
-    monkeypatch.setattr(compat, "_APPLIED", False)
+    monkeypatch.setattr(compat.PATCHES, "applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(compat, "_replacements", patched)
     monkeypatch.setattr(compat, "apply_cpu_compat", patched)
     assert compat.apply_cpu_compat_layerwise() is False
-    assert compat._APPLIED is False
+    assert compat.PATCHES.applied is False
 
 
 def test_compat_docstring_lists_every_replaced_call() -> None:

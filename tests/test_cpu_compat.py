@@ -42,12 +42,12 @@ def test_moe_two_ranks_match_one(tmp_path):
 
 
 def test_changes_nothing_when_cuda_present(monkeypatch):
-    monkeypatch.setattr(cpu_compat, "_APPLIED", False)
+    monkeypatch.setattr(cpu_compat.PATCHES, "applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = {name: getattr(torch.cuda, name) for name in ("current_device", "Stream", "Event")}
     assert cpu_compat.apply_cpu_compat() is False
     assert {name: getattr(torch.cuda, name) for name in before} == before
-    assert cpu_compat._APPLIED is False
+    assert cpu_compat.PATCHES.applied is False
 
 
 def test_docstring_lists_every_replaced_call():

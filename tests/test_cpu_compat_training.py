@@ -28,20 +28,26 @@ def test_docstring_lists_exactly_what_is_replaced() -> None:
     # nothing replaced that the docstring does not name: modules' torch, the two .cuda methods,
     # the clip in its module and where optimizer.py imported it, the JIT warm-up
     names = {c.rsplit(".", 1)[-1] for c in calls}
-    assert names == {"torch", "cuda", "clip_grad_by_total_norm_fp32", "_warmup_jit_function"}
-    assert len(calls) == len(compat.TORCH_VIEW_MODULES) + 5
+    assert names == {
+        "torch",
+        "cuda",
+        "clip_grad_by_total_norm_fp32",
+        "_warmup_jit_function",
+        "build_train_valid_test_data_iterators",
+    }
+    assert len(calls) == len(compat.TORCH_VIEW_MODULES) + 6
 
 
 def test_changes_nothing_when_cuda_present(monkeypatch) -> None:
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.training.training as training
 
-    monkeypatch.setattr(compat, "_APPLIED", False)
+    monkeypatch.setattr(compat.PATCHES, "applied", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = (training.torch, torch.Tensor.cuda, clip_grads.clip_grad_by_total_norm_fp32)
     assert compat.apply_training_cpu_compat() is False
     assert (training.torch, torch.Tensor.cuda, clip_grads.clip_grad_by_total_norm_fp32) == before
-    assert compat._APPLIED is False
+    assert compat.PATCHES.applied is False
 
 
 def test_the_torch_view_moves_only_cuda_devices() -> None:
@@ -134,3 +140,30 @@ def test_the_runner_without_a_script_says_how_to_call_it() -> None:
         "error: the first argument must be the script ('missing.py' is no file)"
     )
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dp", "save", "load", "refused"),
+    [
+        ("torch", 2, "ckpt", None, True),
+        ("torch", 4, None, "ckpt", True),
+        ("torch", 1, "ckpt", "ckpt", False),  # one rank holds every optimizer state
+        ("torch_dist", 2, "ckpt", "ckpt", False),
+        ("torch", 2, None, None, False),  # nothing saved or loaded
+    ],
+)
+def test_the_legacy_torch_format_is_refused_only_where_it_loses_state(
+    fmt: str, dp: int, save: str | None, load: str | None, refused: bool
+) -> None:
+    """Megatron-LM's ``--ckpt-format torch`` writes data-parallel rank 0's optimizer state only
+    (the launch in tests/test_megatron_lm_pretrain.py checks the refusal end to end)."""
+    from argparse import Namespace
+
+    from megatron_ext.errors import ConfigError
+
+    args = Namespace(ckpt_format=fmt, save=save, load=load)
+    if refused:
+        with pytest.raises(ConfigError, match=f"sharded over the {dp} data-parallel ranks"):
+            megatron_lm.check_checkpoint_format(args, dp)
+    else:
+        megatron_lm.check_checkpoint_format(args, dp)

@@ -41,9 +41,9 @@ Nothing else is patched.  Call it once per process before building the model.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-_APPLIED = False
+import torch
 
 
 class _CpuStream(torch.cpu.Stream):
@@ -110,22 +110,49 @@ def _replacements() -> list[tuple[object, str, object]]:
     ]
 
 
+class CpuPatches:
+    """Replacements applied once per process, and only on a host without CUDA.
+
+    The CPU compatibility modules (this one, :mod:`.cpu_compat_training`,
+    :mod:`.cpu_compat_layerwise`) each keep one: ``build`` returns the ``(owner, attribute,
+    replacement)`` triples (called when applying and listing, so the owners are imported only
+    then); :meth:`apply` sets them on the first call on a CPU host and returns True then and
+    after, False on a CUDA host, where nothing is changed; :attr:`applied` says whether they are
+    in place (tests reset it).
+    """
+
+    def __init__(self, build: Callable[[], list[tuple[object, str, object]]]) -> None:
+        self.build = build
+        self.applied = False
+
+    def apply(self) -> bool:
+        """Set every replacement once, on a host without CUDA; see the class docstring."""
+        if torch.cuda.is_available():
+            return False
+        if not self.applied:
+            for owner, name, replacement in self.build():
+                setattr(owner, name, replacement)
+            self.applied = True
+        return True
+
+    def replaced_calls(self) -> list[str]:
+        """``owner.attribute`` of every replacement (for logs and the docstring tests)."""
+        return [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, _ in self.build()]
+
+
+#: this module's replacements (:func:`_replacements`, looked up at each use)
+PATCHES = CpuPatches(lambda: _replacements())
+
+
 def apply_cpu_compat() -> bool:
     """Patch the calls listed in the module docstring when CUDA is unavailable.
 
     Returns True when the patches are (now or already) in place, False on a CUDA host, where
     nothing is changed.
     """
-    global _APPLIED
-    if torch.cuda.is_available():
-        return False
-    if not _APPLIED:
-        for owner, name, replacement in _replacements():
-            setattr(owner, name, replacement)
-        _APPLIED = True
-    return True
+    return PATCHES.apply()
 
 
 def replaced_calls() -> list[str]:
     """Dotted names of every call this module replaces (for logs and the docstring test)."""
-    return [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, _ in _replacements()]
+    return PATCHES.replaced_calls()

@@ -51,9 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.megatron.cpu_compat import apply_cpu_compat
+from megatron_ext.megatron.cpu_compat import CpuPatches, apply_cpu_compat
 
-_APPLIED = False
 #: the megatron-core modules whose ``torch`` name becomes :class:`_CpuDeviceTorch`
 DEVICE_MODULES = (
     "megatron.core.optimizer.clip_grads",
@@ -169,19 +168,18 @@ def _replacements() -> list[tuple[object, str, object]]:
     ]
 
 
+#: this module's replacements (:func:`_replacements`, looked up at each use)
+PATCHES = CpuPatches(lambda: _replacements())
+
+
 def apply_cpu_compat_layerwise() -> bool:
     """:func:`~megatron_ext.megatron.cpu_compat.apply_cpu_compat` plus the calls listed in the
     module docstring, when CUDA is unavailable.  Returns True when the patches are (now or
     already) in place, False on a CUDA host, where nothing is changed."""
-    global _APPLIED
     if torch.cuda.is_available():
         return False
     apply_cpu_compat()
-    if not _APPLIED:
-        for owner, name, replacement in _replacements():
-            setattr(owner, name, replacement)
-        _APPLIED = True
-    return True
+    return PATCHES.apply()
 
 
 def replaced_calls() -> list[str]:

@@ -41,20 +41,31 @@ Every replaced call, and why:
     ``"cuda"`` tensors so that their GPU kernels are compiled before step 1; on a CPU it would
     compile them with the CPU inductor (tens of seconds) and draw from the one generator the
     model's initialisation uses. A model that uses the fusions compiles them at first use.
+``megatron.training.training.build_train_valid_test_data_iterators``  -> the same, on a
+forked CPU generator (its state saved before and restored after)
+    Building the data iterators draws from the CPU generator (a DataLoader draws its base seed
+    from it when its iterator is made). On a GPU host those are host draws, which leave the
+    device generator that dropout draws from alone; on a CPU host the device generator *is* the
+    CPU generator (:mod:`.cpu_compat`), and a resumed run builds its iterators after
+    ``load_checkpoint`` restored the generator, so the draws moved every later dropout mask
+    (Megatron-LM's own Adam resumed at iteration 5 read 4.521451 at iteration 6, the
+    uninterrupted run 4.521372). With the fork a resumed run continues bit for bit.
 
 Nothing else is patched. Call it once per process before ``pretrain``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["apply_training_cpu_compat", "replaced_calls"]
+from megatron_ext.megatron.cpu_compat import CpuPatches
 
-_APPLIED = False
+__all__ = ["apply_training_cpu_compat", "replaced_calls"]
 
 #: the Megatron-LM / megatron-core modules whose module-global ``torch`` becomes the CPU view
 TORCH_VIEW_MODULES = (
@@ -188,10 +199,28 @@ def _clip_fp32(
         grad.copy_(grad * coeff)
 
 
+def _on_forked_cpu_rng(build: Callable[..., Any]) -> Callable[..., Any]:
+    """``build`` run with the CPU generator's state saved before and restored after."""
+    if getattr(build, "forks_cpu_rng", False):
+        return build  # already forked (the patches re-applied)
+
+    @functools.wraps(build)
+    def forked(*args: Any, **kwargs: Any) -> Any:
+        state = torch.get_rng_state()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    forked.forks_cpu_rng = True  # type: ignore[attr-defined]
+    return forked
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     import megatron.core.optimizer.clip_grads as mc_clip
     import megatron.core.optimizer.optimizer as mc_optimizer
     import megatron.training.initialize as mlm_initialize
+    import megatron.training.training as mlm_training
 
     view = _TorchView()
     out: list[tuple[object, str, object]] = [
@@ -204,7 +233,16 @@ def _replacements() -> list[tuple[object, str, object]]:
         (mc_clip, "clip_grad_by_total_norm_fp32", _clip_fp32),
         (mc_optimizer, "clip_grad_by_total_norm_fp32", _clip_fp32),
         (mlm_initialize, "_warmup_jit_function", lambda tp_size=None: None),
+        (
+            mlm_training,
+            "build_train_valid_test_data_iterators",
+            _on_forked_cpu_rng(mlm_training.build_train_valid_test_data_iterators),
+        ),
     ]
+
+
+#: this module's replacements (:func:`_replacements`, looked up at each use)
+PATCHES = CpuPatches(lambda: _replacements())
 
 
 def apply_training_cpu_compat() -> bool:
@@ -213,16 +251,9 @@ def apply_training_cpu_compat() -> bool:
     Returns True when the patches are (now or already) in place, False on a CUDA host, where
     nothing is changed.
     """
-    global _APPLIED
-    if torch.cuda.is_available():
-        return False
-    if not _APPLIED:
-        for owner, name, replacement in _replacements():
-            setattr(owner, name, replacement)
-        _APPLIED = True
-    return True
+    return PATCHES.apply()
 
 
 def replaced_calls() -> list[str]:
     """Dotted names of every call this module replaces (for logs and the docstring test)."""
-    return [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, _ in _replacements()]
+    return PATCHES.replaced_calls()

@@ -28,9 +28,11 @@ megatron-ext field name (``config.kl_soap_factor_eps = 1e-10``, ``config.update_
 no update-RMS matching, plain Newton–Schulz; ``muon_split_qkv`` splits fused QKV weights per
 query group; ``muon_fp32_matmul_prec`` is torch's matmul precision during Newton–Schulz, and
 its ``medium`` (megatron-core's default) also runs the iteration in bf16, as megatron-core's
-Muon (Emerging-Optimizers) does. An extra attribute of a megatron-ext field name overrides any
-of these. Fields megatron-ext cannot honour (MOP's ``muon_fp32_matmul_prec``: its polar factor
-is an SVD) are named once in a warning on rank 0.
+Muon (Emerging-Optimizers) does; under megatron-core's routing the gradient norm that clipping
+divides by is megatron-core's own arithmetic and order (:mod:`.mcore_grad_norm`), so that
+``muon`` gives megatron-core's Muon's losses bit for bit. An extra attribute of a megatron-ext
+field name overrides any of these. Fields megatron-ext cannot honour (MOP's
+``muon_fp32_matmul_prec``: its polar factor is an SVD) are named once in a warning on rank 0.
 
 Requirements, each checked with a message naming the fix: bf16 or fp32 parameters (no fp16
 loss scaling); the model chunks' DDP with ``use_distributed_optimizer=False`` (the optimizer
@@ -62,6 +64,7 @@ from megatron_ext.config.load import recipe_from_dict
 from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.mcore_grad_norm import McoreGradNorm
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
 
@@ -149,6 +152,8 @@ def get_megatron_optimizer(
     named = _named_parameters(model_chunks)
     layout = model_qkv_layout(get_model_config(model_chunks[0])) if ext.split_qkv else None
     optimizer = MegatronExtOptimizer(named, inner_factory(ext, layout), config)
+    if ext.matrix_routing == "megatron_core":  # megatron-core's norm, to the last bit
+        optimizer.grad_norm_fn = McoreGradNorm(config, model_chunks)
     _tag_param_groups(optimizer, config)
     if dump_param_to_param_group_map is not None:
         _dump_groups(ext.name, ext.matrix_routing, named, dump_param_to_param_group_map)

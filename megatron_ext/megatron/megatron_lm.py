@@ -41,6 +41,7 @@ __all__ = [
     "add_arguments",
     "add_to_megatron_parser",
     "apply_arguments",
+    "check_checkpoint_format",
     "install",
     "megatron_ext_args",
     "megatron_lm_optimizer",
@@ -133,7 +134,26 @@ def megatron_lm_optimizer(config: Any, model_chunks: Any, **kwargs: Any) -> Any:
                 f"{config.optimizer} is megatron-core's own): add --megatron-ext-optimizer"
             )
         return megatron_core_optimizer(config, model_chunks, **kwargs)
+    from megatron.core import parallel_state
+
+    check_checkpoint_format(args, parallel_state.get_data_parallel_world_size())
     return get_megatron_optimizer(apply_arguments(config, args), model_chunks, **kwargs)
+
+
+def check_checkpoint_format(args: argparse.Namespace, data_parallel_size: int) -> None:
+    """Refuse Megatron-LM's legacy ``--ckpt-format torch`` for megatron-ext's optimizer at
+    data-parallel size > 1 when the run saves or loads: that format writes the optimizer state
+    of data-parallel rank 0 only, and megatron-ext's state is sharded over the data-parallel
+    ranks (AdamW element-sharded as ZeRO-1, each matrix's state on the rank that owns it), so
+    the other ranks' state would be lost. Raised before anything is written."""
+    if args.ckpt_format != "torch" or data_parallel_size <= 1 or not (args.save or args.load):
+        return
+    raise ConfigError(
+        f"--ckpt-format torch saves data-parallel rank 0's optimizer state only, but "
+        f"megatron-ext's optimizer keeps its state sharded over the {data_parallel_size} "
+        f"data-parallel ranks (AdamW as ZeRO-1, each matrix on its owner): use --ckpt-format "
+        f"torch_dist (Megatron-LM's default)"
+    )
 
 
 def _training_module() -> Any:

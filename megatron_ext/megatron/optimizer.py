@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +80,10 @@ class MegatronExtOptimizer(MegatronOptimizer):
         self._param_sync_in_forward = False
         device = self.master_params[0].device if self.master_params else torch.device("cpu")
         self._scale = torch.ones(1, dtype=torch.float32, device=device)
+        #: computes the global gradient norm instead of :meth:`get_grad_norm`'s own sum when
+        #: set (the drop-in: megatron-core's arithmetic, :mod:`.mcore_grad_norm`); it reads
+        #: whole gradients on every rank, so the layer-wise gradient sync drops it
+        self.grad_norm_fn: Callable[[], float] | None = None
 
     # -- gradients ------------------------------------------------------------------------
     @torch.no_grad()
@@ -120,6 +124,8 @@ class MegatronExtOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """Global L2 norm of the gradients (all ranks of the model and expert groups)."""
+        if self.grad_norm_fn is not None:
+            return self.grad_norm_fn()
         dense, expert = self._norm_groups()
         dev = self._scale.device
         dense_sq, expert_sq = self._sum_sq(dense, dev), self._sum_sq(expert, dev)
@@ -230,6 +236,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
         and DDP's scaling (1/dp) applied per bucket before the sum. Returns whether it did."""
         if not self._layerwise():
             return False
+        self.grad_norm_fn = None  # each rank now receives only the gradients it updates
         opt = self.optimizer
         parts = opt.parts if hasattr(opt, "parts") else [opt]
         param_of = dict(zip(self.master_names, self.model_params, strict=True))

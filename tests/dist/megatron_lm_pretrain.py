@@ -9,7 +9,9 @@ PLAN: ``{"common": [args...], "runs": {"name": [args...], ...}}``; each run pars
 ``common + args`` with Megatron-LM's parser and trains. With ``--two-line-edit`` among a
 run's arguments, the parser gets ``extra_args_provider=megatron_ext_args`` (the documented edit).
 OUT (rank 0): ``{"name": {"loss": [...], "grad_norm": [...], "iterations": [...]}}``, the values
-Megatron-LM's ``training_log`` receives at each iteration.
+Megatron-LM's ``training_log`` receives at each iteration; a run whose name ends in
+``_refused`` must stop with megatron-ext's ConfigError (what the runner prints as its one line),
+recorded as ``{"error": message}``; it runs last (the global state is left as the error left it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.training import destroy_global_state
 
+from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.cpu_compat import apply_cpu_compat
 from megatron_ext.megatron.cpu_compat_training import apply_training_cpu_compat
 from megatron_ext.megatron.run_pretrain import use_built_dataset_helpers
@@ -110,7 +113,7 @@ def recording_log(original):
     return training_log
 
 
-def run(argv: list[str]) -> dict[str, list[float]]:
+def run(argv: list[str], refused: bool = False) -> dict[str, list[float]]:
     extra = None
     if "--two-line-edit" in argv:
         from megatron_ext.megatron.megatron_lm import megatron_ext_args
@@ -132,6 +135,12 @@ def run(argv: list[str]) -> dict[str, list[float]]:
     except SystemExit as stop:  # --exit-interval: Megatron-LM saves, then sys.exit(0)
         if stop.code not in (0, None):
             raise
+    except ConfigError as err:
+        if not refused:
+            raise
+        return {"error": str(err)}
+    if refused:
+        raise AssertionError("the run was expected to be refused")
     destroy_global_state()  # the next run parses and initialises afresh
     return dict(RECORD)
 
@@ -146,7 +155,10 @@ def main() -> None:
     apply_training_cpu_compat()
     use_built_dataset_helpers()
     mlm_training.training_log = recording_log(mlm_training.training_log)
-    results = {name: run(plan["common"] + args) for name, args in plan["runs"].items()}
+    results = {
+        name: run(plan["common"] + args, refused=name.endswith("_refused"))
+        for name, args in plan["runs"].items()
+    }
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(results, f)
