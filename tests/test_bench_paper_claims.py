@@ -89,6 +89,11 @@ def test_an_unmet_precondition_overrides_any_q() -> None:
     above = Precondition("routing gain >= 0.02", (0.05, 0.01, 0.03), 0.02, below=False)
     assert not above.met and above.worst == 0.01
     assert not Precondition("diverged", (1.0, math.nan, 1.0), 2.0).met
+    # a seed's Q not finite (a 4× run that never reached its target: inf − inf): no interval,
+    # so no verdict either way, for both kinds of claim
+    for values in ((0.3, math.inf, 0.4), (math.nan, math.nan, math.nan)):
+        assert verdict(values, "positive") == "not testable here"
+        assert verdict(values, "equal", 0.1) == "not testable here"
 
 
 def test_refusals() -> None:

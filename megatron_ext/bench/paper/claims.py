@@ -11,6 +11,8 @@ Student-t interval of the mean:
 
 - a claim whose **precondition** is not met (the runs it reads are not trained far enough to be
   informative, the routing targets are uniform, ...) is **not testable here**, whatever Q says;
+  so is one where a seed's Q is not finite (a run diverged, or never reached the loss a
+  tokens-to-target quantity counts to): there is no interval to decide by;
 - ``expect="positive"``: **reproduced** when ``lo > 0``, **not reproduced** when ``hi < 0``,
   **within noise** otherwise;
 - ``expect="equal"`` (tolerance ``τ > 0``): **reproduced** when ``[lo, hi] ⊂ [−τ, τ]`` (the
@@ -113,7 +115,7 @@ def verdict(
     if not precondition_met:
         return "not testable here"
     if not all(math.isfinite(v) for v in values):
-        return "within noise"  # a diverged seed: no interval to decide by
+        return "not testable here"  # a diverged seed or an unreached target: no interval
     lo, hi = t_interval(values)
     if expect == "positive":
         if lo > 0:
