@@ -1,8 +1,10 @@
 """``megatron-ext data build|tokenizer``: the command-line side of :mod:`megatron_ext.data`.
 
-Inputs are checked before torch and megatron-core are imported, so a typo fails in a blink;
-``launch/cli.py`` turns the ``ConfigError`` into one line and exit code 2. Registered as the
-``data`` command (:mod:`megatron_ext.commands`).
+Neither action imports torch or megatron-core: ``build`` writes megatron-core's indexed-dataset
+files with :mod:`megatron_ext.data.indexed`, the tokenizers need sentencepiece or tokenizers
+only. ``launch/cli.py`` turns a ``ConfigError`` into one line and exit code 2. On a terminal
+``build`` shows a bar of the documents tokenized. Registered as the ``data`` command
+(:mod:`megatron_ext.commands`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def data_main(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     resolve_inputs(args.inputs)  # a typo fails now, not after the imports below (seconds)
     check_output_path(args.output + ".bin", "--output")
-    from megatron_ext.data.build import build_indexed_dataset
+    from megatron_ext.data.indexed import build_indexed_dataset
     from megatron_ext.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_model)
