@@ -50,6 +50,7 @@ def bar(
         total=total,
         desc=f"megatron-ext: {command}: {what}",
         unit=unit,
+        unit_scale=unit == "B",  # bytes as kB, MB, GB
         leave=False,
         dynamic_ncols=True,
         file=sys.stderr,
