@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.progress import QUIET_VAR
 from megatron_ext.verbosity import VERBOSE_VAR, is_verbose
 
 __all__ = ["OneLineParser", "guarded", "parse_command_line", "take_verbose_flag"]
@@ -56,12 +57,14 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def take_verbose_flag(argv: Sequence[str]) -> list[str]:
-    """``argv`` without ``--verbose``; a given ``--verbose`` sets ``MEGATRON_EXT_VERBOSE=1``
-    for this process and the ranks it starts (their library noise is shown too)."""
-    rest = [a for a in argv if a != "--verbose"]
-    if len(rest) != len(argv):
-        os.environ[VERBOSE_VAR] = "1"
-    return rest
+    """``argv`` without ``--verbose`` and ``--quiet`` (both global, anywhere on the line): a
+    given ``--verbose`` sets ``MEGATRON_EXT_VERBOSE=1`` for this process and the ranks it
+    starts (their library noise is shown too); ``--quiet`` sets ``MEGATRON_EXT_QUIET=1`` (no
+    progress bars or status lines, on a terminal too)."""
+    flags = {"--verbose": VERBOSE_VAR, "--quiet": QUIET_VAR}
+    for flag in set(argv) & flags.keys():
+        os.environ[flags[flag]] = "1"
+    return [a for a in argv if a not in flags]
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

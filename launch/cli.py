@@ -31,7 +31,8 @@ trainers on top of megatron-core.
 """
 FOOTER = (
     "RECIPE is a YAML file or the name of a shipped recipe (e.g. tiny_cpu_gpt). --verbose (any "
-    "command) shows the libraries' warnings and gloo's connection lines, hidden by default."
+    "command) shows the libraries' warnings and gloo's connection lines, hidden by default; "
+    "--quiet (any command) hides the progress shown on a terminal."
 )
 #: commands whose processes may create gloo process groups (gloo prints a line per group)
 _GLOO_COMMANDS = frozenset(

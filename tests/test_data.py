@@ -14,8 +14,9 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.data.build import build_gpt_datasets, build_indexed_dataset
+from megatron_ext.data.build import build_gpt_datasets
 from megatron_ext.data.corpus import iter_documents, python_stdlib_documents, resolve_inputs
+from megatron_ext.data.indexed import build_indexed_dataset
 from megatron_ext.data.tokenizers import (
     ByteTokenizer,
     SentencePieceTokenizer,

@@ -84,7 +84,7 @@ def test_gpt2_vocab_and_merges_tokenize_as_transformers_gpt2(gpt2_vocab, documen
 def test_a_dataset_built_with_it_holds_its_ids_then_eod(hf_folder, tmp_path, documents) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.data.build import build_indexed_dataset
+    from megatron_ext.data.indexed import build_indexed_dataset
 
     text = tmp_path / "docs.jsonl"
     import json

@@ -115,7 +115,8 @@ def test_unregistered_trainer_fails_at_launch_validation_with_exit_2(tmp_path) -
     assert line.startswith("megatron-ext: error: trainer='hivemind' is not a registered trainer")
     assert line.endswith("registered trainers: dipaco, gpt, soma"), line
     assert not (tmp_path / "run").exists()
-    assert time.perf_counter() - start < 60  # no rendezvous was waited for
+    # no rendezvous was waited for (its timeout: 600 s); the bound leaves room for a loaded host
+    assert time.perf_counter() - start < 300
 
 
 def test_a_trainer_registered_from_a_test_is_accepted(tmp_path, toy) -> None:

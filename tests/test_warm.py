@@ -40,7 +40,9 @@ def test_a_failing_rank_stops_the_others_and_the_launch_exits_1() -> None:
     proc = run_torchrun(DIST / "rank_facts.py", 2, "fail", check=False, timeout=120)
     assert proc.returncode == 1
     assert "warm ranks: rank 1 exited 3" in proc.stderr
-    assert time.monotonic() - started < 60  # rank 0 waited in a barrier: it was stopped
+    # rank 0 waits in a barrier (gloo's 30-minute timeout) unless stopped: a bound far below
+    # that and far above a launch on a loaded host (two suites side by side: ~45 s seen)
+    assert time.monotonic() - started < 300
 
 
 def test_start_up_variables_decide_cold() -> None:

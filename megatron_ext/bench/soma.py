@@ -63,10 +63,10 @@ DESCRIPTION = (
 )
 
 
-QUICK = {
-    "n_pert": 8,
-    "batch": 4,
-    "seq": 64,
+QUICK = {  # a smoke run: the per-probe loops (most of its time) on 2·4 bodies of 2×32 tokens
+    "n_pert": 4,
+    "batch": 2,
+    "seq": 32,
     "repeats": 1,
     "budget": 0.0,
     "experts": [8, 32],

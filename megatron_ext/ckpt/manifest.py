@@ -23,7 +23,7 @@ import hashlib
 import json
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +46,8 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 CHUNK = 16 << 20  # bytes read per crc32 update
 Verify = Literal["checksums", "sizes"]
+#: called with a count of bytes just checked (a progress bar's ``update``)
+Progress = Callable[[int], object]
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # torch DCP: __<rank>_<index>.distcp
 
 
@@ -60,13 +62,16 @@ class Problem:
         return f"{self.file}: {self.what}"
 
 
-def file_crc32(path: Path) -> tuple[int, str]:
-    """``(bytes, crc32 as 8 hex digits)`` of the file at ``path``."""
+def file_crc32(path: Path, progress: Progress | None = None) -> tuple[int, str]:
+    """``(bytes, crc32 as 8 hex digits)`` of the file at ``path``; ``progress`` is called
+    with the bytes of each chunk read (a progress bar's ``update``)."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return size, f"{crc:08x}"
 
 
@@ -136,10 +141,15 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def verify(
-    folder: Path, manifest: Mapping[str, Any], names: Iterable[str], mode: Verify = "checksums"
+    folder: Path,
+    manifest: Mapping[str, Any],
+    names: Iterable[str],
+    mode: Verify = "checksums",
+    progress: Progress | None = None,
 ) -> list[Problem]:
     """Check the files ``names`` of ``folder`` against ``manifest``: each must exist with its
-    size and (``checksums``) its CRC-32. Returns the problems found, [] if they are whole."""
+    size and (``checksums``) its CRC-32. Returns the problems found, [] if they are whole.
+    ``progress``: called with the bytes checksummed, chunk by chunk."""
     problems = []
     for name in sorted(names):
         expected = manifest["files"][name]["bytes"]
@@ -152,7 +162,7 @@ def verify(
             kind = "truncated" if size < expected else "longer than written"
             problems.append(Problem(name, f"{size} bytes, the manifest says {expected} ({kind})"))
         elif mode == "checksums":
-            crc, listed = file_crc32(path)[1], manifest["files"][name]["crc32"]
+            crc, listed = file_crc32(path, progress)[1], manifest["files"][name]["crc32"]
             if crc != listed:
                 problems.append(
                     Problem(name, f"checksum {crc}, the manifest says {listed} (bytes changed)")

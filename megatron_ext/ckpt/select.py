@@ -18,6 +18,7 @@ from pathlib import Path
 from megatron_ext.ckpt.manifest import (
     MANIFEST,
     Problem,
+    Progress,
     Verify,
     read_manifest,
     unlisted,
@@ -98,10 +99,15 @@ def resume_order(ckpt_dir: Path) -> list[Path]:
 
 
 def split_check(
-    folder: Path, mode: Verify, mine: Callable[[str], bool], with_unlisted: bool
+    folder: Path,
+    mode: Verify,
+    mine: Callable[[str], bool],
+    with_unlisted: bool,
+    progress: Progress | None = None,
 ) -> Verdict:
     """The checks of ``folder`` one process makes: the listed files ``mine`` selects (all, in
-    one process), and files the manifest does not list when ``with_unlisted``."""
+    one process), and files the manifest does not list when ``with_unlisted``; ``progress``
+    is called with the bytes checksummed."""
     try:
         manifest = read_manifest(folder)
     except ValueError as exc:
@@ -110,7 +116,7 @@ def split_check(
         problems = [] if (folder / "metadata.json").is_file() else [_no_metadata()]
         return Verdict(folder, problems, manifest=False)
     names = [n for n in manifest["files"] if mine(n)]
-    problems = verify(folder, manifest, names, mode)
+    problems = verify(folder, manifest, names, mode, progress)
     if with_unlisted:
         problems += unlisted(folder, manifest)
     return Verdict(folder, problems)
@@ -120,9 +126,9 @@ def _no_metadata() -> Problem:
     return Problem("metadata.json", f"missing, and no {MANIFEST}: not a complete checkpoint")
 
 
-def inspect(folder: Path, mode: Verify = "checksums") -> Verdict:
-    """Every check of ``folder``, in this process."""
-    return split_check(folder, mode, lambda _: True, with_unlisted=True)
+def inspect(folder: Path, mode: Verify = "checksums", progress: Progress | None = None) -> Verdict:
+    """Every check of ``folder``, in this process (``progress``: the bytes checksummed)."""
+    return split_check(folder, mode, lambda _: True, with_unlisted=True, progress=progress)
 
 
 def prune_plan(dirs: Sequence[Path], keep_last: int, intact: Callable[[Path], bool]) -> list[Path]:

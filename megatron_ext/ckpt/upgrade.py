@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_ext.ckpt.manifest import read_manifest
 from megatron_ext.ckpt.select import checkpoint_dirs, inspect, is_checkpoint, resume_order
 from megatron_ext.errors import ConfigError
+from megatron_ext.progress import bar, step
 
 if TYPE_CHECKING:
     from megatron_ext.ckpt.contents import Contents
@@ -84,12 +85,17 @@ def upgrade(src: Path, dst: Path) -> list[str]:
     layout, atomically; returns the names of the layouts upgraded. ``ConfigError`` for bad
     input (``dst`` exists, ``src`` damaged or already in today's layout)."""
     _check_paths(src, dst)
-    verdict = inspect(src)
+    # each phase reads or writes the whole checkpoint (minutes for a large model): a status
+    # line on a terminal, the verification a bar of its bytes
+    with bar("ckpt upgrade", f"checking {src}", unit="B") as done:
+        verdict = inspect(src, progress=done)
     if not verdict.intact:
         raise ConfigError(f"{verdict.report()}: not upgraded")
-    from megatron_ext.ckpt import legacy
+    with step("ckpt upgrade", "importing torch and megatron-core"):
+        from megatron_ext.ckpt import legacy
 
-    layouts = legacy.older_layouts(legacy.saved_tensors(src))
+    with step("ckpt upgrade", f"reading {src}'s layout"):
+        layouts = legacy.older_layouts(legacy.saved_tensors(src))
     if not layouts:
         raise ConfigError(
             f"{src} is in today's layout: nothing to upgrade (load it as it is, "
@@ -99,7 +105,7 @@ def upgrade(src: Path, dst: Path) -> list[str]:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        with _one_process_group():
+        with _one_process_group(), step("ckpt upgrade", f"rewriting {src} into {dst}"):
             _write_upgraded(src, tmp, layouts)
         if dst.exists():  # created while we wrote
             raise ConfigError(f"{dst} exists now (created during the upgrade): not replaced")

@@ -16,8 +16,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_ext.data.build import BuildStats, build_gpt_datasets, build_indexed_dataset
+    from megatron_ext.data.build import build_gpt_datasets
     from megatron_ext.data.corpus import PYTHON_STDLIB, iter_documents
+    from megatron_ext.data.indexed import BuildStats, build_indexed_dataset
     from megatron_ext.data.tokenizers import (
         ByteTokenizer,
         PretrainingTokenizer,
@@ -27,9 +28,9 @@ if TYPE_CHECKING:
     )
 
 _EXPORTS = {
-    "BuildStats": "build",
+    "BuildStats": "indexed",
     "build_gpt_datasets": "build",
-    "build_indexed_dataset": "build",
+    "build_indexed_dataset": "indexed",
     "PYTHON_STDLIB": "corpus",
     "iter_documents": "corpus",
     "ByteTokenizer": "tokenizers",

@@ -1,8 +1,6 @@
-"""Build megatron-core indexed datasets from text, and GPT datasets from those.
-
-On disk a dataset is megatron-core's pair ``<prefix>.bin`` (token ids, one document after the
-other, each followed by the tokenizer's ``eod``) and ``<prefix>.idx`` (sequence lengths and
-offsets). One document is one sequence.
+"""megatron-core GPT datasets over an indexed dataset written by
+:func:`megatron_ext.data.indexed.build_indexed_dataset` (``<prefix>.bin/.idx``, megatron-core's
+format: one document is one sequence, each followed by the tokenizer's ``eod``).
 
 The GPT datasets are megatron-core's ``GPTDataset``: the documents of a split are concatenated
 (in a seeded random order, reshuffled each epoch), the stream ``t`` is cut into windows of
@@ -24,103 +22,21 @@ No ``attention_mask``: the model's attention is causal by construction.
 from __future__ import annotations
 
 import os
-import shutil
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import (
-    DType,
-    IndexedDataset,
-    IndexedDatasetBuilder,
-    get_bin_path,
-    get_idx_path,
-)
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_ext.data.corpus import iter_documents
+from megatron_ext.data.indexed import idx_path
+from megatron_ext.data.tokenizers import PretrainingTokenizer
 from megatron_ext.errors import ConfigError
 
-
-@dataclass(frozen=True)
-class BuildStats:
-    """What :func:`build_indexed_dataset` wrote."""
-
-    prefix: str
-    documents: int
-    tokens: int  # including one eod per document
-    text_bytes: int  # UTF-8 bytes of the documents read
-    file_bytes: int  # .bin + .idx on disk
-    seconds: float  # wall time, reading and tokenizing included
-
-
-def build_indexed_dataset(
-    inputs: Sequence[str],
-    output_prefix: str | Path,
-    tokenizer: MegatronTokenizerBase,
-    json_key: str = "text",
-) -> BuildStats:
-    """Tokenize the documents of ``inputs`` into ``<output_prefix>.bin/.idx``.
-
-    ``inputs`` are those of :func:`megatron_ext.data.corpus.iter_documents`, checked before
-    anything is written. Each document becomes one sequence: its ids followed by
-    ``tokenizer.eod``. The files are written under temporary names and renamed into place at
-    the end, the ``.idx`` last, so the final prefix only ever names a complete dataset (or none):
-    a failure or crash part way leaves at most ``<prefix>.partial-<pid>.*`` files behind, and an
-    existing dataset at the prefix is replaced only once the new one is complete.
-    """
-    t0 = time.perf_counter()
-    documents = iter_documents(inputs, json_key)
-    prefix = str(output_prefix)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    partial = f"{prefix}.partial-{os.getpid()}"
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)  # uint16 for vocabularies under 65500
-    builder = IndexedDatasetBuilder(get_bin_path(partial), dtype=dtype)
-    n_docs = n_tokens = n_bytes = 0
-    try:
-        for doc in documents:
-            ids = [*tokenizer.tokenize(doc), tokenizer.eod]
-            builder.add_document(np.asarray(ids, dtype=dtype), lengths=[len(ids)])
-            n_docs += 1
-            n_tokens += len(ids)
-            n_bytes += len(doc.encode("utf-8"))
-        builder.finalize(get_idx_path(partial))
-        _commit(partial, prefix)
-    except BaseException:
-        builder.data_file.close()
-        for path in (get_bin_path(partial), get_idx_path(partial)):
-            Path(path).unlink(missing_ok=True)
-        raise
-    size = sum(Path(p).stat().st_size for p in (get_bin_path(prefix), get_idx_path(prefix)))
-    return BuildStats(
-        prefix=prefix,
-        documents=n_docs,
-        tokens=n_tokens,
-        text_bytes=n_bytes,
-        file_bytes=size,
-        seconds=time.perf_counter() - t0,
-    )
-
-
-def _commit(partial: str, prefix: str) -> None:
-    """Move a finished dataset to ``prefix``: the ``.idx`` is the commit marker, moved last."""
-    for path in (get_bin_path(partial), get_idx_path(partial)):
-        # flush to disk before the rename makes it visible: a power cut must not leave a
-        # renamed but empty file
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    # Without its .idx the old dataset is unreadable, so it cannot pair with the new .bin.
-    Path(get_idx_path(prefix)).unlink(missing_ok=True)
-    shutil.rmtree(f"{prefix}.cache", ignore_errors=True)  # the old dataset's GPT indices
-    os.replace(get_bin_path(partial), get_bin_path(prefix))
-    os.replace(get_idx_path(partial), get_idx_path(prefix))
+# megatron-ext's tokenizers implement megatron-core's tokenizer interface without importing it
+# (`data build` runs without megatron-core); declared here, where they are handed to it, so that
+# isinstance(tokenizer, MegatronTokenizerBase) holds for megatron-core's dataset code.
+MegatronTokenizerBase.register(PretrainingTokenizer)
 
 
 SplitSizes = tuple[int | None, int | None, int | None]
@@ -128,7 +44,7 @@ SplitSizes = tuple[int | None, int | None, int | None]
 
 def build_gpt_datasets(
     prefix: str | Path,
-    tokenizer: MegatronTokenizerBase,
+    tokenizer: PretrainingTokenizer,
     seq_length: int,
     split: str,
     seed: int,
@@ -188,5 +104,5 @@ def _cache_dir(prefix: str) -> str:
     megatron-core names its cache files by a hash of the dataset *path* and the GPT settings;
     the folder adds the dataset's identity, since the indices depend on its document lengths.
     """
-    idx = os.stat(get_idx_path(prefix))
+    idx = os.stat(idx_path(prefix))
     return f"{prefix}.cache/{idx.st_size}-{idx.st_mtime_ns}"

@@ -1,8 +1,10 @@
 """``megatron-ext data build|tokenizer``: the command-line side of :mod:`megatron_ext.data`.
 
-Inputs are checked before torch and megatron-core are imported, so a typo fails in a blink;
-``launch/cli.py`` turns the ``ConfigError`` into one line and exit code 2. Registered as the
-``data`` command (:mod:`megatron_ext.commands`).
+Neither action imports torch or megatron-core: ``build`` writes megatron-core's indexed-dataset
+files with :mod:`megatron_ext.data.indexed`, the tokenizers need sentencepiece or tokenizers
+only. ``launch/cli.py`` turns a ``ConfigError`` into one line and exit code 2. On a terminal
+``build`` shows a bar of the documents tokenized. Registered as the ``data`` command
+(:mod:`megatron_ext.commands`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from megatron_ext.commands import Command, positive_int
 from megatron_ext.data.corpus import iter_documents, resolve_inputs
 from megatron_ext.data.kinds import TokenizerKind
 from megatron_ext.errors import ConfigError
+from megatron_ext.progress import bar
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,14 +58,16 @@ def data_main(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    resolve_inputs(args.inputs)  # a typo fails now, not after the imports below (seconds)
+    resolve_inputs(args.inputs)  # a typo fails now, not after the tokenizer's import
     check_output_path(args.output + ".bin", "--output")
-    from megatron_ext.data.build import build_indexed_dataset
+    from megatron_ext.data.indexed import build_indexed_dataset
     from megatron_ext.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_model)
-    with new_parents(args.output + ".bin"):
-        stats = build_indexed_dataset(args.inputs, args.output, tokenizer, json_key=args.json_key)
+    with new_parents(args.output + ".bin"), bar("data build", "tokenizing", unit="doc") as done:
+        stats = build_indexed_dataset(
+            args.inputs, args.output, tokenizer, json_key=args.json_key, progress=done
+        )
     print(
         f"wrote {stats.prefix}.bin/.idx: {stats.documents:,} documents, "
         f"{stats.tokens:,} tokens ({args.tokenizer} tokenizer, vocabulary "

@@ -1,8 +1,13 @@
 """Tokenizers for pretraining: UTF-8 bytes, a SentencePiece model trained on local text, or a
 Hugging Face tokenizer saved in a local folder (a converted model's own).
 
-All subclass megatron-core's ``MegatronTokenizerBase``, the type ``GPTDatasetConfig.tokenizer``
-is declared with, and provide what megatron-core's datasets read from a tokenizer:
+All implement megatron-core's tokenizer interface (``MegatronTokenizerBase``, the type
+``GPTDatasetConfig.tokenizer`` is declared with: ``path``, ``tokenize``, ``detokenize``,
+``vocab``, ``vocab_size``, ``apply_chat_template``) without importing megatron-core, so that
+``megatron-ext data build`` and ``data tokenizer`` run without it (megatron-core's import is
+~6 s of a 1 MB build's ~8 s); :mod:`megatron_ext.data.build`, which hands them to
+megatron-core, registers :class:`PretrainingTokenizer` as a virtual subclass of
+``MegatronTokenizerBase``. They provide what megatron-core's datasets read from a tokenizer:
 
 - ``eod``: the end-of-document id appended after every document when a dataset is built;
 - ``pad``: an id that never occurs in a document (megatron-core pads short samples with it and
@@ -21,12 +26,12 @@ import hashlib
 import io
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import sentencepiece
-from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_ext.atomic import atomic_path
 from megatron_ext.data.kinds import TokenizerKind, gpt2_files
@@ -35,12 +40,38 @@ from megatron_ext.errors import ConfigError
 SentencePieceModelType = Literal["bpe", "unigram"]
 
 
-class PretrainingTokenizer(MegatronTokenizerBase):
-    """What megatron-ext's tokenizers add to megatron-core's abstract interface: ``eod`` and
-    ``pad`` ids, and no chat template."""
+class PretrainingTokenizer(ABC):
+    """megatron-core's abstract tokenizer interface (``MegatronTokenizerBase``: ``path`` and the
+    abstract methods below), plus ``eod`` and ``pad`` ids, and no chat template."""
 
     eod: int
     pad: int
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # megatron-core's tokenizers name their model file or folder here
+
+    @abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` -> token ids."""
+
+    @abstractmethod
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Token ids -> text."""
+
+    @property
+    @abstractmethod
+    def vocab(self) -> dict[str, int]:
+        """Token ids by name."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Ids are in ``[0, vocab_size)``."""
+
+    @property
+    @abstractmethod
+    def unique_identifiers(self) -> dict[str, Any]:
+        """A JSON-able description hashed into megatron-core's dataset cache names."""
 
     @property
     def eos(self) -> int:
@@ -69,7 +100,7 @@ class ByteTokenizer(PretrainingTokenizer):
     pad = 257
 
     def __init__(self) -> None:
-        super().__init__(path="", config={})
+        super().__init__(path="")
 
     @property
     def vocab_size(self) -> int:
@@ -113,7 +144,7 @@ class SentencePieceTokenizer(PretrainingTokenizer):
                 "`megatron-ext data tokenizer`)"
             )
         proto = path.read_bytes()
-        super().__init__(path=str(path), config={})
+        super().__init__(path=str(path))
         try:
             self._model = sentencepiece.SentencePieceProcessor(model_proto=proto)
         except RuntimeError:
@@ -188,7 +219,7 @@ class HuggingFaceTokenizer(PretrainingTokenizer):
                 "save_pretrained wrote (it holds tokenizer.json), or one holding GPT-2's "
                 "vocab.json and merges.txt"
             )
-        super().__init__(path=str(path), config={})
+        super().__init__(path=str(path))
         self._sha256 = hashlib.sha256(raw).hexdigest()
         config_file = file.with_name("tokenizer_config.json")
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}

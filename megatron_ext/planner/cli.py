@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from megatron_ext.commands import Command, add_recipe_arguments
 from megatron_ext.errors import ConfigError
-from megatron_ext.planner.gpus import GPUS, gpu_spec
-from megatron_ext.planner.plan import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, Cluster, plan_recipe
-from megatron_ext.planner.report import format_plan
+from megatron_ext.planner.gpus import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, GPUS, gpu_spec
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.plan import Cluster
 
 __all__ = ["COMMAND", "add_cluster_arguments", "cluster_from_args"]
 
@@ -61,6 +63,8 @@ def cluster_from_args(args: argparse.Namespace, nodes: int) -> Cluster:
             f"{gpu.memory_bytes / 1e9:g} GB: give less than that (default "
             f"{DEFAULT_RESERVE_BYTES / 1e9:g})"
         )
+    from megatron_ext.planner.plan import Cluster  # the model's modules: only when planning
+
     return Cluster(gpu, nodes, args.gpus_per_node, int(args.reserve_gb * 1e9))
 
 
@@ -76,6 +80,9 @@ def plan_main(args: argparse.Namespace) -> int:
 
     if read_recipe(args.recipe, args.overrides).trainer == "dipaco":
         return _plan_dipaco(args)
+    from megatron_ext.planner.plan import plan_recipe
+    from megatron_ext.planner.report import format_plan
+
     cluster = cluster_from_args(args, args.nodes)
     plan = plan_recipe(args.recipe, args.overrides, cluster, mfu=args.mfu)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))

@@ -14,6 +14,11 @@ from typing import Literal
 
 from megatron_ext.run.peaks import dense_bf16_peak_tflops
 
+#: memory the plan leaves for the CUDA context, NCCL's buffers and allocator fragmentation
+#: (here, with the GPUs, so that the CLI's options read it without importing the planner)
+DEFAULT_RESERVE_BYTES = 4 * 10**9
+DEFAULT_MFU = 0.4
+
 __all__ = ["GPUS", "GpuKind", "GpuSpec", "gpu_kind", "gpu_spec"]
 
 GpuKind = Literal["a100", "h100", "h200", "b200", "gb200"]

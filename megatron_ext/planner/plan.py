@@ -25,7 +25,7 @@ from megatron_ext.optimizers.spec import optimizer_spec, recipe_hyperparameters
 from megatron_ext.planner.activations import ActivationShape, activation_bytes
 from megatron_ext.planner.baselines import matrix_routed, routed_specs, scheme_loads
 from megatron_ext.planner.comm import CommFigures, data_parallel_bytes
-from megatron_ext.planner.gpus import GpuSpec
+from megatron_ext.planner.gpus import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, GpuSpec
 from megatron_ext.planner.mcore_layout import default_bucket_size
 from megatron_ext.planner.memory import MemoryFigures, rank_memory, state_bytes
 from megatron_ext.planner.ownership import FP32, OptimizerLayout, domain_buckets, optimizer_layout
@@ -56,9 +56,6 @@ __all__ = [
 
 #: the byte tokenizer's vocabulary (megatron_ext.data.tokenizers.ByteTokenizer.vocab_size)
 BYTE_VOCAB = 258
-#: memory the plan leaves for the CUDA context, NCCL's buffers and allocator fragmentation
-DEFAULT_RESERVE_BYTES = 4 * 10**9
-DEFAULT_MFU = 0.4
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ experts no other rank sees, so every rank echoes and writes its own records: ran
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.atomic import save_figure
+from megatron_ext.progress import QUIET_VAR
 
 __all__ = ["MetricsLogger", "plot_curves", "read_jsonl"]
 
@@ -62,7 +64,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if echo and (progress_bar == "on" or (progress_bar == "auto" and sys.stdout.isatty())):
+        auto = sys.stdout.isatty() and os.environ.get(QUIET_VAR, "") != "1"  # --quiet: off
+        if echo and (progress_bar == "on" or (progress_bar == "auto" and auto)):
             from tqdm import tqdm
 
             self._bar = tqdm(total=last_step, initial=start_step, unit="step", dynamic_ncols=True)

@@ -22,8 +22,8 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.data.build import build_indexed_dataset
 from megatron_ext.data.corpus import iter_documents
+from megatron_ext.data.indexed import build_indexed_dataset
 from megatron_ext.data.tokenizers import (
     PretrainingTokenizer,
     build_tokenizer,
