@@ -183,6 +183,17 @@ class TrainingConfig:
     lr_decay_style: DecayStyle = spec("cosine")
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
+    # Megatron-LM's --lr-warmup-samples / --lr-decay-samples: positions in sequences, exact
+    # where they end inside a step (its scheduler counts consumed samples)
+    lr_warmup_samples: int | None = spec(
+        None, ge=1, help="warmup length in sequences (instead of lr_warmup_steps)"
+    )
+    lr_decay_samples: int | None = spec(
+        None, ge=1, help="decay end in sequences (instead of lr_decay_steps)"
+    )
+    lr_wsd_decay_samples: int | None = spec(
+        None, ge=1, help="WSD: the final decay in sequences (instead of lr_wsd_decay_steps)"
+    )
     lr_wsd_decay_style: WsdDecayStyle = spec("minus_sqrt")
     eval_interval: int = spec(
         0, ge=0, help="validation loss every N steps (and after the last); 0 = after the last only"
