@@ -88,10 +88,20 @@ def discover(root: Path) -> list[Path]:
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
+    """The YAML with every scalar as written (yq prints them so: ``5.0e-4``, not 0.0005; ``true``;
+    an empty value ``""``), anchors and merge keys (``<<: *BASE``) resolved."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> str:
+        return str(loader.construct_scalar(node))
+
+    for tag in ("bool", "int", "float", "null", "timestamp"):
+        Loader.add_constructor(f"tag:yaml.org,2002:{tag}", text)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
     except yaml.YAMLError as err:
         raise ConfigError(f"not valid YAML ({str(err).splitlines()[0]})") from None
     return data if isinstance(data, dict) else {}
@@ -116,9 +126,9 @@ def yaml_script(path: Path) -> str:
         if value is None or value == "":
             continue
         words.append(str(key))
-        if value is True:
+        if value == "true":  # the bare switch
             continue
-        text = str(value).lower() if isinstance(value, bool) else str(value)
+        text = str(value)
         if isinstance(value, list):  # its items, each a word
             words += [f'"{v}"' for v in value]
         elif re.fullmatch(r"\[[^]]+\]", text):  # the CI strips the brackets: several words

@@ -34,6 +34,8 @@ from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MOD
 
 __all__ = ["AREAS", "compare"]
 
+#: read by megatron-core only with recompute_granularity set
+_RECOMPUTE = ("recompute_method", "recompute_num_layers", "recompute_modules")
 AREAS = ("transformer", "optimizer", "lr", "batch", "parallel")
 #: relative tolerance of the LR comparison (both sides are float64 arithmetic)
 LR_RTOL = 1e-9
@@ -63,6 +65,8 @@ def _comparable(value: Any) -> Any:
 
     if isinstance(value, enum.Enum):
         return value.name
+    if isinstance(value, list | tuple):
+        return [_comparable(v) for v in value]
     if isinstance(value, functools.partial):
         return (value.func, value.args, tuple(sorted(value.keywords.items())))
     return value
@@ -98,6 +102,8 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
             continue
         if f.name.startswith("num_layers_at_") and not parsed.first_last_layers_bf16:
             continue  # Megatron-LM reads the counts only with first_last_layers_bf16
+        if f.name in _RECOMPUTE and theirs.recompute_granularity is None:
+            continue  # megatron-core reads them only with a recompute granularity
         a = _comparable(getattr(mine, f.name, None))
         b = _comparable(getattr(theirs, f.name))
         pairs.append((f.name, a, b))

@@ -104,7 +104,8 @@ def check_gpt(recipe: Recipe, world_size: int | None) -> None:
     # build it once here so a bad schedule fails before any process starts; then the batch
     # stages and the LR positions on consumed tokens.
     t = recipe.training
-    if (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples) == (None, None, None):
+    positions = (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples)
+    if positions == (None, None, None) and t.lr_warmup_fraction is None:
         lr_schedule(recipe)  # positions in samples: the token schedule below checks them
     schedule = training_schedule(recipe)
     if world_size is not None:

@@ -193,7 +193,12 @@ def lr_schedule(recipe: Recipe) -> LRSchedule:
     ``ConfigError`` when it is inconsistent. The GPT trainer positions its LR on tokens
     (:func:`training_schedule`); DiPaCo's inner loop uses this one."""
     t, o = recipe.training, recipe.optimizer
-    if (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples) != (None, None, None):
+    if (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples, t.lr_warmup_fraction) != (
+        None,
+        None,
+        None,
+        None,
+    ):
         raise ConfigError(
             "training.lr_*_samples position the LR in sequences: this "
             "trainer's schedule is in steps; use training.lr_warmup_steps / lr_decay_steps"
@@ -222,12 +227,14 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
 
     tokens = probe.tokens_before
     # a position in samples is exact (it may end inside a step); one in steps is that step's
-    warmup_tokens = tokens(warmup_step)
+    warmup_tokens: float = tokens(warmup_step)
     if t.lr_warmup_samples is not None:
         warmup_tokens = t.lr_warmup_samples * t.seq_length
     decay_tokens = tokens(decay_steps)
     if t.lr_decay_samples is not None:
         decay_tokens = t.lr_decay_samples * t.seq_length
+    if t.lr_warmup_fraction is not None:  # Megatron-LM's: of the decay, not a whole step
+        warmup_tokens = t.lr_warmup_fraction * decay_tokens
     wsd = None
     window = t.lr_wsd_decay_steps
     if t.lr_wsd_decay_samples is not None:  # the steps it covers, for the check below
@@ -274,6 +281,11 @@ def lr_positions(recipe: Recipe) -> tuple[int, int]:
     first step whose consumed samples reach its sample counts (``lr_decay_samples``,
     ``lr_warmup_samples``); ConfigError when a position is given both ways."""
     t = recipe.training
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_steps or t.lr_warmup_samples):
+        raise ConfigError(
+            f"training.lr_warmup_fraction={t.lr_warmup_fraction} and training.lr_warmup_steps/"
+            "lr_warmup_samples both set the warmup: keep one"
+        )
     for name in ("warmup", "decay"):
         given = getattr(t, f"lr_{name}_steps"), getattr(t, f"lr_{name}_samples")
         if given[1] is not None and given[0]:
@@ -287,6 +299,9 @@ def lr_positions(recipe: Recipe) -> tuple[int, int]:
     warmup = _warmup_step(recipe, batch_rule(recipe))
     if t.lr_warmup_samples is not None:
         warmup = steps_for_samples(recipe, t.lr_warmup_samples)[0]
+    if t.lr_warmup_fraction is not None:
+        decay_samples = t.lr_decay_samples or samples_at(recipe, decay)
+        warmup = steps_for_samples(recipe, math.ceil(t.lr_warmup_fraction * decay_samples))[0]
     return decay, warmup
 
 
