@@ -69,7 +69,7 @@ def test_fp16_is_written_and_refused_at_launch(converted) -> None:
     assert (config.fp16, config.bf16, str(config.params_dtype)) == (True, False, "torch.float16")
     unmapped = dict(conversion.unmapped)
     assert "refused at launch" in unmapped["--loss-scale 1024"]
-    with pytest.raises(ConfigError, match="loss scaler .*CUDA only"):
+    with pytest.raises(ConfigError, match=r"loss scaler .*CUDA only"):
         check_precision_before_launch(recipe, probe=lambda: pytest.fail("no probe for fp16"))
 
 
