@@ -407,15 +407,18 @@ def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
 
 
 def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
-    (tmp_path / "args.txt").write_text(BASE + "--global-batch-size 8 --train-iters 10 --fp16\n")
+    (tmp_path / "args.txt").write_text(
+        BASE + "--global-batch-size 8 --train-iters 10 --decoupled-lr 5e-4\n"
+    )
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
         "megatron-ext: error: the script trains a model, or reads data, that megatron-ext "
         "cannot express: "
-        "--fp16 (fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, "
-        "mxfp8)); nothing written (pass --allow-unmapped to write the recipe without "
-        "them, as comments in it)"
+        "--decoupled-lr 5e-4 (a second LR for the embedding and output layer (Megatron-LM's "
+        "decoupled LR) is not a megatron-ext optimizer field: remove it to train every "
+        "parameter at --lr); nothing written (pass --allow-unmapped to write the recipe "
+        "without them, as comments in it)"
     )
     proc = _cli(
         "recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", "--allow-unmapped", cwd=tmp_path

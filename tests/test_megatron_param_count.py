@@ -58,10 +58,18 @@ def megatron_lms_count(parsed) -> int:
     config.should_pad_vocab = True
     module, name = config.builder.rsplit(".", 1)
     builder = getattr(importlib.import_module(module), name)(config)
-    # its attention-backend setup exports NVTE_* variables: undone, so the next parse starts clean
-    with torch.device("meta"), mock.patch.dict(os.environ):
+    with torch.device("meta"):
         model = builder.build_model(ProcessGroupCollection.use_mpu_process_groups())
     return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(autouse=True)
+def _environment():
+    """Megatron-LM's model setup exports NVTE_* attention-backend variables, which its
+    validate_args then checks against the next case's --attention-backend: each case starts
+    from this process's environment."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.mark.parametrize("case", list(CASES))
