@@ -5,7 +5,8 @@ The configs (:func:`discover`): the shell scripts under ``examples/`` that launc
 ``pretrain_gpt.py``, and the functional tests' ``model_config.yaml`` files under
 ``tests/functional_tests/test_cases/{gpt,moe}/`` (``MODEL_ARGS``, turned into flags as
 Megatron-LM's CI does in ``_run_training.sh``: ``true`` is the bare switch, an empty value is
-left out, a list is its items; ``ENV_VARS`` exported; ``MODE: inference`` / ``rl`` skipped).
+left out, a list is its items; ``ENV_VARS`` exported; ``MODE: inference`` / ``rl`` and an
+empty ``MODEL_ARGS`` skipped).
 
 Scripts read their paths from positional arguments or variables such as ``${DATA_PATH}`` that
 CI sets: ``--var NAME=VALUE`` sets a variable before the config is read (as the environment
@@ -112,7 +113,8 @@ def _yaml_mode(path: Path) -> str:
         data = _load_yaml(path)
     except ConfigError:
         return "pretraining"  # read and refused as a case
-    return str(data.get("MODE", "pretraining")) if "MODEL_ARGS" in data else "none"
+    # no MODEL_ARGS (or an empty one): a test that runs its own script, no Megatron-LM flags
+    return str(data.get("MODE", "pretraining")) if data.get("MODEL_ARGS") else "none"
 
 
 def yaml_script(path: Path) -> str:
