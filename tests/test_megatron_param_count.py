@@ -65,10 +65,12 @@ def megatron_lms_count(parsed) -> int:
 
 @pytest.fixture(autouse=True)
 def _environment():
-    """Megatron-LM's model setup exports NVTE_* attention-backend variables, which its
-    validate_args then checks against the next case's --attention-backend: each case starts
-    from this process's environment."""
+    """megatron-core's model setup exports NVTE_* attention-backend variables and checks them
+    against the next model's --attention-backend: each case starts without them (another test
+    of this process may have built a model) and leaves the environment as it found it."""
     with mock.patch.dict(os.environ):
+        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+            os.environ.pop(name, None)
         yield
 
 
