@@ -260,9 +260,12 @@ def test_a_missing_required_flag_is_exit_2(tmp_path: Path) -> None:
 
 def test_sample_counts_follow_the_stage_table() -> None:
     """--train-samples under a step schedule gives Megatron-LM's iteration count (its
-    update_train_iters loop on megatron-core's calculator); --lr-*-samples become steps of the
-    stage table, rounded up and noted when they end inside a step."""
+    update_train_iters loop on megatron-core's calculator); --lr-*-samples stay sample counts
+    (training.lr_*_samples), so the LR at every chosen step is megatron-core's scheduler's at
+    the samples Megatron-LM's loop has consumed, though 901 samples end inside a step."""
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
+
+    from megatron_ext.config.megatron_compare import compare
 
     flags = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
@@ -280,11 +283,9 @@ def test_sample_counts_follow_the_stage_table() -> None:
         iterations += 1
     recipe = load_recipe_dict(conversion.recipe)
     assert run_steps(recipe) == iterations  # train_tokens: the plan's step count
-    # 10K tokens = 78 samples: 10 steps of 8 (80), then 16 per step
-    assert recipe.training.lr_warmup_steps == 5  # 40 samples exactly
-    assert recipe.training.lr_decay_steps == 10 + 52  # 80 + 52*16 = 912 >= 901
-    assert recipe.training.lr_wsd_decay_steps == 10  # from 912 - 160 = 752: 10 + 42 steps
-    assert any("--lr-decay-samples 901 samples ends inside step 62" in n for n in conversion.notes)
+    t = recipe.training
+    assert (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples) == (40, 901, 160)
+    assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
 
 
 def load_recipe_dict(raw: dict):
@@ -406,15 +407,18 @@ def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
 
 
 def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
-    (tmp_path / "args.txt").write_text(BASE + "--global-batch-size 8 --train-iters 10 --fp16\n")
+    (tmp_path / "args.txt").write_text(
+        BASE + "--global-batch-size 8 --train-iters 10 --decoupled-lr 5e-4\n"
+    )
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
         "megatron-ext: error: the script trains a model, or reads data, that megatron-ext "
         "cannot express: "
-        "--fp16 (fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, "
-        "mxfp8)); nothing written (pass --allow-unmapped to write the recipe without "
-        "them, as comments in it)"
+        "--decoupled-lr 5e-4 (a second LR for the embedding and output layer (Megatron-LM's "
+        "decoupled LR) is not a megatron-ext optimizer field: remove it to train every "
+        "parameter at --lr); nothing written (pass --allow-unmapped to write the recipe "
+        "without them, as comments in it)"
     )
     proc = _cli(
         "recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", "--allow-unmapped", cwd=tmp_path

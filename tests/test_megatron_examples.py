@@ -163,18 +163,21 @@ def test_gpt3_175b_is_refused_as_megatron_lm_refuses_it() -> None:
 def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     """--apply-layernorm-1p is megatron-core's zero-centred gamma, carried in
     model.transformer_config; --train-samples counted as Megatron-LM counts them (rounded
-    down); the warmup's 3,906,252 samples end inside step 30,518, which it is rounded up to,
-    noted (Megatron-LM's scheduler counts samples; the recipe's LR positions are steps)."""
+    down); the warmup's 3,906,252 samples end inside step 30,518 and stay a sample count, as
+    Megatron-LM's scheduler counts them."""
+    from megatron_ext.config.megatron_compare import compare
+
     conversion = convert(read_megatron_args(LLAMA3_8B))
     assert conversion.model_changing == []
     recipe = recipe_from_dict(conversion.recipe)
     recipe.check()
     assert recipe.model.transformer_config["layernorm_zero_centered_gamma"] is True
     assert run_steps(recipe) == 1953125000 // 128
-    assert (recipe.model.kv_channels, recipe.training.lr_warmup_steps) == (128, 3906252 // 128 + 1)
-    assert any(
-        "--lr-warmup-samples 3,906,252 samples ends inside step" in n for n in conversion.notes
-    )
+    t = recipe.training
+    assert (recipe.model.kv_channels, t.lr_warmup_samples) == (128, 3906252)
+    assert (t.lr_warmup_steps, t.lr_decay_samples) == (0, 1949218748)
+    # the LR at chosen steps, batch, parallel sizes and TransformerConfig: Megatron-LM's
+    assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
 
 
 def test_gpt_oss_is_refused_by_megatron_lms_parser() -> None:

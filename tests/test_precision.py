@@ -48,8 +48,9 @@ def test_every_precision_has_one_spec_and_dtype():
     from megatron_ext.run.precision import precision_dtype
 
     assert tuple(SPECS) == PRECISIONS
+    half = {"fp32": torch.float32, "fp16": torch.float16}
     assert {p: precision_dtype(p) for p in PRECISIONS} == {
-        p: torch.float32 if p == "fp32" else torch.bfloat16 for p in PRECISIONS
+        p: half.get(p, torch.bfloat16) for p in PRECISIONS
     }
     with pytest.raises(ConfigError, match="fp8"):
         precision_dtype("fp8")
@@ -65,6 +66,7 @@ def test_every_precision_has_one_spec_and_dtype():
         ("fp8_blockwise", {"bf16": True, "fp8": "e4m3", "fp8_recipe": "blockwise"}),
         ("mxfp8", {"bf16": True, "fp8": "e4m3", "fp8_recipe": "mxfp8"}),
         ("nvfp4", {"bf16": True, "fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4"}),
+        ("fp16", {"bf16": False, "fp16": True, "fp8": None, "fp4": None}),
     ],
 )
 def test_each_precision_maps_to_megatron_core_fields(precision, expected):
@@ -79,7 +81,7 @@ def test_each_precision_maps_to_megatron_core_fields(precision, expected):
     )
     for key, value in expected.items():
         assert getattr(config, key) == value, key
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
     assert config.params_dtype == config.pipeline_dtype == dtype
     assert config.fp8_param is False and config.fp4_param is False
     assert config.first_last_layers_bf16 is bool(start)
@@ -87,6 +89,10 @@ def test_each_precision_maps_to_megatron_core_fields(precision, expected):
 
 
 # --------------------------------------------------------------------------- the table
+
+
+#: fp16 (loss scaling) is written by the converter and refused on every machine
+TRAINED = [p for p in PRECISIONS if p != "fp16"]
 
 
 # (device, precisions it runs): the accept and refuse paths of every row
@@ -100,8 +106,8 @@ def test_each_precision_maps_to_megatron_core_fields(precision, expected):
             device((9, 0), cuda=(12, 9)),
             ["fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise"],
         ),
-        (device((10, 0), cuda=(12, 9)), list(PRECISIONS)),  # B200
-        (device((11, 0), cuda=(13, 0)), list(PRECISIONS)),  # Thor
+        (device((10, 0), cuda=(12, 9)), TRAINED),  # B200
+        (device((11, 0), cuda=(13, 0)), TRAINED),  # Thor
         (  # 12.x (RTX 50xx): MXFP8 not yet
             device((12, 0), cuda=(12, 9)),
             ["fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "nvfp4"],

@@ -310,6 +310,8 @@ COMMAND_TESTS = {
     "plan": "test_planner_cli.py::test_text_and_json_give_the_same_figures",
     "recipe from-megatron-args": "test_from_megatron.py::"
     "test_round_trip_the_recipes_dry_run_shows_the_scripts_schedule",
+    "recipe check-megatron": "test_check_megatron.py::"
+    "test_check_megatron_reports_each_file_and_the_total",
     "tools eps-sweep": "test_convert_eps_sweep.py::"
     "test_near_epsilon_model_peaks_at_one_and_falls_at_a_tenth",
     "convert hf-to-mcore": "test_convert_cli.py::test_hf_to_mcore_then_check",

@@ -83,9 +83,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the recipe even when a flag that changes the model cannot be expressed "
         "(each such flag is a comment in the recipe): the run then trains another model",
     )
+    _add_check_arguments(sub)
+
+
+def _add_check_arguments(sub: Any) -> None:
+    c = sub.add_parser(
+        "check-megatron",
+        help="convert every GPT/MoE pretraining config of a Megatron-LM checkout and compare "
+        "each recipe with what Megatron-LM builds from the same flags",
+        description="Per file: agree, refused (why) or differs (the fields), and the total. "
+        "Compared: the TransformerConfig, optimizer config, LR at chosen steps, batch stages and "
+        "parallel sizes. Exit 0 when no file differs, 1 when one does, 2 on bad input.",
+    )
+    c.add_argument("path", help="the root of a Megatron-LM checkout (examples/, tests/)")
+    c.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable the configs read (${DATA_PATH}), set before each is read; a path flag "
+        "still unresolved gets a placeholder path, stated per file",
+    )
+    c.add_argument("--json", action="store_true", help="print the results as JSON")
+    c.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks to validate at where a config's torchrun sizes are not resolved",
+    )
+    c.add_argument("--gpu", default="H100", help="the GPU the configs target (default H100)")
 
 
 def recipe_main(args: argparse.Namespace) -> int:
+    if args.recipe_command == "check-megatron":
+        return check_main(args)
     source = Path(args.source)
     if not source.is_file():
         raise ConfigError(f"{source}: no such file (give a file of Megatron-LM flags or a script)")
@@ -128,6 +160,40 @@ def recipe_main(args: argparse.Namespace) -> int:
     ]
     print("\n".join(summary), file=sys.stderr)
     return 0
+
+
+def check_main(args: argparse.Namespace) -> int:
+    """``recipe check-megatron``: the table (or JSON) on stdout, one line per file on stderr
+    as it goes."""
+    import json
+
+    from megatron_ext.config.check_megatron import as_json, check_file, discover, table
+
+    root = Path(args.path)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: not a folder (give the root of a Megatron-LM checkout)")
+    variables = {}
+    for item in args.var:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isidentifier():
+            raise ConfigError(f"--var {item}: give NAME=VALUE (e.g. --var DATA_PATH=/data)")
+        variables[name] = value
+    configs = discover(root)
+    if not configs:
+        raise ConfigError(
+            f"{root}: no GPT/MoE pretraining config under examples/ or "
+            "tests/functional_tests/test_cases/{gpt,moe}/ (give a Megatron-LM checkout's root)"
+        )
+    results = []
+    for i, path in enumerate(configs, start=1):
+        result = check_file(path, root, variables, args.world_size, args.gpu)
+        print(f"[{i}/{len(configs)}] {result.path}: {result.status}", file=sys.stderr)
+        results.append(result)
+    if args.json:
+        print(json.dumps(as_json(results, root, args.gpu), indent=1))
+    else:
+        print(table(results))
+    return 1 if any(r.status == "differs" for r in results) else 0
 
 
 def _read_text(source: Path) -> str:
@@ -211,8 +277,8 @@ def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
 #: The ``megatron_ext.commands`` entry point ``recipe`` (setup.py).
 COMMAND = Command(
     name="recipe",
-    usage="from-megatron-args ...",
-    help="recipes from Megatron-LM argument lists",
+    usage="from-megatron-args ... | check-megatron PATH",
+    help="recipes from Megatron-LM argument lists; check them against a Megatron-LM checkout",
     add_arguments=add_arguments,
     run=recipe_main,
 )

@@ -23,6 +23,7 @@ default, the whole ``TransformerConfig``) is taken from it. Torch is imported on
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,6 +196,7 @@ def _plain(out: Conversion, flag: Flag, path: str, kind: Callable[[str], Any] | 
     out.mapped.append(flag.text)
 
 
+@functools.cache
 def _field_metadata(path: str) -> Any:
     """The recipe field's validation metadata (choices, bounds)."""
     import dataclasses
@@ -252,7 +254,9 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         if take(key):
             out.set("training.precision", value)
     precision = out.get("training.precision", "fp32")
-    take("fp16", MODEL_CHANGING["fp16"])
+    if take("fp16"):  # written; the launcher refuses it (run/precision.py's FP16_REFUSAL)
+        out.set("training.precision", "fp16")
+        precision = "fp16"
     _low_precision(out, flags, take, precision)
     take("rotary-percent")  # model.rotary_percent: Megatron-LM's parsed value (apply_parsed)
     _moe_layer_freq(out, flags, take)
@@ -435,9 +439,9 @@ def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., An
 
 
 def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
-    """Sample-counted flags: the run in tokens, LR positions in steps of the stage table."""
+    """Sample-counted flags: the run in steps (or tokens under a batch schedule), the LR
+    positions as sample counts (``training.lr_*_samples``) and the warmup fraction as is."""
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.schedules.plan import run_steps, samples_at, steps_for_samples
 
     seq = int(out.get("training.seq_length"))
     samples = _value(flags.get("train-samples"))
@@ -454,34 +458,29 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
     elif samples is not None:  # a step schedule: steps until the samples are reached
         take("train-samples")
         out.set("training.train_tokens", int(samples) * seq)
-    recipe = recipe_from_dict(out.recipe)
-    t, run_length = recipe.training, run_steps(recipe)
-
-    def steps(key: str, count: int) -> int:
-        n, exact = steps_for_samples(recipe, count)
-        if not exact:
-            out.notes.append(f"--{key} {count:,} samples ends inside step {n:,}: rounded up")
-        return n
-
+    t = recipe_from_dict(out.recipe).training
+    # sample positions stay in samples (exact where they end inside a step): Megatron-LM's
+    # scheduler counts consumed samples; without --lr-decay-samples its decay ends at
+    # --train-samples
     decay = _value(flags.get("lr-decay-samples"))
     if decay is not None:
         take("lr-decay-samples")
-        t.lr_decay_steps = steps("lr-decay-samples", int(decay))
-        out.set("training.lr_decay_steps", t.lr_decay_steps)
+    elif samples is not None and t.lr_decay_steps is None:
+        decay = samples
+    if decay is not None:
+        t.lr_decay_samples = int(decay)
+        out.set("training.lr_decay_samples", t.lr_decay_samples)
     warmup = _value(flags.get("lr-warmup-samples"))
-    if warmup is not None:
+    if warmup is not None and int(warmup) > 0:
         take("lr-warmup-samples")
-        out.set("training.lr_warmup_steps", steps("lr-warmup-samples", int(warmup)))
+        out.set("training.lr_warmup_samples", int(warmup))
+    elif warmup is not None:
+        take("lr-warmup-samples")
     window = _value(flags.get("lr-wsd-decay-samples"))
     if window is not None:  # a window of samples that ends where the decay ends
         take("lr-wsd-decay-samples")
-        end = t.lr_decay_steps or run_length
-        start = steps("lr-wsd-decay-samples", max(0, samples_at(recipe, end) - int(window)))
-        out.set("training.lr_wsd_decay_steps", end - start)
+        out.set("training.lr_wsd_decay_samples", int(window))
     fraction = _value(flags.get("lr-warmup-fraction"))
-    if fraction is not None:  # Megatron-LM: a fraction of the decay
+    if fraction is not None:  # Megatron-LM: a fraction of the decay, in samples
         take("lr-warmup-fraction")
-        end = t.lr_decay_steps or run_length
-        n = round(float(fraction) * end)
-        out.set("training.lr_warmup_steps", n)
-        out.notes.append(f"--lr-warmup-fraction {fraction} of {end:,} decay steps: {n:,} steps")
+        out.set("training.lr_warmup_fraction", float(fraction))

@@ -103,11 +103,36 @@ def apply_parsed(
     if parsed.first_last_layers_bf16:  # Megatron-LM reads the counts only with this switch
         out.set("training.num_layers_at_start_in_bf16", parsed.num_layers_at_start_in_bf16)
         out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
+    _recompute(out, parsed)
     if parsed.rotary_percent != 1.0:
         out.set("model.rotary_percent", float(parsed.rotary_percent))
     fields = transformer_fields(parsed)
     written = _model_fields(out, fields, transformer_fields(parsed, every=True))
     _carried_flags(out, args, fields, written, size, gpu)
+
+
+#: Megatron-LM's recomputation flags, as the recipe's parallel.recompute_granularity reads them
+RECOMPUTE_FLAGS = ("recompute-granularity", "recompute-method", "recompute-num-layers")
+RECOMPUTE_FLAGS += ("recompute-modules",)
+
+
+def _recompute(out: Conversion, parsed: Namespace) -> None:
+    """``--recompute-granularity`` as ``parallel.recompute_granularity`` where the recipe's
+    form is Megatron-LM's (megatron_ext.megatron.model.recompute_fields): full, uniform, one
+    layer per checkpoint; selective over core attention. Another form stays unmapped (with the
+    reason), and the exactness check shows its fields."""
+    g = parsed.recompute_granularity
+    full = g == "full" and parsed.recompute_method == "uniform" and parsed.recompute_num_layers == 1
+    selective = g == "selective" and list(parsed.recompute_modules or ["core_attn"]) == [
+        "core_attn"
+    ]
+    if not (full or selective):
+        return
+    out.set("parallel.recompute_granularity", g)
+    for text, reason in list(out.unmapped):
+        if text[2:].split(" ", 1)[0].replace("_", "-") in RECOMPUTE_FLAGS:
+            out.unmapped.remove((text, reason))
+            out.mapped.append(text)
 
 
 def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, Any]) -> set[str]:

@@ -172,9 +172,13 @@ REASONS = {
     "no-load-rng": "a resume loads the whole checkpoint",
     "rampup-batch-size": "refused by megatron-ext (and ignored by megatron-core 0.19): use "
     "--step-batch-size-schedule",
-    "decoupled-lr": "one learning rate for every parameter",
-    "decoupled-min-lr": "one learning rate for every parameter",
     "mock-data": "megatron-ext trains on an indexed dataset (data.path)",
+    # fp16's loss scaler: training.precision=fp16 is written and refused at launch
+    "loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
+    "initial-loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
+    "min-loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
+    "loss-scale-window": "fp16's loss scaler: training.precision=fp16 is refused at launch",
+    "hysteresis": "fp16's loss scaler: training.precision=fp16 is refused at launch",
     "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
     "no-masked-softmax-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
     "no-rope-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
@@ -189,7 +193,11 @@ REASONS = {
 #: TransformerConfig field is not here: Megatron-LM's own config carries it
 #: (model.transformer_config), and what the trainer cannot build is refused at launch.
 MODEL_CHANGING = {
-    "fp16": "fp16 with loss scaling is not a megatron-ext precision (fp32, bf16, fp8_*, mxfp8)",
+    # Megatron-LM trains the embedding and output layer at this LR (its own schedule to
+    # --decoupled-min-lr): megatron-ext's optimizer has one LR for every parameter
+    "decoupled-lr": "a second LR for the embedding and output layer (Megatron-LM's decoupled "
+    "LR) is not a megatron-ext optimizer field: remove it to train every parameter at --lr",
+    "decoupled-min-lr": "the decoupled LR's minimum: megatron-ext has one LR for every parameter",
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
     # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens

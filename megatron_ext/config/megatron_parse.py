@@ -86,6 +86,28 @@ def _target_gpu(gpu: str, world_size: int, environment: dict[str, str]) -> Itera
         yield
 
 
+#: {dataclass: its fields' docstrings}, as Megatron-LM's argument factory reads them
+_DOCSTRINGS: dict[type, dict[str, str]] = {}
+
+
+@contextlib.contextmanager
+def _docstrings_once() -> Iterator[None]:
+    """Megatron-LM's parser reads the help text of its dataclass-built flags from the classes'
+    source (``inspect.getsource`` + ``ast``) each time it is built: about a second per parse,
+    the same text each time. Read once per class here; the parser built is the same."""
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    read = ArgumentGroupFactory._get_field_docstrings
+
+    def once(self: Any, cls: type) -> dict[str, str]:
+        if cls not in _DOCSTRINGS:
+            _DOCSTRINGS[cls] = read(self, cls)
+        return dict(_DOCSTRINGS[cls])
+
+    with mock.patch.object(ArgumentGroupFactory, "_get_field_docstrings", once):
+        yield
+
+
 def parse_megatron(
     words: Sequence[str],
     world_size: int,
@@ -111,6 +133,7 @@ def parse_megatron(
     argv = ["pretrain_gpt.py", *words]
     stderr = io.StringIO()
     with (
+        _docstrings_once(),
         _target_gpu(gpu, world_size, environment or {}),
         mock.patch.object(sys, "argv", argv),
         warnings.catch_warnings(),

@@ -71,7 +71,7 @@ def check_gpt_sections(recipe: Recipe) -> None:
         raise ConfigError(
             f"optimizer.min_lr={recipe.optimizer.min_lr} exceeds optimizer.lr={recipe.optimizer.lr}"
         )
-    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is None:
+    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is None and not t.lr_wsd_decay_samples:
         raise ConfigError(
             "training.lr_decay_style=WSD needs training.lr_wsd_decay_steps "
             "(the length of the final decay window)"
@@ -103,7 +103,10 @@ def check_gpt(recipe: Recipe, world_size: int | None) -> None:
     # The schedule checks its own consistency (e.g. the WSD window must fit after the warmup):
     # build it once here so a bad schedule fails before any process starts; then the batch
     # stages and the LR positions on consumed tokens.
-    lr_schedule(recipe)
+    t = recipe.training
+    positions = (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples)
+    if positions == (None, None, None) and t.lr_warmup_fraction is None:
+        lr_schedule(recipe)  # positions in samples: the token schedule below checks them
     schedule = training_schedule(recipe)
     if world_size is not None:
         _check_layout(recipe.parallel, recipe.model.num_moe_experts, world_size)

@@ -71,8 +71,8 @@ class ModelConfig:
     moe_router_score_function: Literal["softmax", "sigmoid"] = spec("softmax")
     moe_router_enable_expert_bias: bool = False
     moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
-    ] = spec("aux_loss")
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
+    ] = spec("aux_loss", help="megatron-core's router balancing (sinkhorn: no auxiliary loss)")
     moe_aux_loss_coeff: float = spec(0.0, ge=0.0, help="megatron-core's, per MoE layer")
     moe_z_loss_coeff: float | None = spec(None, ge=0.0)
     moe_router_pre_softmax: bool = spec(False, help="softmax over all experts before top-k")
@@ -183,6 +183,24 @@ class TrainingConfig:
     lr_decay_style: DecayStyle = spec("cosine")
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")
+    # Megatron-LM's --lr-warmup-samples / --lr-decay-samples: positions in sequences, exact
+    # where they end inside a step (its scheduler counts consumed samples)
+    lr_warmup_samples: int | None = spec(
+        None, ge=1, help="warmup length in sequences (instead of lr_warmup_steps)"
+    )
+    lr_decay_samples: int | None = spec(
+        None, ge=1, help="decay end in sequences (instead of lr_decay_steps)"
+    )
+    lr_warmup_fraction: float | None = spec(
+        None,
+        gt=0.0,
+        lt=1.0,
+        help="Megatron-LM's --lr-warmup-fraction: the warmup as a fraction of the decay "
+        "(instead of lr_warmup_steps)",
+    )
+    lr_wsd_decay_samples: int | None = spec(
+        None, ge=1, help="WSD: the final decay in sequences (instead of lr_wsd_decay_steps)"
+    )
     lr_wsd_decay_style: WsdDecayStyle = spec("minus_sqrt")
     eval_interval: int = spec(
         0, ge=0, help="validation loss every N steps (and after the last); 0 = after the last only"

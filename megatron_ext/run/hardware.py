@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.precision import PRECISIONS, precision_spec
+from megatron_ext.run.precision import FP16_REFUSAL, PRECISIONS, precision_spec
 
 if TYPE_CHECKING:
     from megatron_ext.config.schema import Recipe
@@ -168,6 +168,8 @@ def unmet_requirement(precision: str, device: DeviceDescription) -> str | None:
     the machine has, what it can run instead), or None when it can."""
     if can_run(precision, device):
         return None
+    if precision == "fp16":
+        return FP16_REFUSAL
     rule = REQUIREMENTS[precision]
     return (
         f"training.precision={precision} needs {rule.describe()} (rule from {rule.source}); "
@@ -177,7 +179,10 @@ def unmet_requirement(precision: str, device: DeviceDescription) -> str | None:
 
 
 def can_run(precision: str, device: DeviceDescription) -> bool:
-    """Whether ``device`` meets ``precision``'s row of :data:`REQUIREMENTS` (no row: yes)."""
+    """Whether ``device`` meets ``precision``'s row of :data:`REQUIREMENTS` (no row: yes;
+    fp16: no machine, :data:`~megatron_ext.run.precision.FP16_REFUSAL`)."""
+    if precision_spec(precision).name == "fp16":
+        return False
     rule = REQUIREMENTS.get(precision_spec(precision).name)
     if rule is None:
         return True
@@ -210,6 +215,8 @@ def check_precision_before_launch(
     """The launcher's gate: torch-free; the device is probed (:func:`probe_device`) only when
     the recipe's precision has a rule."""
     precision = _precision(recipe)
+    if precision == "fp16":
+        raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
         require_precision(precision, (probe or probe_device)())
 
@@ -218,6 +225,8 @@ def check_precision_on_rank(recipe: Recipe, local_rank: int) -> None:
     """The per-rank gate (``megatron-ext train``): the same table, against the rank's own GPU
     as torch sees it and Transformer Engine as actually imported."""
     precision = _precision(recipe)
+    if precision == "fp16":
+        raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
         require_precision(precision, probe_device_with_torch(local_rank))
 

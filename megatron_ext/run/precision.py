@@ -15,7 +15,13 @@ fp8_delayed        bfloat16      hybrid    delayed       –     –
 fp8_blockwise      bfloat16      e4m3      blockwise     –     –
 mxfp8              bfloat16      e4m3      mxfp8         –     –
 nvfp4              bfloat16      –         –             e2m1  nvfp4
+fp16               float16       –         –             –     –
 =================  ============  ========  ============  ====  ==========
+
+``fp16`` is Megatron-LM's ``--fp16``: float16 parameters with loss scaling. The converter writes
+it (megatron-core's ``TransformerConfig`` gets ``fp16=True`` and float16 dtypes), and the
+launcher refuses it (:data:`FP16_REFUSAL`): megatron-core's loss scaler allocates its scale on
+CUDA only, and megatron-ext's loop scales no loss.
 
 Every precision but fp32 runs the model as Megatron-LM runs ``--bf16``: megatron-core's
 ``Float16Module`` casts the whole model to bf16 (norms included) and the optimizer keeps fp32
@@ -47,6 +53,7 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "FP16_REFUSAL",
     "PRECISIONS",
     "SPECS",
     "Precision",
@@ -58,9 +65,15 @@ __all__ = [
 ]
 
 Precision = Literal[
-    "fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4"
+    "fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4", "fp16"
 ]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: why the launcher refuses training.precision=fp16 (on every host)
+FP16_REFUSAL = (
+    "training.precision=fp16 (Megatron-LM's --fp16, loss scaling) is not trained by megatron-ext: "
+    "megatron-core's loss scaler (DynamicGradScaler) keeps its scale on CUDA only and "
+    "megatron-ext's loop scales no loss; train with training.precision: bf16"
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,7 @@ class PrecisionSpec:
     """One precision: parameter dtype and megatron-core's quantization fields (None = off)."""
 
     name: Precision
-    params_dtype: Literal["float32", "bfloat16"]
+    params_dtype: Literal["float32", "bfloat16", "float16"]
     fp8: Literal["e4m3", "hybrid"] | None = None
     fp8_recipe: Literal["tensorwise", "delayed", "blockwise", "mxfp8"] | None = None
     fp4: Literal["e2m1"] | None = None
@@ -76,8 +89,8 @@ class PrecisionSpec:
 
     @property
     def half(self) -> bool:
-        """bf16 parameters: the model runs inside megatron-core's ``Float16Module``."""
-        return self.params_dtype == "bfloat16"
+        """bf16 (or fp16) parameters: the model runs inside megatron-core's ``Float16Module``."""
+        return self.params_dtype != "float32"
 
     @property
     def quantized(self) -> bool:
@@ -95,6 +108,7 @@ SPECS: dict[str, PrecisionSpec] = {
         PrecisionSpec("fp8_blockwise", "bfloat16", fp8="e4m3", fp8_recipe="blockwise"),
         PrecisionSpec("mxfp8", "bfloat16", fp8="e4m3", fp8_recipe="mxfp8"),
         PrecisionSpec("nvfp4", "bfloat16", fp4="e2m1", fp4_recipe="nvfp4"),
+        PrecisionSpec("fp16", "float16"),
     )
 }
 assert tuple(SPECS) == PRECISIONS, "one spec per precision, in the Literal's order"
@@ -111,7 +125,8 @@ def precision_spec(precision: str) -> PrecisionSpec:
 
 
 def precision_dtype(precision: str) -> torch.dtype:
-    """The parameter dtype of ``precision`` (float32 for fp32, bfloat16 for every other)."""
+    """The parameter dtype of ``precision`` (float32 for fp32, float16 for fp16, bfloat16 for
+    every other)."""
     import torch
 
     return getattr(torch, precision_spec(precision).params_dtype)
@@ -124,7 +139,8 @@ def transformer_config_fields(precision: str, start: int = 0, end: int = 0) -> d
     spec = precision_spec(precision)
     dtype = precision_dtype(spec.name)
     fields: dict[str, Any] = {
-        "bf16": spec.half,
+        "bf16": spec.params_dtype == "bfloat16",
+        "fp16": spec.params_dtype == "float16",
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "fp8": spec.fp8,

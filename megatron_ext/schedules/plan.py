@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TrainingSchedule",
     "batch_rule",
+    "lr_positions",
     "run_steps",
     "samples_at",
     "steps_for_samples",
@@ -192,6 +193,16 @@ def lr_schedule(recipe: Recipe) -> LRSchedule:
     ``ConfigError`` when it is inconsistent. The GPT trainer positions its LR on tokens
     (:func:`training_schedule`); DiPaCo's inner loop uses this one."""
     t, o = recipe.training, recipe.optimizer
+    if (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples, t.lr_warmup_fraction) != (
+        None,
+        None,
+        None,
+        None,
+    ):
+        raise ConfigError(
+            "training.lr_*_samples position the LR in sequences: this "
+            "trainer's schedule is in steps; use training.lr_warmup_steps / lr_decay_steps"
+        )
     return LRSchedule(
         max_lr=o.lr,
         min_lr=o.min_lr,
@@ -210,23 +221,42 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
     t, o = recipe.training, recipe.optimizer
     rule = batch_rule(recipe)
     steps = run_steps(recipe)
-    decay_steps = steps if t.lr_decay_steps is None else t.lr_decay_steps
+    decay_steps, warmup_step = lr_positions(recipe)
     stages = resolve_stages(rule, max(steps, decay_steps))
     probe = TrainingSchedule(stages, steps, t.seq_length, rule.target, _placeholder())
 
-    warmup_step = _warmup_step(recipe, rule)
     tokens = probe.tokens_before
+    # a position in samples is exact (it may end inside a step); one in steps is that step's
+    warmup_tokens: float = tokens(warmup_step)
+    if t.lr_warmup_samples is not None:
+        warmup_tokens = t.lr_warmup_samples * t.seq_length
+    decay_tokens = tokens(decay_steps)
+    if t.lr_decay_samples is not None:
+        decay_tokens = t.lr_decay_samples * t.seq_length
+    if t.lr_warmup_fraction is not None:  # Megatron-LM's: of the decay, not a whole step
+        warmup_tokens = t.lr_warmup_fraction * decay_tokens
     wsd = None
-    if t.lr_decay_style == "WSD" and t.lr_wsd_decay_steps is not None:
-        window_start = decay_steps - t.lr_wsd_decay_steps
+    window = t.lr_wsd_decay_steps
+    if t.lr_wsd_decay_samples is not None:  # the steps it covers, for the check below
+        if window is not None:
+            raise ConfigError(
+                "training.lr_wsd_decay_steps and training.lr_wsd_decay_samples both set the WSD "
+                "window: keep one"
+            )
+        end = decay_tokens // t.seq_length
+        window = decay_steps - steps_for_samples(recipe, max(0, end - t.lr_wsd_decay_samples))[0]
+    if t.lr_decay_style == "WSD" and window is not None:
+        window_start = decay_steps - window
         if warmup_step > window_start:
             raise ConfigError(
                 f"the warmup ends at step {warmup_step} (token {tokens(warmup_step):,}), after "
                 f"the WSD decay window starts at step {window_start} (token "
                 f"{tokens(window_start):,}): shorten the warmup or training.lr_wsd_decay_steps, "
-                f"or run at least {warmup_step + t.lr_wsd_decay_steps} steps"
+                f"or run at least {warmup_step + window} steps"
             )
-        wsd = tokens(decay_steps) - tokens(window_start)
+        wsd = decay_tokens - tokens(window_start)
+        if t.lr_wsd_decay_samples is not None:
+            wsd = t.lr_wsd_decay_samples * t.seq_length
     if warmup_step >= decay_steps:
         raise ConfigError(
             f"the warmup ends at step {warmup_step}, not before the decay ends at step "
@@ -236,14 +266,43 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
     lr = LRSchedule(
         max_lr=o.lr,
         min_lr=o.min_lr,
-        warmup_steps=tokens(warmup_step),
-        decay_steps=tokens(decay_steps),
+        warmup_steps=warmup_tokens,
+        decay_steps=decay_tokens,
         decay_style=t.lr_decay_style,
         wsd_decay_steps=wsd,
         wsd_decay_style=t.lr_wsd_decay_style,
     )
     sqrt_lr = t.batch_lr_scaling == "sqrt"
     return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr)
+
+
+def lr_positions(recipe: Recipe) -> tuple[int, int]:
+    """(the step the decay ends at, the step the warmup ends at): the recipe's steps, or the
+    first step whose consumed samples reach its sample counts (``lr_decay_samples``,
+    ``lr_warmup_samples``); ConfigError when a position is given both ways."""
+    t = recipe.training
+    if t.lr_warmup_fraction is not None and (t.lr_warmup_steps or t.lr_warmup_samples):
+        raise ConfigError(
+            f"training.lr_warmup_fraction={t.lr_warmup_fraction} and training.lr_warmup_steps/"
+            "lr_warmup_samples both set the warmup: keep one"
+        )
+    for name in ("warmup", "decay"):
+        given = getattr(t, f"lr_{name}_steps"), getattr(t, f"lr_{name}_samples")
+        if given[1] is not None and given[0]:
+            raise ConfigError(
+                f"training.lr_{name}_steps={given[0]} and training.lr_{name}_samples={given[1]} "
+                f"both set the {name}: keep one"
+            )
+    decay = run_steps(recipe) if t.lr_decay_steps is None else t.lr_decay_steps
+    if t.lr_decay_samples is not None:
+        decay = steps_for_samples(recipe, t.lr_decay_samples)[0]
+    warmup = _warmup_step(recipe, batch_rule(recipe))
+    if t.lr_warmup_samples is not None:
+        warmup = steps_for_samples(recipe, t.lr_warmup_samples)[0]
+    if t.lr_warmup_fraction is not None:
+        decay_samples = t.lr_decay_samples or samples_at(recipe, decay)
+        warmup = steps_for_samples(recipe, math.ceil(t.lr_warmup_fraction * decay_samples))[0]
+    return decay, warmup
 
 
 def _warmup_step(recipe: Recipe, rule: BatchRule) -> int:

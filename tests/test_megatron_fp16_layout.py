@@ -1,0 +1,88 @@
+"""fp16 with loss scaling and pipeline layouts through ``recipe from-megatron-args``, each
+compared field by field with what Megatron-LM builds from the same flags
+(:func:`megatron_ext.config.megatron_compare.compare`: TransformerConfig, optimizer, LR at
+chosen steps, batch, parallel sizes).
+
+- ``--fp16``: written as ``training.precision: fp16`` (megatron-core's ``fp16=True`` and
+  float16 dtypes, as Megatron-LM's), refused at launch with the reason: megatron-core's loss
+  scaler is CUDA-only (``DynamicGradScaler`` allocates on ``cuda``) and megatron-ext's loop
+  scales no loss. Its loss-scaler flags are listed as not mapped, with that reason.
+- ``--num-layers-per-virtual-pipeline-stage`` and ``--pipeline-model-parallel-layout``: carried
+  in ``model.transformer_config`` as Megatron-LM's ``TransformerConfig`` has them; the GPT
+  trainer builds one chunk per stage, so virtual stages are refused when the model is built.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ext.config.from_megatron import convert
+from megatron_ext.config.load import recipe_from_dict
+from megatron_ext.config.megatron_args import read_megatron_args
+from megatron_ext.config.megatron_compare import compare
+from megatron_ext.errors import ConfigError
+
+BASE = """export CUDA_DEVICE_MAX_CONNECTIONS=1
+torchrun --nproc_per_node 4 pretrain_gpt.py \\
+  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+  --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 \\
+  --train-iters 10 --lr-warmup-fraction 0.15 --data-path data/x --vocab-size 256 \\
+  --vocab-file v/gpt2-vocab.json --merge-file v/gpt2-merges.txt \\
+"""
+CASES = {
+    "fp16": BASE + "--fp16 --loss-scale 1024 --hysteresis 2",
+    "virtual_pipeline": BASE + "--pipeline-model-parallel-size 2 "
+    "--num-layers-per-virtual-pipeline-stage 1 --bf16",
+    "pipeline_layout": BASE + "--pipeline-model-parallel-size 2 "
+    "--pipeline-model-parallel-layout 'Et*2|t*2L' --bf16",
+}
+
+
+@pytest.fixture(scope="module")
+def converted() -> dict:
+    out = {}
+    for name, text in CASES.items():
+        conversion = convert(read_megatron_args(text))
+        recipe = recipe_from_dict(conversion.recipe)
+        recipe.check(conversion.megatron.world_size)  # converts: nothing refused here
+        out[name] = (recipe, conversion)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_recipe_is_megatron_lms_run(converted, case: str) -> None:
+    """Every compared field is Megatron-LM's (the warmup fraction of 10 steps: 1.5 steps of
+    samples, not a whole step)."""
+    recipe, conversion = converted[case]
+    assert conversion.model_changing == []
+    assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
+    assert recipe.training.lr_warmup_fraction == 0.15
+
+
+def test_fp16_is_written_and_refused_at_launch(converted) -> None:
+    from megatron_ext.megatron.model import transformer_config
+    from megatron_ext.run.hardware import check_precision_before_launch
+
+    recipe, conversion = converted["fp16"]
+    assert recipe.training.precision == "fp16"
+    config = transformer_config(recipe.model, recipe.parallel, "fp16")
+    assert (config.fp16, config.bf16, str(config.params_dtype)) == (True, False, "torch.float16")
+    unmapped = dict(conversion.unmapped)
+    assert "refused at launch" in unmapped["--loss-scale 1024"]
+    with pytest.raises(ConfigError, match=r"loss scaler .*CUDA only"):
+        check_precision_before_launch(recipe, probe=lambda: pytest.fail("no probe for fp16"))
+
+
+def test_pipeline_layouts_are_carried(converted) -> None:
+    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.gpt.sections import ParallelConfig
+    from megatron_ext.megatron.model import build_gpt_model
+
+    virtual = converted["virtual_pipeline"][0].model.transformer_config
+    assert virtual["virtual_pipeline_model_parallel_size"] == 2
+    layout = converted["pipeline_layout"][0].model.transformer_config
+    assert "pipeline_model_parallel_layout" in layout
+    init_single_process()
+    recipe = converted["virtual_pipeline"][0]
+    with pytest.raises(ConfigError, match="no virtual pipeline stages"):
+        build_gpt_model(recipe.model, ParallelConfig(), "bf16", 256, 32)
