@@ -15,6 +15,7 @@ it; the bench's summary reads these files. Both launches and the checks: ~10 s.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,18 @@ def test_the_summary_reads_the_ranks(runs) -> None:
     assert two["param_bytes_recv_core"] > 0 and two["param_bytes_recv_ext"] > 0
     for key in ("iteration_ratio", "step_ratio", "fbs_ratio"):
         assert two[key] > 0 and two[f"{key}_spread"] >= 0
+    # the paired peak-RSS difference, recomputed from the ranks' rows: every (rank, step) pair
+    # after the warm-up, ours minus megatron-core's, in bytes
+    warm = runs[2][0]["warmup"]
+    diffs = sorted(
+        (e["peak_rss_increase_kib"] - c["peak_rss_increase_kib"]) * 1024
+        for r in runs[2]
+        for c, e in zip(r["rows"][ARMS[0]][warm:], r["rows"][ARMS[1]][warm:], strict=True)
+    )
+    assert len(diffs) == 2 * (STEPS - warm)
+    assert two["peak_rss_increase_diff"] == statistics.median(diffs)
+    assert diffs[0] <= two["peak_rss_increase_diff_low"] <= two["peak_rss_increase_diff"]
+    assert two["peak_rss_increase_diff"] <= two["peak_rss_increase_diff_high"] <= diffs[-1]
 
 
 def test_compat_changes_nothing_when_cuda_present(monkeypatch) -> None:
