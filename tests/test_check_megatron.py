@@ -2,8 +2,9 @@
 
 The tree holds a launch script (paths from positional arguments: placeholders), a BERT script
 (not GPT: not read), functional-test ``model_config.yaml`` files -- one sample-based with TP=2,
-sequence parallelism and full recomputation (agrees), one with ``--decoupled-lr`` (agrees:
-the embedding and output layer's LR compared too), one with ``--fp8-format`` (refused, its reason), one ``MODE: inference`` (not read) -- and one reading ``${REPEAT}`` (refused until
+sequence parallelism and full recomputation (agrees), one with ``--decoupled-lr`` (agrees: the
+embedding and output layer's LR compared too), one with ``--fp8-format`` (refused, its
+reason), one ``MODE: inference`` (not read) -- and one reading ``${REPEAT}`` (refused until
 ``--var REPEAT=1``). A recipe made wrong on purpose must be reported as differing, with its
 fields: the comparison with Megatron-LM can fail.
 """
