@@ -177,7 +177,8 @@ def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     assert (recipe.model.kv_channels, t.lr_warmup_samples) == (128, 3906252)
     assert (t.lr_warmup_steps, t.lr_decay_samples) == (0, 1949218748)
     assert (recipe.optimizer.decoupled_lr, recipe.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
-    # the LR at chosen steps (the decoupled group's too), batch, parallel sizes and TransformerConfig: Megatron-LM's
+    # the LR at chosen steps (the decoupled group's too), batch, parallel sizes and
+    # TransformerConfig: Megatron-LM's
     assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
 
 
