@@ -2,8 +2,9 @@
 
 The tree holds a launch script (paths from positional arguments: placeholders), a BERT script
 (not GPT: not read), functional-test ``model_config.yaml`` files -- one sample-based with TP=2,
-sequence parallelism and full recomputation (agrees), one with ``--decoupled-lr`` (refused,
-its reason), one ``MODE: inference`` (not read) -- and one reading ``${REPEAT}`` (refused until
+sequence parallelism and full recomputation (agrees), one with ``--decoupled-lr`` (agrees: the
+embedding and output layer's LR compared too), one with ``--fp8-format`` (refused, its
+reason), one ``MODE: inference`` (not read) -- and one reading ``${REPEAT}`` (refused until
 ``--var REPEAT=1``). A recipe made wrong on purpose must be reported as differing, with its
 fields: the comparison with Megatron-LM can fail.
 """
@@ -71,13 +72,16 @@ CASES = {
     "tests/functional_tests/test_cases/gpt/tiny_samples/model_config.yaml": SAMPLES,
     "tests/functional_tests/test_cases/moe/tiny_decoupled/model_config.yaml": BASE_ARGS
     + "  --decoupled-lr: 5.0e-4\n",
+    "tests/functional_tests/test_cases/gpt/tiny_fp8/model_config.yaml": BASE_ARGS
+    + "  --fp8-format: hybrid\n",
     "tests/functional_tests/test_cases/gpt/tiny_inference/model_config.yaml": "MODE: inference\n"
     + BASE_ARGS,
 }
 EXPECTED = {
     "examples/tiny/train_tiny.sh": "agree",
     "tests/functional_tests/test_cases/gpt/tiny_samples/model_config.yaml": "agree",
-    "tests/functional_tests/test_cases/moe/tiny_decoupled/model_config.yaml": "refused",
+    "tests/functional_tests/test_cases/moe/tiny_decoupled/model_config.yaml": "agree",
+    "tests/functional_tests/test_cases/gpt/tiny_fp8/model_config.yaml": "refused",
 }
 
 
@@ -100,16 +104,16 @@ def test_check_megatron_reports_each_file_and_the_total(tree: Path, capsys) -> N
     statuses = {c["path"]: c["status"] for c in report["cases"]}
     assert statuses == EXPECTED
     assert report["total"] == {
-        "files": 3,
-        "agree": 2,
+        "files": 4,
+        "agree": 3,
         "refused": 1,
         "differs": 0,
-        "agree_share": round(2 / 3, 4),
+        "agree_share": round(3 / 4, 4),
     }
     cases = {c["path"]: c for c in report["cases"]}
-    decoupled = cases["tests/functional_tests/test_cases/moe/tiny_decoupled/model_config.yaml"]
-    assert "--decoupled-lr 5.0e-4" in decoupled["reason"]
-    assert "embedding and output layer" in decoupled["reason"]
+    fp8 = cases["tests/functional_tests/test_cases/gpt/tiny_fp8/model_config.yaml"]
+    assert "--fp8-format hybrid (" in fp8["reason"]
+    assert "megatron-ext's precisions" in fp8["reason"]
     script = cases["examples/tiny/train_tiny.sh"]["placeholders"]
     assert "--data-path /placeholder/data/corpus_text_document (for $4)" in script
     assert "--vocab-file /placeholder/tokenizer/gpt2-vocab.json (for $2)" in script
@@ -144,3 +148,28 @@ def test_variables_and_a_wrong_recipe(tree: Path, monkeypatch) -> None:
     assert result.fields["transformer"] == ["hidden_dropout: 0.0 != 0.1"]
     assert result.fields["optimizer"] == ["lr: 0.002 != 0.001"]
     assert result.fields["lr"][0].startswith("lr at step 0: 0.002 != 0.001")
+
+
+def test_a_wrong_decoupled_floor_differs(tree: Path, monkeypatch) -> None:
+    """The decoupled LR's floor made wrong after conversion: the optimizer field and the
+    embedding and output layer's LR at the decay's end differ (megatron-core's param group
+    under its scheduler); the run's own LR still agrees."""
+    from megatron_ext.config import from_megatron
+    from megatron_ext.config.check_megatron import check_file
+
+    case = tree / "tests/functional_tests/test_cases/gpt/tiny_floor/model_config.yaml"
+    case.parent.mkdir(parents=True)
+    case.write_text(BASE_ARGS + "  --decoupled-lr: 5.0e-4\n  --decoupled-min-lr: 4.0e-5\n")
+    assert check_file(case, tree, {}, None, "H100").status == "agree"
+    convert = from_megatron.convert
+
+    def wrong(*args, **kwargs):
+        out = convert(*args, **kwargs)
+        out.set("optimizer.decoupled_min_lr", 1e-5)
+        return out
+
+    monkeypatch.setattr(from_megatron, "convert", wrong)
+    result = check_file(case, tree, {}, None, "H100")
+    assert result.status == "differs"
+    assert result.fields["optimizer"] == ["decoupled_min_lr: 1e-05 != 4e-05"]
+    assert result.fields["lr"] and all(d.startswith("decoupled lr at") for d in result.fields["lr"])

@@ -408,17 +408,17 @@ def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
 
 def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
     (tmp_path / "args.txt").write_text(
-        BASE + "--global-batch-size 8 --train-iters 10 --decoupled-lr 5e-4\n"
+        BASE + "--global-batch-size 8 --train-iters 10 --fp8-format hybrid\n"
     )
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
         "megatron-ext: error: the script trains a model, or reads data, that megatron-ext "
         "cannot express: "
-        "--decoupled-lr 5e-4 (a second LR for the embedding and output layer (Megatron-LM's "
-        "decoupled LR) is not a megatron-ext optimizer field: remove it to train every "
-        "parameter at --lr); nothing written (pass --allow-unmapped to write the recipe "
-        "without them, as comments in it)"
+        "--fp8-format hybrid (fp8=hybrid, fp8_recipe=delayed with fp32 parameters is not one "
+        "of megatron-ext's precisions (fp32, bf16, fp8_tensorwise, fp8_delayed, fp8_blockwise, "
+        "mxfp8, nvfp4, fp16: run/precision.py)); nothing written (pass --allow-unmapped to "
+        "write the recipe without them, as comments in it)"
     )
     proc = _cli(
         "recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", "--allow-unmapped", cwd=tmp_path
@@ -426,6 +426,19 @@ def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "r.yaml").read_text()
     assert text.count("-- DROPPED: the recipe trains another model") == 1
+
+
+def test_decoupled_lr_is_the_optimizer_section_s() -> None:
+    """``--decoupled-lr`` / ``--decoupled-min-lr`` as Megatron-LM's parser reads them, mapped
+    (not refused); ``--decoupled-min-lr`` alone, which megatron-core ignores, stays unmapped."""
+    flags = BASE + "--global-batch-size 8 --train-iters 10 "
+    out = convert(read_megatron_args(flags + "--decoupled-lr 5e-4 --decoupled-min-lr 4e-5"))
+    assert out.recipe["optimizer"]["decoupled_lr"] == 5e-4
+    assert out.recipe["optimizer"]["decoupled_min_lr"] == 4e-5
+    assert {"--decoupled-lr 5e-4", "--decoupled-min-lr 4e-5"} <= set(out.mapped)
+    alone = convert(read_megatron_args(flags + "--decoupled-min-lr 4e-5"))
+    assert "decoupled_min_lr" not in alone.recipe.get("optimizer", {})
+    assert [text for text, _ in alone.unmapped] == ["--decoupled-min-lr 4e-5"]
 
 
 def test_another_entry_script_than_gpt_is_refused() -> None:

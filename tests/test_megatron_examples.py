@@ -66,7 +66,7 @@ torchrun --nproc_per_node 8 pretrain_gpt.py --use-mcore-models --num-layers 32
 --micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000
 --lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001
 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
---bf16 --data-path data/llama
+--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --bf16 --data-path data/llama
 """
 
 # examples/gptoss/02_train.sh (its model flags)
@@ -164,7 +164,7 @@ def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     """--apply-layernorm-1p is megatron-core's zero-centred gamma, carried in
     model.transformer_config; --train-samples counted as Megatron-LM counts them (rounded
     down); the warmup's 3,906,252 samples end inside step 30,518 and stay a sample count, as
-    Megatron-LM's scheduler counts them."""
+    Megatron-LM's scheduler counts them; its decoupled LR is the optimizer section's."""
     from megatron_ext.config.megatron_compare import compare
 
     conversion = convert(read_megatron_args(LLAMA3_8B))
@@ -176,7 +176,9 @@ def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     t = recipe.training
     assert (recipe.model.kv_channels, t.lr_warmup_samples) == (128, 3906252)
     assert (t.lr_warmup_steps, t.lr_decay_samples) == (0, 1949218748)
-    # the LR at chosen steps, batch, parallel sizes and TransformerConfig: Megatron-LM's
+    assert (recipe.optimizer.decoupled_lr, recipe.optimizer.decoupled_min_lr) == (5e-4, 4.5e-5)
+    # the LR at chosen steps (the decoupled group's too), batch, parallel sizes and
+    # TransformerConfig: Megatron-LM's
     assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
 
 

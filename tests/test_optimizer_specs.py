@@ -69,7 +69,7 @@ def test_the_recipe_section_has_one_field_per_option_and_no_other() -> None:
     options = {s.field_name(hp) for s in SPECS.values() for hp in s.hyperparameters}
     shared = {"name", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"}
     shared |= {"clip_grad", "tp_mode", "match_update_rms", "update_rms", "matrix_routing"}
-    shared |= {"split_qkv"}
+    shared |= {"split_qkv", "decoupled_lr", "decoupled_min_lr"}
     assert fields == options | shared
 
 

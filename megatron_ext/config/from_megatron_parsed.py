@@ -104,6 +104,7 @@ def apply_parsed(
         out.set("training.num_layers_at_start_in_bf16", parsed.num_layers_at_start_in_bf16)
         out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
     _recompute(out, parsed)
+    _decoupled_lr(out, parsed)
     if parsed.rotary_percent != 1.0:
         out.set("model.rotary_percent", float(parsed.rotary_percent))
     fields = transformer_fields(parsed)
@@ -131,6 +132,21 @@ def _recompute(out: Conversion, parsed: Namespace) -> None:
     out.set("parallel.recompute_granularity", g)
     for text, reason in list(out.unmapped):
         if text[2:].split(" ", 1)[0].replace("_", "-") in RECOMPUTE_FLAGS:
+            out.unmapped.remove((text, reason))
+            out.mapped.append(text)
+
+
+def _decoupled_lr(out: Conversion, parsed: Namespace) -> None:
+    """``--decoupled-lr`` / ``--decoupled-min-lr`` as Megatron-LM's parser read them, into
+    ``optimizer.decoupled_lr`` / ``decoupled_min_lr`` (megatron-core gives that peak and floor
+    to the word embeddings and the output layer; the GPT trainer does the same)."""
+    if parsed.decoupled_lr is None:
+        return  # megatron-core ignores --decoupled-min-lr alone: it stays unmapped
+    out.set("optimizer.decoupled_lr", float(parsed.decoupled_lr))
+    if parsed.decoupled_min_lr is not None:
+        out.set("optimizer.decoupled_min_lr", float(parsed.decoupled_min_lr))
+    for text, reason in list(out.unmapped):
+        if text[2:].split(" ", 1)[0].replace("_", "-") in ("decoupled-lr", "decoupled-min-lr"):
             out.unmapped.remove((text, reason))
             out.mapped.append(text)
 

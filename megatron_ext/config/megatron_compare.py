@@ -15,7 +15,8 @@
 - ``lr``: the learning rate at chosen optimizer steps: megatron-core's
   ``OptimizerParamScheduler`` positioned as Megatron-LM's training loop positions it (iterations
   times the global batch, or consumed samples), against the recipe's
-  :func:`~megatron_ext.schedules.plan.training_schedule`; relative tolerance 1e-9.
+  :func:`~megatron_ext.schedules.plan.training_schedule`; relative tolerance 1e-9. With
+  ``--decoupled-lr``, the embedding and output layer's group too (megatron-core's override).
 - ``batch``: micro batch, sequence length, the run's steps (Megatron-LM's ``update_train_iters``)
   and the global batch at chosen steps (megatron-core's micro-batch calculator).
 - ``parallel``: TP, PP, CP, EP, expert TP, sequence parallelism and the data-parallel size.
@@ -119,9 +120,12 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
         ("min_lr", o.min_lr, parsed.min_lr),
         ("weight_decay", o.weight_decay, parsed.weight_decay),
         ("clip_grad", o.clip_grad, parsed.clip_grad),
-        # megatron-ext has one LR for every parameter and a constant weight decay
-        ("decoupled_lr", None, parsed.decoupled_lr),
-        ("decoupled_min_lr", None, parsed.decoupled_min_lr),
+        ("decoupled_lr", o.decoupled_lr, parsed.decoupled_lr),
+        # megatron-core reads the floor only beside a decoupled LR
+        ("decoupled_min_lr", o.decoupled_min_lr, parsed.decoupled_min_lr)
+        if parsed.decoupled_lr is not None
+        else ("decoupled_min_lr", None, None),
+        # megatron-ext has a constant weight decay
         ("weight_decay_incr_style", "constant", parsed.weight_decay_incr_style),
         ("lr_warmup_init", 0.0, parsed.lr_warmup_init),
     ]
@@ -149,10 +153,38 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
 
 
 class _Groups:
-    """All of an optimizer that megatron-core's scheduler touches."""
+    """All of an optimizer that megatron-core's scheduler touches: its parameter groups, one
+    of the run's LR and, with ``--decoupled-lr``, one of the embedding and output layer's with
+    the ``max_lr`` / ``min_lr`` that megatron-core's ``_get_param_groups`` gives it (its
+    defaults, the run's ``lr`` / ``min_lr``, under ``get_standard_config_overrides``'s override
+    for parameters marked ``is_embedding_or_output_parameter``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parsed: Namespace) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+
         self.param_groups: list[dict[str, Any]] = [{}]
+        if parsed.decoupled_lr is None:
+            return
+        config = OptimizerConfig(
+            lr=parsed.lr,
+            min_lr=parsed.min_lr,
+            decoupled_lr=parsed.decoupled_lr,
+            decoupled_min_lr=parsed.decoupled_min_lr,
+        )
+        marked = _Marked()
+        group = {"max_lr": config.lr, "min_lr": config.min_lr}
+        for key, override in get_standard_config_overrides(config).items():
+            if key.matches(marked, "embedding.word_embeddings.weight"):
+                group.update(override)
+        group["is_embedding_or_output_parameter"] = True
+        self.param_groups.append(group)
+
+
+class _Marked:
+    """A 2-D parameter as megatron-core marks the word embeddings (for its override keys)."""
+
+    shape = (2, 2)
+    is_embedding_or_output_parameter = True
 
 
 def megatron_scheduler(parsed: Namespace) -> Any:
@@ -177,7 +209,7 @@ def megatron_scheduler(parsed: Namespace) -> Any:
     if parsed.lr_warmup_fraction is not None:
         warmup = parsed.lr_warmup_fraction * decay
     return OptimizerParamScheduler(
-        _Groups(),
+        _Groups(parsed),
         init_lr=parsed.lr_warmup_init,
         max_lr=parsed.lr,
         min_lr=parsed.min_lr,
@@ -275,14 +307,18 @@ def _lr(recipe: Any, parsed: Namespace) -> list[str]:
     steps = chosen_steps(recipe)
     scheduler = megatron_scheduler(parsed)
     walk = megatron_batches(parsed, steps)
+    groups = scheduler.optimizer.param_groups
     out = []
     for step in steps:
         scheduler.num_steps = 0
         scheduler.step(walk[step][1])
-        theirs = scheduler.optimizer.param_groups[0]["lr"]
-        mine = schedule.lr_at(step)
-        if abs(mine - theirs) > LR_RTOL * max(abs(theirs), 1e-30):
-            out.append(f"lr at step {step:,}: {mine!r} != {theirs!r}")
+        for group in groups:  # the run's LR, then the embedding and output layer's
+            decoupled = group.get("is_embedding_or_output_parameter", False)
+            theirs = group["lr"]
+            mine = schedule.lr_at(step, decoupled)
+            if abs(mine - theirs) > LR_RTOL * max(abs(theirs), 1e-30):
+                which = "decoupled lr" if decoupled else "lr"
+                out.append(f"{which} at step {step:,}: {mine!r} != {theirs!r}")
     return out[:3]  # the first differences say it
 
 

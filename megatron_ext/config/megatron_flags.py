@@ -193,11 +193,6 @@ REASONS = {
 #: TransformerConfig field is not here: Megatron-LM's own config carries it
 #: (model.transformer_config), and what the trainer cannot build is refused at launch.
 MODEL_CHANGING = {
-    # Megatron-LM trains the embedding and output layer at this LR (its own schedule to
-    # --decoupled-min-lr): megatron-ext's optimizer has one LR for every parameter
-    "decoupled-lr": "a second LR for the embedding and output layer (Megatron-LM's decoupled "
-    "LR) is not a megatron-ext optimizer field: remove it to train every parameter at --lr",
-    "decoupled-min-lr": "the decoupled LR's minimum: megatron-ext has one LR for every parameter",
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
     # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens

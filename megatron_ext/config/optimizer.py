@@ -38,6 +38,28 @@ _SHARED: list[tuple[str, Any, Any]] = [
     ("adam_eps", float, spec(1e-8, gt=0.0, help="added to sqrt(v_hat) (absolute)")),
     ("clip_grad", float, spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")),
     (
+        "decoupled_lr",
+        float | None,
+        spec(
+            None,
+            gt=0.0,
+            help="peak LR of the word embeddings and the output layer (megatron-core's "
+            "decoupled_lr: the parameters it marks is_embedding_or_output_parameter, always "
+            "in AdamW); their schedule is the run's, from the same warmup start; none = "
+            "optimizer.lr",
+        ),
+    ),
+    (
+        "decoupled_min_lr",
+        float | None,
+        spec(
+            None,
+            ge=0.0,
+            help="the decoupled LR's floor (megatron-core's decoupled_min_lr); none = "
+            "optimizer.min_lr",
+        ),
+    ),
+    (
         "tp_mode",
         TPMode,
         spec(
@@ -118,6 +140,7 @@ def _compose() -> tuple[type, dict[str, list[str]]]:
 def _check(cfg: Any) -> None:
     """Cross-field rules of the section (the chosen optimizer's, and its TP modes)."""
     opt = optimizer_spec(cfg.name)
+    _check_decoupled(cfg)
     if cfg.split_qkv and cfg.name not in ("muon", "mop"):
         raise ConfigError(
             f"optimizer.split_qkv=true orthogonalises Q, K and V separately, which only Muon "
@@ -132,6 +155,26 @@ def _check(cfg: Any) -> None:
         opt.check(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_decoupled(cfg: Any) -> None:
+    """The decoupled LR's floor needs the decoupled LR, and lies below it (megatron-core's
+    scheduler would otherwise raise the embedding's LR while the rest decays)."""
+    if cfg.decoupled_lr is None:
+        if cfg.decoupled_min_lr is not None:
+            raise ConfigError(
+                f"optimizer.decoupled_min_lr={cfg.decoupled_min_lr} is the floor of "
+                "optimizer.decoupled_lr, which is not set: set optimizer.decoupled_lr or "
+                "remove optimizer.decoupled_min_lr"
+            )
+        return
+    floor = cfg.min_lr if cfg.decoupled_min_lr is None else cfg.decoupled_min_lr
+    if floor > cfg.decoupled_lr:
+        named = "optimizer.min_lr" if cfg.decoupled_min_lr is None else "optimizer.decoupled_min_lr"
+        raise ConfigError(
+            f"the decoupled LR's floor {named}={floor} exceeds optimizer.decoupled_lr="
+            f"{cfg.decoupled_lr}: set optimizer.decoupled_min_lr <= optimizer.decoupled_lr"
+        )
 
 
 def update_rms_note(cfg: Any) -> str:

@@ -142,6 +142,11 @@ def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
     is one worker, and workers cycle through the paths), after the GPT sections' own rules."""
     check_gpt_sections(recipe)
     d, m, t, p = recipe.section(DipacoConfig), recipe.model, recipe.training, recipe.parallel
+    if recipe.optimizer.decoupled_lr is not None:
+        raise ConfigError(
+            "optimizer.decoupled_lr is read by trainer=gpt only (DiPaCo's inner steps have one "
+            "LR for every parameter): remove it"
+        )
     layout = path_layout(recipe)
     queue_url(recipe)
     if not recipe.data.source and not recipe.data.path:

@@ -91,6 +91,7 @@ class ShardedAdamW:
         build: BuildOptimizer,
         gather: AllGatherV | None = None,
         bucket_numel: int = 4_000_000,
+        decoupled_lr: bool = False,
     ) -> None:
         self.named_params = list(named_params)
         self.gather = gather
@@ -114,15 +115,28 @@ class ShardedAdamW:
                 self._move_into_buffer(bucket)
         # after the move: an fp32 master is a view of its parameter's storage
         self.masters = {n: self._master(n, p) for n, p in self.named_params}
-        decay, no_decay = [], []
+        # (decays weight, decoupled LR) -> masters. megatron-core gives its decoupled LR to the
+        # parameters it marks is_embedding_or_output_parameter (the word embeddings and the
+        # output layer): with ``decoupled_lr`` they form their own group, flagged
+        # is_decoupled_lr, whose LR the trainer sets from optimizer.decoupled_lr's schedule.
+        held: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
         for name, p in self.named_params:
             if self.holds(name):
-                (decay if decays_weight(name, p.shape) else no_decay).append(self.masters[name])
+                key = (
+                    decays_weight(name, p.shape),
+                    decoupled_lr and getattr(p, "is_embedding_or_output_parameter", False),
+                )
+                held.setdefault(key, []).append(self.masters[name])
         groups: list[dict[str, Any]] = []
-        if decay:
-            groups.append({"params": decay})
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
+        for (decays, decoupled), params in sorted(
+            held.items(), key=lambda kv: (not kv[0][0], kv[0][1])
+        ):
+            group: dict[str, Any] = {"params": params}
+            if not decays:
+                group["weight_decay"] = 0.0
+            if decoupled:
+                group["is_decoupled_lr"] = True
+            groups.append(group)
         # a rank may hold no element at all (more ranks than elements): an optimizer over an
         # empty parameter keeps the interface (param_groups) without state
         self.optimizer = build(groups or [{"params": [], "weight_decay": 0.0}])

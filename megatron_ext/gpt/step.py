@@ -90,9 +90,10 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     if run.expert_load is not None:  # before the optimizer step: the loads of this forward
         tokens = run.schedule.global_batch(step) * t.seq_length
         moe = run.expert_load.collect(tokens, num_microbatches, step + 1)
-    lr = run.schedule.lr_at(step)  # on consumed tokens, times the stage's sqrt(B) factor
+    # on consumed tokens, times the stage's sqrt(B) factor; the embedding and output layer's
+    # group (is_decoupled_lr) on optimizer.decoupled_lr's schedule where one is set
     for group in run.optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = run.schedule.lr_at(step, group.get("is_decoupled_lr", False))
     start = time.perf_counter()
     success, grad_norm, _ = run.optimizer.step()
     optimizer_s = time.perf_counter() - start

@@ -79,15 +79,21 @@ def _groups() -> tuple[Any, Any]:
     )
 
 
-def _sharded_adamw(named: NamedParams, group: Any, hp: dict[str, Any]) -> Any:
+def _sharded_adamw(named: NamedParams, group: Any, hp: dict[str, Any], cfg: OptimizerConfig) -> Any:
     """AdamW over ``named``, element-sharded over ``group`` (ZeRO-1: :mod:`~megatron_ext.
-    distributed.sharded_adam`)."""
+    distributed.sharded_adam`); the embedding and output layer in their own parameter group
+    with ``cfg.decoupled_lr``."""
     from megatron_ext.distributed.allgather_v import make_allgather_v
     from megatron_ext.distributed.sharded_adam import ShardedAdamW
     from megatron_ext.optimizers.registry import build_optimizer
 
     gather = make_allgather_v(group) if group is not None else None
-    return ShardedAdamW(named, lambda groups: build_optimizer("adamw", groups, hp), gather)
+    return ShardedAdamW(
+        named,
+        lambda groups: build_optimizer("adamw", groups, hp),
+        gather,
+        decoupled_lr=cfg.decoupled_lr is not None,
+    )
 
 
 def _combine(parts: list[Any]) -> Any:
@@ -108,9 +114,9 @@ def adamw_factory(cfg: OptimizerConfig) -> InnerFactory:
         hp = hyperparameters(cfg)["adamw"]
         dense = [(n, p) for n, p in named if not is_expert_param(p)]
         expert = [(n, p) for n, p in named if is_expert_param(p)]
-        parts = [_sharded_adamw(dense, dp_group, hp)]
+        parts = [_sharded_adamw(dense, dp_group, hp, cfg)]
         if expert:
-            parts.append(_sharded_adamw(expert, edp_group, hp))
+            parts.append(_sharded_adamw(expert, edp_group, hp, cfg))
         return _combine(parts)
 
     return build
@@ -142,6 +148,10 @@ def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None)
         # in optimizer.tp_mode (the plan depends only on names and shard shapes, so every rank of
         # a TP group owns the same shards and joins the same TP collectives).
         def adamw(n: str, p: torch.nn.Parameter) -> bool:
+            if cfg.decoupled_lr is not None and getattr(
+                p, "is_embedding_or_output_parameter", False
+            ):
+                return True  # its own LR: an AdamW group (both routings put it there anyway)
             return (
                 route_parameter(
                     n, tuple(p.shape), matrix_optimizer=cfg.name, rules=cfg.matrix_routing
@@ -169,7 +179,7 @@ def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None)
                     )
                 )
             parts.append(
-                _sharded_adamw([(n, p) for n, p in domain if adamw(n, p)], group, hp["adamw"])
+                _sharded_adamw([(n, p) for n, p in domain if adamw(n, p)], group, hp["adamw"], cfg)
             )
         return _combine(parts)
 

@@ -28,6 +28,7 @@ No torch import: the launcher prints the table before any rank exists.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,6 +71,9 @@ class TrainingSchedule:
         target_batch: ``B_target`` of the √B factor (sequences).
         lr: the learning rate at ``B_target`` as a function of consumed tokens.
         sqrt_lr: whether ``η(B) = η_target · √(B / B_target)`` applies.
+        decoupled_lr: the word embeddings' and output layer's LR (``optimizer.decoupled_lr``,
+            megatron-core's decoupled LR: ``lr``'s positions and style, its own peak and
+            floor), or ``None`` when they follow ``lr``.
     """
 
     stages: tuple[Stage, ...]
@@ -78,6 +82,7 @@ class TrainingSchedule:
     target_batch: int
     lr: LRSchedule
     sqrt_lr: bool = True
+    decoupled_lr: LRSchedule | None = None
 
     def stage_index(self, step: int) -> int:
         """Index of the stage that optimizer step ``step`` (0-based) belongs to."""
@@ -111,10 +116,12 @@ class TrainingSchedule:
             return 1.0
         return math.sqrt(batch / self.target_batch)
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, decoupled: bool = False) -> float:
         """Learning rate of optimizer step ``step`` (0-based; after ``step`` completed steps):
-        the token schedule at the tokens consumed before it, times the stage's √B factor."""
-        rate = self.lr.lr_at(self.tokens_before(step))
+        the token schedule at the tokens consumed before it, times the stage's √B factor.
+        ``decoupled``: that of the decoupled-LR parameters (the run's LR without one)."""
+        schedule = self.decoupled_lr if decoupled and self.decoupled_lr else self.lr
+        rate = schedule.lr_at(self.tokens_before(step))
         factor = self.lr_factor(self.global_batch(step))
         return rate if factor == 1.0 else rate * factor
 
@@ -273,7 +280,11 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
         wsd_decay_style=t.lr_wsd_decay_style,
     )
     sqrt_lr = t.batch_lr_scaling == "sqrt"
-    return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr)
+    decoupled = None
+    if o.decoupled_lr is not None:  # megatron-core: the group's own max_lr / min_lr
+        floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        decoupled = dataclasses.replace(lr, max_lr=o.decoupled_lr, min_lr=floor)
+    return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr, decoupled)
 
 
 def lr_positions(recipe: Recipe) -> tuple[int, int]:
