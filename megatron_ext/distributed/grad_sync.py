@@ -136,6 +136,20 @@ class GradSync:
         return self.bind(torch.zeros(self.numel, dtype=dtype, device=device))
 
     # -- per step -----------------------------------------------------------------------------
+    def reduce_copies(self, grads: dict[str, torch.Tensor]) -> None:
+        """Reduce gradients held outside a bound storage (``reduce_grads`` of the unit tests and
+        benchmarks): allocate the sync's own storage once (``grads``' dtype and device), copy
+        each gradient in unless it already is its view, and run :meth:`finish`. The caller
+        copies back what it owns."""
+        if self.storage is None:
+            first = next(iter(grads.values()))
+            self.allocate(first.dtype, first.device)
+        for name, view in self.views.items():
+            g = grads[name]
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+        self.finish()
+
     def grad_ready(self, name: str) -> None:
         """Backward has completed ``name``'s gradient (for this step's last micro-batch)."""
         index = self.bucket_of[name]

@@ -371,14 +371,7 @@ class LayerwiseOptimizer(NamedState):
         if self.world == 1:
             return
         sync = self.grad_sync
-        if sync.storage is None:
-            first = next(iter(grads.values()))
-            sync.allocate(first.dtype, first.device)
-        for name, view in sync.views.items():
-            g = grads[name]
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g.reshape(-1))
-        sync.finish()
+        sync.reduce_copies(grads)
         for name, view in sync.views.items():
             g = grads[name]
             if self.holds(name) and g.data_ptr() != view.data_ptr():

@@ -253,14 +253,7 @@ class ShardedAdamW:
         if self.world == 1:
             return
         sync = self.grad_sync
-        if sync.storage is None:
-            first = next(iter(grads.values()))
-            sync.allocate(first.dtype, first.device)
-        for name, view in sync.views.items():
-            g = grads[name]
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g.reshape(-1))
-        sync.finish()
+        sync.reduce_copies(grads)
         for name, view in sync.views.items():
             g = grads[name].view(-1)
             lo, hi = self._range[name]
