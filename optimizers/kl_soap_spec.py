@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .adamw_spec import ELEMENTWISE_FLOPS
 from .options import FactorUpdate, InverseRoot, RefreshMode
-from .spec import Hyperparameter, OptimizerSpec
+from .spec import OptimizerSpec, option
 
 #: The options only KL-Shampoo factors read, at their defaults. Shampoo's ``G Gᵀ`` takes no
 #: inverse root, so ``factor_update="shampoo"`` refuses any other value (it would be ignored).
@@ -27,6 +28,62 @@ KL_ONLY_DEFAULTS: dict[str, float | str] = {
     "factor_exponent": 1.0,
     "inverse_root": "eigenbasis",
 }
+
+
+@dataclass(kw_only=True)
+class KLSoapOptions:
+    """KL-SOAP's recipe options (``optimizer.kl_soap_<field>``)."""
+
+    factor_update: FactorUpdate = option(
+        "kl",
+        help="kl: KL-Shampoo L ← βL + (1 − β)/n·G S_R^(−p) Gᵀ (and R); shampoo: SOAP's plain "
+        "L ← βL + (1 − β)·G Gᵀ, R ← βR + (1 − β)·GᵀG (no factor_eps/exponent/inverse root)",
+    )
+    shampoo_beta: float = option(
+        0.95,
+        ge=0.0,
+        lt=1.0,
+        help="weight of the OLD factor in the EMA of L and R (SOAP's convention)",
+    )
+    correct_shampoo_beta_bias: bool = option(
+        True, help="bias-correct the factor EMA: β_t = 1 − (1 − β)/(1 − βᵗ)"
+    )
+    factor_eps: float = option(
+        1e-8,
+        ge=0.0,
+        help="absolute ε in (λ + ε)^(−p), units of the factors' eigenvalues (kl factors)",
+    )
+    factor_exponent: float = option(
+        1.0, gt=0.0, help="p of S^(−p) (1 for KL-Shampoo; kl factors only)"
+    )
+    refresh_every: int = option(
+        0,
+        ge=0,
+        help="eigenbasis refresh period in steps; 0 = 1 (10 with kl_soap_stale_refresh)",
+    )
+    refresh_mode: RefreshMode = option(
+        "qr", help="qr (one power-iteration step), eigh, or cholesky_qr2 (GPU-friendly)"
+    )
+    inverse_root: InverseRoot = option(
+        "eigenbasis",
+        help="S^(−p) from the eigenbasis diagonal, or by coupled Newton–Schulz on the factor "
+        "(kl factors only)",
+    )
+    root_iters: int = option(
+        25,
+        ge=1,
+        help="most Newton–Schulz iterations of kl_soap_inverse_root=newton_schulz (p = 1 stops "
+        "once converged; other roots run all)",
+    )
+    root_damping: float = option(
+        1e-4,
+        ge=0.0,
+        help="damping of the Newton–Schulz roots relative to ‖factor‖_F (added to factor_eps)",
+    )
+    stale_refresh: bool = option(
+        False,
+        help="ablation: reference SOAP's refresh from factors without the current gradient",
+    )
 
 
 def root_index(exponent: float) -> int | None:
@@ -84,17 +141,16 @@ def _refresh_every(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check(section: Any) -> None:
+    own: KLSoapOptions = section.options["kl_soap"]
     check_factor_update(
-        section.kl_soap_factor_update,
-        {k: getattr(section, f"kl_soap_{k}") for k in KL_ONLY_DEFAULTS},
+        own.factor_update,
+        {k: getattr(own, k) for k in KL_ONLY_DEFAULTS},
         prefix="optimizer.kl_soap_",
     )
-    if section.kl_soap_inverse_root == "newton_schulz" and (
-        root_index(section.kl_soap_factor_exponent) is None
-    ):
+    if own.inverse_root == "newton_schulz" and root_index(own.factor_exponent) is None:
         raise ValueError(
             "optimizer.kl_soap_inverse_root=newton_schulz needs optimizer.kl_soap_factor_exponent "
-            f"= 1/r for an integer r (1, 0.5, 0.25, ...), got {section.kl_soap_factor_exponent}"
+            f"= 1/r for an integer r (1, 0.5, 0.25, ...), got {own.factor_exponent}"
         )
 
 
@@ -107,76 +163,7 @@ SPEC = OptimizerSpec(
     tp_modes=("blockwise", "duplicated"),
     full_state_tp_modes=("duplicated",),
     uses=("lr", "weight_decay", "adam", "tp_mode"),
-    hyperparameters=(
-        Hyperparameter(
-            key="factor_update",
-            default="kl",
-            choices=FactorUpdate,
-            help="kl: KL-Shampoo L ← βL + (1 − β)/n·G S_R^(−p) Gᵀ (and R); shampoo: SOAP's plain "
-            "L ← βL + (1 − β)·G Gᵀ, R ← βR + (1 − β)·GᵀG (no factor_eps/exponent/inverse root)",
-        ),
-        Hyperparameter(
-            key="shampoo_beta",
-            default=0.95,
-            ge=0.0,
-            lt=1.0,
-            help="weight of the OLD factor in the EMA of L and R (SOAP's convention)",
-        ),
-        Hyperparameter(
-            key="correct_shampoo_beta_bias",
-            default=True,
-            help="bias-correct the factor EMA: β_t = 1 − (1 − β)/(1 − βᵗ)",
-        ),
-        Hyperparameter(
-            key="factor_eps",
-            default=1e-8,
-            ge=0.0,
-            help="absolute ε in (λ + ε)^(−p), units of the factors' eigenvalues (kl factors)",
-        ),
-        Hyperparameter(
-            key="factor_exponent",
-            default=1.0,
-            gt=0.0,
-            help="p of S^(−p) (1 for KL-Shampoo; kl factors only)",
-        ),
-        Hyperparameter(
-            key="refresh_every",
-            default=0,
-            ge=0,
-            help="eigenbasis refresh period in steps; 0 = 1 (10 with kl_soap_stale_refresh)",
-        ),
-        Hyperparameter(
-            key="refresh_mode",
-            default="qr",
-            choices=RefreshMode,
-            help="qr (one power-iteration step), eigh, or cholesky_qr2 (GPU-friendly)",
-        ),
-        Hyperparameter(
-            key="inverse_root",
-            default="eigenbasis",
-            choices=InverseRoot,
-            help="S^(−p) from the eigenbasis diagonal, or by coupled Newton–Schulz on the factor "
-            "(kl factors only)",
-        ),
-        Hyperparameter(
-            key="root_iters",
-            default=25,
-            ge=1,
-            help="most Newton–Schulz iterations of kl_soap_inverse_root=newton_schulz (p = 1 stops "
-            "once converged; other roots run all)",
-        ),
-        Hyperparameter(
-            key="root_damping",
-            default=1e-4,
-            ge=0.0,
-            help="damping of the Newton–Schulz roots relative to ‖factor‖_F (added to factor_eps)",
-        ),
-        Hyperparameter(
-            key="stale_refresh",
-            default=False,
-            help="ablation: reference SOAP's refresh from factors without the current gradient",
-        ),
-    ),
+    options=KLSoapOptions,
     pack=_refresh_every,
     check=_check,
     flops=_step_flops,

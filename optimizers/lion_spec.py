@@ -8,10 +8,19 @@ AdamW part.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .adamw_spec import elementwise_flops
-from .spec import Hyperparameter, OptimizerSpec
+from .spec import OptimizerSpec, option
+
+
+@dataclass(kw_only=True)
+class LionOptions:
+    """Lion's recipe options (``optimizer.lion_<field>``)."""
+
+    beta1: float = option(0.95, ge=0.0, lt=1.0, help="weight of m in the sign's argument")
+    beta2: float = option(0.98, ge=0.0, lt=1.0, help="weight of the old m")
 
 
 def _betas(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -24,12 +33,7 @@ SPEC = OptimizerSpec(
     target="megatron_ext.optimizers.lion:Lion",
     summary="Lion (sign of an interpolated momentum) on the hidden matrices, AdamW on the rest",
     couples_matrix_entries=False,
-    hyperparameters=(
-        Hyperparameter(
-            key="beta1", default=0.95, ge=0.0, lt=1.0, help="weight of m in the sign's argument"
-        ),
-        Hyperparameter(key="beta2", default=0.98, ge=0.0, lt=1.0, help="weight of the old m"),
-    ),
+    options=LionOptions,
     pack=_betas,
     update_rms_kwarg="update_scale",
     flops=elementwise_flops,

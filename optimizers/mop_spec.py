@@ -8,11 +8,19 @@ this one by Muon's spectral scale, so that one LR serves MOP and the AdamW part.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from .muon_spec import check_rms_matchable, momentum_options, own_rms_factor
+from .muon_spec import MomentumOptions, check_rms_matchable, own_rms_factor
 from .options import PolarPrecision
-from .spec import Hyperparameter, OptimizerSpec
+from .spec import OptimizerSpec, option
+
+
+@dataclass(kw_only=True)
+class MOPOptions(MomentumOptions):
+    """MOP's recipe options (``optimizer.mop_<field>``)."""
+
+    precision: PolarPrecision = option("fp32", help="precision of the SVD")
 
 
 def mop_flops(rows: int, cols: int, kwargs: Mapping[str, Any]) -> float:
@@ -28,15 +36,7 @@ SPEC = OptimizerSpec(
     couples_matrix_entries=True,
     tp_modes=("blockwise", "duplicated"),
     uses=("lr", "weight_decay", "tp_mode"),
-    hyperparameters=(
-        *momentum_options("mop"),
-        Hyperparameter(
-            key="precision",
-            default="fp32",
-            choices=PolarPrecision,
-            help="precision of the SVD",
-        ),
-    ),
+    options=MOPOptions,
     update_rms_kwarg="extra_scale_factor",
     own_update_rms=lambda section: own_rms_factor(section, "mop"),
     check=lambda section: check_rms_matchable(section, "mop"),

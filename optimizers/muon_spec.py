@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .ns_schedule import newton_schulz_flops
@@ -28,7 +29,7 @@ from .options import (
     RMSMatch,
     ScaleMode,
 )
-from .spec import Hyperparameter, OptimizerSpec
+from .spec import OptimizerSpec, option
 
 
 def momentum_rms_factor(beta: float) -> float:
@@ -37,62 +38,85 @@ def momentum_rms_factor(beta: float) -> float:
     return math.sqrt((1.0 - beta) / (1.0 + beta))
 
 
-def momentum_options(prefix: str) -> tuple[Hyperparameter, ...]:
-    """Momentum, Nesterov, scale mode, extra scale and RMS match: shared by Muon and MOP."""
-    return (
-        Hyperparameter(
-            key="momentum",
-            default=0.95,
-            ge=0.0,
-            lt=1.0,
-            help="β of the EMA momentum M ← βM + (1 − β)G (weight of the old M)",
-            formerly=("momentum",),
-        ),
-        Hyperparameter(key="nesterov", default=False, help="orthogonalise G + β(M − G)"),
-        Hyperparameter(
-            key="scale_mode",
-            default="spectral",
-            choices=ScaleMode,
-            help="spectral = √max(m,n) (update RMS 1), shape = √max(1,m/n), unit_rms = √(m/n)",
-        ),
-        Hyperparameter(
-            key="extra_scale_factor",
-            default=1.0,
-            gt=0.0,
-            help=f"multiplies the {prefix} update scale; with optimizer.match_update_rms the "
-            f"update RMS is optimizer.update_rms (or {prefix}_rms_match=beta's factor) × this",
-            formerly=("extra_scale_factor",),
-        ),
-        Hyperparameter(
-            key="rms_match",
-            default="constant",
-            choices=RMSMatch,
-            help="update-RMS factor under optimizer.match_update_rms: constant = "
-            f"optimizer.update_rms; beta = √((1 − β)/(1 + β)) from {prefix}_momentum β "
-            "(paper Sec. 5.2; 0.16 at β = 0.95)",
-        ),
+@dataclass(kw_only=True)
+class MomentumOptions:
+    """Momentum, Nesterov, scale mode, extra scale and RMS match: shared by Muon and MOP (each
+    its own recipe fields: ``muon_momentum``, ``mop_momentum``)."""
+
+    momentum: float = option(
+        0.95,
+        ge=0.0,
+        lt=1.0,
+        help="β of the EMA momentum M ← βM + (1 − β)G (weight of the old M)",
+        formerly=("momentum",),
+    )
+    nesterov: bool = option(False, help="orthogonalise G + β(M − G)")
+    scale_mode: ScaleMode = option(
+        "spectral",
+        help="spectral = √max(m,n) (update RMS 1), shape = √max(1,m/n), unit_rms = √(m/n)",
+    )
+    extra_scale_factor: float = option(
+        1.0,
+        gt=0.0,
+        help="multiplies the update scale; with optimizer.match_update_rms the update RMS is "
+        "optimizer.update_rms (or rms_match=beta's factor) × this",
+        formerly=("extra_scale_factor",),
+    )
+    rms_match: RMSMatch = option(
+        "constant",
+        help="update-RMS factor under optimizer.match_update_rms: constant = "
+        "optimizer.update_rms; beta = √((1 − β)/(1 + β)) from the momentum β "
+        "(paper Sec. 5.2; 0.16 at β = 0.95)",
+    )
+
+
+@dataclass(kw_only=True)
+class MuonOptions(MomentumOptions):
+    """Muon's recipe options (``optimizer.muon_<field>``, megatron-core's ``muon_*`` names)."""
+
+    coefficient_type: CoefficientSet = option(
+        "polar_express",
+        kwarg="coefficients",
+        help="Newton–Schulz polynomial per step (quintic_cubic: best with num_ns_steps 4)",
+        formerly=("ns_coefficients",),
+    )
+    num_ns_steps: int = option(
+        5, kwarg="num_steps", ge=1, help="Newton–Schulz iterations", formerly=("ns_steps",)
+    )
+    ns_method: NSMethod = option(
+        "auto", help="plain NS, Gram NS on the small side, or auto (fewer flops)"
+    )
+    ns_precision: NSPrecision = option(
+        "fp32", kwarg="precision", help="precision of the Newton–Schulz products"
+    )
+    fp32_matmul_prec: FP32MatmulPrecision = option(
+        "highest",
+        help="torch.set_float32_matmul_precision while Newton–Schulz runs (GPUs: high/medium "
+        "allow TF32/bf16 passes; megatron-core's default is medium)",
     )
 
 
 def own_rms_factor(section: Any, prefix: str) -> float | None:
     """With ``<prefix>_rms_match=beta``, the factor the optimizer applies itself (from its
     momentum); None where the spec multiplies by ``optimizer.update_rms``."""
-    if getattr(section, f"{prefix}_rms_match") != "beta":
+    own: MomentumOptions = section.options[prefix]
+    if own.rms_match != "beta":
         return None
-    return momentum_rms_factor(getattr(section, f"{prefix}_momentum"))
+    return momentum_rms_factor(own.momentum)
 
 
 def check_rms_matchable(section: Any, prefix: str) -> None:
     """RMS matching assumes the spectral scale (update RMS 1 before the factor); the β-derived
     factor is a way of matching, so it needs matching on."""
-    if getattr(section, f"{prefix}_rms_match") == "beta" and not section.match_update_rms:
+    own: MomentumOptions = section.options[prefix]
+    if own.rms_match == "beta" and not section.match_update_rms:
         raise ValueError(
             f"optimizer.{prefix}_rms_match=beta scales the update to √((1 − β)/(1 + β)) of "
             f"optimizer.{prefix}_momentum, but optimizer.match_update_rms=false asks for the "
             f"unscaled update: set optimizer.match_update_rms=true, or "
             f"optimizer.{prefix}_rms_match=constant"
         )
-    mode = getattr(section, f"{prefix}_scale_mode")
+    mode = own.scale_mode
     if section.match_update_rms and mode != "spectral":
         raise ValueError(
             f"optimizer.{prefix}_scale_mode={mode} sets its own update scale, but "
@@ -122,45 +146,7 @@ SPEC = OptimizerSpec(
     couples_matrix_entries=True,
     tp_modes=("blockwise", "duplicated", "distributed"),
     uses=("lr", "weight_decay", "tp_mode"),
-    hyperparameters=(
-        *momentum_options("muon"),
-        Hyperparameter(
-            key="coefficient_type",
-            kwarg="coefficients",
-            default="polar_express",
-            choices=CoefficientSet,
-            help="Newton–Schulz polynomial per step (quintic_cubic: best with num_ns_steps 4)",
-            formerly=("ns_coefficients",),
-        ),
-        Hyperparameter(
-            key="num_ns_steps",
-            kwarg="num_steps",
-            default=5,
-            ge=1,
-            help="Newton–Schulz iterations",
-            formerly=("ns_steps",),
-        ),
-        Hyperparameter(
-            key="ns_method",
-            default="auto",
-            choices=NSMethod,
-            help="plain NS, Gram NS on the small side, or auto (fewer flops)",
-        ),
-        Hyperparameter(
-            key="ns_precision",
-            kwarg="precision",
-            default="fp32",
-            choices=NSPrecision,
-            help="precision of the Newton–Schulz products",
-        ),
-        Hyperparameter(
-            key="fp32_matmul_prec",
-            default="highest",
-            choices=FP32MatmulPrecision,
-            help="torch.set_float32_matmul_precision while Newton–Schulz runs (GPUs: high/medium "
-            "allow TF32/bf16 passes; megatron-core's default is medium)",
-        ),
-    ),
+    options=MuonOptions,
     update_rms_kwarg="extra_scale_factor",
     own_update_rms=lambda section: own_rms_factor(section, "muon"),
     check=lambda section: check_rms_matchable(section, "muon"),

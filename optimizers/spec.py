@@ -15,7 +15,9 @@ the same way, :mod:`megatron_ext.registry`). In-process (a test, a script),
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -26,32 +28,73 @@ __all__ = [
     "OPTIMIZERS",
     "SHARED_FIELDS",
     "Hyperparameter",
+    "NoOptions",
     "OptimizerSpec",
     "optimizer_spec",
+    "option",
     "recipe_hyperparameters",
     "register_optimizer",
     "registered_optimizers",
 ]
 
 
+def option(
+    default: bool | int | float | str,
+    *,
+    kwarg: str = "",
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    help: str = "",
+    formerly: tuple[str, ...] = (),
+) -> Any:
+    """One field of an optimizer's options dataclass (:attr:`OptimizerSpec.options`).
+
+    The field's annotation is its type (``float``, ``bool``, a ``Literal`` alias of
+    :mod:`.options` for a closed set); ``kwarg``: the optimizer's keyword (default: the field's
+    name); ``ge``/``gt``/``le``/``lt``: numeric bounds; ``help``: what it is, with its convention
+    (which β weighs what, absolute or relative ε); ``formerly``: older recipe keys for it (a
+    recipe using one is refused with the new name). The recipe loader reads the same metadata
+    keys as every other recipe field's (:func:`megatron_ext.config.fields.spec`)."""
+    meta = {
+        "ge": ge,
+        "gt": gt,
+        "le": le,
+        "lt": lt,
+        "choices": None,
+        "help": help,
+        "kwarg": kwarg,
+        "formerly": formerly,
+    }
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class NoOptions:
+    """The options of an optimizer that has none of its own (AdamW: only the shared fields)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Hyperparameter:
-    """One optimizer option, as the recipe field ``optimizer.<optimizer>_<key>``.
+    """One optimizer option as the recipe field ``optimizer.<optimizer>_<key>``: a read-only
+    view of a field of the optimizer's options dataclass (:meth:`OptimizerSpec.hyperparameters`).
 
     Attributes:
-        key: the recipe name after the optimizer's prefix (``muon_nesterov`` -> ``nesterov``).
-        default: the recipe default; its type (bool, int, float, str) is the field's type.
+        key: the field's name, the recipe name after the optimizer's prefix (``muon_nesterov``
+            -> ``nesterov``).
+        default: the recipe default.
+        type: the field's resolved annotation (``float``, ``bool``, a ``Literal``).
         kwarg: the optimizer's keyword (default: ``key``).
-        choices: a ``typing.Literal`` alias of the allowed values (str options).
         ge, gt, le, lt: numeric bounds.
-        help: what it is, with its convention (which β weighs what, absolute or relative ε).
-        formerly: older recipe keys for it; a recipe using one is refused with the new name.
+        help: what it is, with its convention.
+        formerly: older recipe keys for it.
     """
 
     key: str
     default: bool | int | float | str
+    type: Any
     kwarg: str = ""
-    choices: Any = None
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
@@ -64,12 +107,9 @@ class Hyperparameter:
         return self.kwarg or self.key
 
     @property
-    def type(self) -> type:
-        return type(self.default)
-
-    @property
     def options(self) -> tuple[Any, ...] | None:
-        return None if self.choices is None else get_args(self.choices)
+        """The allowed values of a ``Literal`` option, else None."""
+        return get_args(self.type) if typing.get_origin(self.type) is typing.Literal else None
 
 
 #: Recipe fields shared by several optimizers -> the keyword hyperparameters they set.
@@ -106,7 +146,10 @@ class OptimizerSpec:
             for its shard (KL-SOAP's ``duplicated``: factors and bases of the full matrix);
             in the others ``state_bytes`` is of the shard's shape.
         uses: shared recipe fields it takes (keys of :data:`SHARED_FIELDS`).
-        hyperparameters: its own options, each a recipe field ``<name>_<key>``.
+        options: its own options, a ``kw_only`` dataclass whose fields are made by
+            :func:`option` (each the recipe field ``optimizer.<name>_<field>``); the recipe's
+            optimizer section holds one instance per registered optimizer
+            (``section.options[name]``).
         fixed: keyword arguments always passed (not recipe options).
         pack: turns the per-field keywords into the optimizer's signature where they differ
             (e.g. Lion's ``beta1``, ``beta2`` fields into its ``betas`` tuple).
@@ -115,13 +158,17 @@ class OptimizerSpec:
             update's RMS is AdamW's (the update must then have RMS 1 with that keyword at 1:
             the sign update of Lion, the √max(m, n)-scaled polar factor of Muon and MOP).
             None: the update already has AdamW's RMS (AdamW, KL-SOAP's Adam in the eigenbasis).
-        own_update_rms: for a recipe section, the matching factor the optimizer applies itself
+        own_update_rms: for a recipe's optimizer section, the matching factor the optimizer
+            applies itself
             (then ``optimizer.update_rms`` is not applied to ``update_rms_kwarg``), or None
             (Muon's and MOP's ``rms_match=beta``: √((1 − β)/(1 + β)) from their momentum).
         flops: ``(rows, cols, kwargs) -> FLOPs`` of one step of one ``rows×cols`` matrix (2 per
             multiply-add), given the optimizer's keyword hyperparameters.
         state_bytes: ``(rows, cols) -> bytes`` of fp32 optimizer state for one matrix.
         check: cross-field rule on a recipe's optimizer section; raises ``ValueError``.
+
+    The callables that take a recipe's optimizer ``section`` read the shared fields as its
+    attributes and this optimizer's options as :meth:`options_of` ``(section)``.
     """
 
     name: str
@@ -133,7 +180,7 @@ class OptimizerSpec:
     tp_modes: tuple[str, ...] = ()
     full_state_tp_modes: tuple[str, ...] = ()
     uses: tuple[str, ...] = ("lr", "weight_decay")
-    hyperparameters: tuple[Hyperparameter, ...] = ()
+    options: type = NoOptions
     fixed: Mapping[str, Any] = field(default_factory=dict)
     pack: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     update_rms_kwarg: str | None = None
@@ -146,10 +193,40 @@ class OptimizerSpec:
             raise ValueError(f"optimizer {self.name!r}: unknown shared fields {unknown}")
         if self.couples_matrix_entries and not self.tp_modes:
             raise ValueError(f"matrix optimizer {self.name!r} must declare its tp_modes")
+        if not (dataclasses.is_dataclass(self.options) and isinstance(self.options, type)):
+            raise ValueError(f"optimizer {self.name!r}: options must be a dataclass type")
+
+    @property
+    def hyperparameters(self) -> tuple[Hyperparameter, ...]:
+        """Its options, one :class:`Hyperparameter` per field of :attr:`options`."""
+        hints = typing.get_type_hints(self.options)
+        out = []
+        for f in dataclasses.fields(self.options):
+            meta = f.metadata
+            out.append(
+                Hyperparameter(
+                    key=f.name,
+                    default=f.default,  # type: ignore[arg-type]  # option() always sets one
+                    type=hints[f.name],
+                    kwarg=meta.get("kwarg", ""),
+                    ge=meta.get("ge"),
+                    gt=meta.get("gt"),
+                    le=meta.get("le"),
+                    lt=meta.get("lt"),
+                    help=meta.get("help", ""),
+                    formerly=tuple(meta.get("formerly", ())),
+                )
+            )
+        return tuple(out)
 
     def field_name(self, hp: Hyperparameter) -> str:
         """The recipe field of ``hp``: ``<optimizer>_<key>``."""
         return f"{self.name}_{hp.key}"
+
+    def options_of(self, section: Any) -> Any:
+        """This optimizer's options (an :attr:`options` instance) in a recipe's optimizer
+        section."""
+        return section.options[self.name]
 
     def update_rms_factor(self, section: Any) -> float:
         """The update-RMS matching factor for a recipe section (1 if none): ``update_rms``, or
@@ -171,8 +248,9 @@ class OptimizerSpec:
         out: dict[str, Any] = {}
         for shared in self.uses:
             out.update(SHARED_FIELDS[shared](section))
+        own = self.options_of(section)
         for hp in self.hyperparameters:
-            out[hp.keyword] = getattr(section, self.field_name(hp))
+            out[hp.keyword] = getattr(own, hp.key)
         out.update(self.fixed)
         if self.pack is not None:
             out = self.pack(out)

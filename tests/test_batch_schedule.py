@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.recipe import GPTRecipe
 from megatron_ext.gpt.sections import BatchRampConfig, TrainingConfig
 from megatron_ext.schedules.batch import (
     DoublingRamp,
@@ -44,12 +44,12 @@ GPT_READS = (
 )
 
 
-def _recipe(**training) -> Recipe:
+def _recipe(**training) -> GPTRecipe:
     ramp = training.pop("batch_ramp", None)
     t = TrainingConfig(**training)
     if ramp is not None:
         t.batch_ramp = BatchRampConfig(**ramp)
-    return Recipe(sections={"optimizer": OptimizerConfig(lr=1e-2, min_lr=1e-3), "training": t})
+    return GPTRecipe(optimizer=OptimizerConfig(lr=1e-2, min_lr=1e-3), training=t)
 
 
 # --------------------------------------------------------------------------- the string

@@ -40,8 +40,7 @@ def test_the_fields_soma_reads_are_accepted_and_reach_the_recipe() -> None:
     recipe = load_recipe("soma_tiny", ["seed=7", "training.exit_interval=3"])
     assert (recipe.seed, recipe.training.exit_interval) == (7, 3)
     assert list(recipe.sections) == ["soma", "data", "training"]  # what runs, nothing else
-    with pytest.raises(AttributeError, match="a trainer=soma recipe has no 'optimizer' section"):
-        recipe.optimizer  # noqa: B018
+    assert not hasattr(recipe, "optimizer")  # its type has no such field: a checker says so
 
 
 def test_gpt_owns_its_sections_and_the_others_borrow_them() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,7 +102,7 @@ def test_megatron_lms_parser_takes_the_ext_arguments(monkeypatch) -> None:
     from megatron_ext.megatron.drop_in import extension_config
 
     config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr)  # unvalidated args: by hand
-    ext = extension_config(megatron_lm.apply_arguments(config, args))
+    ext = SimpleNamespace(**extension_config(megatron_lm.apply_arguments(config, args)).flat())
     assert (ext.name, ext.lr, ext.kl_soap_factor_eps, ext.match_update_rms) == (
         "kl_soap",
         1e-3,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -16,6 +17,7 @@ from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import load_recipe
 from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.config.megatron_flags import MEGATRON_DEFAULTS
+from megatron_ext.optimizers.muon_spec import MuonOptions
 from megatron_ext.schedules.plan import run_steps
 
 MEGATRON_EXT = Path(sys.executable).with_name("megatron-ext")
@@ -175,7 +177,7 @@ def test_the_recipe_has_the_scripts_values(converted) -> None:
     )
     assert (t.lr_warmup_steps, t.eval_interval, t.eval_iters) == (100, 200, 4)
     assert (o.name, o.lr, o.min_lr, o.weight_decay, o.adam_beta2) == ("muon", 3e-3, 3e-4, 0.1, 0.95)
-    assert (o.muon_coefficient_type, o.match_update_rms) == ("polar_express", False)
+    assert (o.flat()["muon_coefficient_type"], o.match_update_rms) == ("polar_express", False)
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)
     assert (p.expert_model_parallel_size, p.sequence_parallel) == (4, True)
     assert (d.path, d.tokenizer, d.tokenizer_model, d.split) == (
@@ -340,14 +342,15 @@ def test_a_muon_script_gets_megatron_lms_muon_defaults() -> None:
 
     theirs = OptimizerConfig()
     o = load_recipe_dict(_convert("--global-batch-size 8 --train-iters 10 --optimizer muon").recipe)
-    o = o.optimizer
+    o = SimpleNamespace(**o.optimizer.flat())
     assert o.muon_momentum == 0.9
     assert o.muon_coefficient_type == MUON_COEFFICIENTS[theirs.muon_coefficient_type]
     assert o.muon_coefficient_type == "quintic_schedule"
     assert o.tp_mode == theirs.muon_tp_mode == "blockwise"
     given = "--optimizer muon --muon-coefficient-type simple --muon-tp-mode duplicated"
     o = load_recipe_dict(_convert(f"--global-batch-size 8 --train-iters 10 {given}").recipe)
-    assert (o.optimizer.muon_coefficient_type, o.optimizer.tp_mode) == ("quintic", "duplicated")
+    muon = o.optimizer.of(MuonOptions)
+    assert (muon.coefficient_type, o.optimizer.tp_mode) == ("quintic", "duplicated")
 
 
 def test_train_samples_round_down_at_a_constant_batch_as_megatron_lm() -> None:

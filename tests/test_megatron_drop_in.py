@@ -22,6 +22,11 @@ from tests.conftest import DIST, run_torchrun
 from tests.test_training import TEXT, _losses, _metric, _train
 
 
+def _flat(config: OptimizerConfig) -> SimpleNamespace:
+    """The drop-in's optimizer section with its keys as a recipe writes them (flat options)."""
+    return SimpleNamespace(**drop_in.extension_config(config).flat())
+
+
 def test_signature_is_megatron_cores() -> None:
     ours = inspect.signature(drop_in.get_megatron_optimizer).parameters
     theirs = inspect.signature(mc_optimizer.get_megatron_optimizer).parameters
@@ -58,7 +63,7 @@ def test_adam_and_sgd_get_megatron_cores_optimizer(monkeypatch, name: str) -> No
 
 
 def test_megatron_cores_fields_map_onto_the_optimizer_section() -> None:
-    muon = drop_in.extension_config(
+    muon = _flat(
         OptimizerConfig(
             optimizer="muon",
             lr=2e-3,
@@ -93,15 +98,15 @@ def test_megatron_cores_fields_map_onto_the_optimizer_section() -> None:
     )
     mop = OptimizerConfig(optimizer="mop", lr=1e-3, muon_momentum=0.8, muon_tp_mode="duplicated")
     mop.mop_precision = "fp64"  # an extra field: megatron-ext's name, taken as is
-    ext = drop_in.extension_config(mop)
+    ext = _flat(mop)
     assert (ext.mop_momentum, ext.mop_precision, ext.tp_mode) == (0.8, "fp64", "duplicated")
     soap = OptimizerConfig(optimizer="kl_soap", lr=1e-3, soap_shampoo_beta=0.9)
     soap.soap_precondition_frequency = 10
     soap.kl_soap_factor_eps, soap.update_rms = 1e-10, 0.25
-    ext = drop_in.extension_config(soap)
+    ext = _flat(soap)
     assert (ext.kl_soap_shampoo_beta, ext.kl_soap_refresh_every) == (0.9, 10)
     assert (ext.kl_soap_factor_eps, ext.update_rms) == (1e-10, 0.25)
-    lion = drop_in.extension_config(OptimizerConfig(optimizer="lion", lr=1e-3, lion_beta1=0.9))
+    lion = _flat(OptimizerConfig(optimizer="lion", lr=1e-3, lion_beta1=0.9))
     assert (lion.lion_beta1, lion.lion_beta2) == (0.9, 0.98)
 
 
@@ -119,7 +124,7 @@ def test_bad_muon_configs_are_one_config_error(fields: dict, extra: dict, match:
     for key, value in extra.items():
         setattr(config, key, value)
     with pytest.raises(ConfigError, match=match):
-        drop_in.extension_config(config)
+        _flat(config)
 
 
 def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> None:
@@ -130,7 +135,7 @@ def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> Non
     from megatron_ext.config.load import recipe_from_dict
     from megatron_ext.config.megatron_args import read_megatron_args
 
-    ext = drop_in.extension_config(OptimizerConfig(optimizer="muon", lr=1e-3))
+    ext = _flat(OptimizerConfig(optimizer="muon", lr=1e-3))
     script = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
         "--max-position-embeddings 128 "
@@ -138,9 +143,9 @@ def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> Non
     )
     converted = recipe_from_dict(convert(read_megatron_args(script + "--optimizer muon")).recipe)
     same = ("muon_coefficient_type", "tp_mode", "muon_num_ns_steps", "muon_scale_mode")
-    assert {k: getattr(ext, k) for k in same} == {k: getattr(converted.optimizer, k) for k in same}
+    assert {k: getattr(ext, k) for k in same} == {k: converted.optimizer.flat()[k] for k in same}
     assert (ext.muon_coefficient_type, ext.tp_mode) == ("quintic_schedule", "blockwise")
-    soap = drop_in.extension_config(OptimizerConfig(optimizer="soap", lr=1e-3))
+    soap = _flat(OptimizerConfig(optimizer="soap", lr=1e-3))
     assert soap.name == "kl_soap" == drop_in.extension_name("soap")
     assert drop_in.extension_name("adam") is None  # megatron-core's own Adam
 
@@ -151,8 +156,8 @@ def test_soap_use_kl_shampoo_selects_the_factor_update(optimizer: str) -> None:
     True -> ``kl`` (KL-Shampoo factors), False -> ``shampoo`` (SOAP's plain ``G Gᵀ``)."""
     for use_kl, factor_update in ((True, "kl"), (False, "shampoo")):
         config = OptimizerConfig(optimizer=optimizer, lr=1e-3, soap_use_kl_shampoo=use_kl)
-        assert drop_in.extension_config(config).kl_soap_factor_update == factor_update
-    default = drop_in.extension_config(OptimizerConfig(optimizer=optimizer, lr=1e-3))
+        assert _flat(config).kl_soap_factor_update == factor_update
+    default = _flat(OptimizerConfig(optimizer=optimizer, lr=1e-3))
     assert default.kl_soap_factor_update == "kl"
 
 
@@ -223,7 +228,7 @@ def test_megatron_core_defaults_under_the_drop_in() -> None:
     """Megatron-LM's meaning: megatron-core's routing, its raw update scale, split QKV, plain
     Newton–Schulz in bf16 under its default ``muon_fp32_matmul_prec='medium'`` (fp32 under
     ``high``); an extra attribute asks for megatron-ext's meaning instead."""
-    ext = drop_in.extension_config(OptimizerConfig(optimizer="muon", lr=1e-3))
+    ext = _flat(OptimizerConfig(optimizer="muon", lr=1e-3))
     assert (ext.matrix_routing, ext.match_update_rms, ext.split_qkv) == (
         "megatron_core",
         False,
@@ -236,16 +241,14 @@ def test_megatron_core_defaults_under_the_drop_in() -> None:
     )
     high = OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec="high")
     high.match_update_rms, high.matrix_routing = True, "megatron_ext"
-    ext = drop_in.extension_config(high)
+    ext = _flat(high)
     assert (ext.muon_ns_precision, ext.match_update_rms, ext.matrix_routing) == (
         "fp32",
         True,
         "megatron_ext",
     )
     with pytest.raises(ConfigError, match="muon_fp32_matmul_prec"):  # Megatron-LM allows 'low'
-        drop_in.extension_config(
-            OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec="low")
-        )
+        _flat(OptimizerConfig(optimizer="muon", lr=1e-3, muon_fp32_matmul_prec="low"))
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from megatron_ext.config.optimizer import OptimizerConfig
-from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.recipe import GPTRecipe
 from megatron_ext.gpt.sections import TrainingConfig
 from megatron_ext.schedules import LRSchedule
 from megatron_ext.schedules.plan import lr_schedule
@@ -204,9 +204,7 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         lr_wsd_decay_steps=50,
         lr_wsd_decay_style="cosine",
     )
-    recipe = Recipe(
-        sections={"optimizer": OptimizerConfig(lr=1e-3, min_lr=1e-5), "training": training}
-    )
+    recipe = GPTRecipe(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5), training=training)
     schedule = lr_schedule(recipe)
     assert schedule == LRSchedule(
         max_lr=1e-3,
@@ -218,7 +216,7 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         wsd_decay_style="cosine",
     )
     training.lr_decay_steps = 120
-    assert lr_schedule(Recipe(sections={"training": training})).decay_steps == 120
+    assert lr_schedule(GPTRecipe(training=training)).decay_steps == 120
 
 
 @pytest.mark.parametrize(

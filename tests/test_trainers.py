@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import yaml
 from megatron_ext.config import load_recipe
 from megatron_ext.config import trainers as registry
 from megatron_ext.config.fields import spec
+from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec, get_trainer, register_trainer
 from megatron_ext.errors import ConfigError, TrainingDivergedError
 from megatron_ext.soma.recipe import SomaConfig
@@ -32,6 +33,14 @@ class ToyConfig:
     width: int = spec(2, ge=1)
     diverge: bool = False
     marker: str = ""
+
+
+@dataclass(kw_only=True)
+class ToyRecipe(Recipe):
+    """The toy trainer's typed recipe: the core and its own section."""
+
+    trainer: str = "toy"
+    toy: ToyConfig = field(default_factory=ToyConfig)
 
 
 def toy_check(recipe, world_size: int | None) -> None:
@@ -58,7 +67,7 @@ def toy(monkeypatch):
             name="toy",
             train="tests.test_trainers:toy_train",
             check=toy_check,
-            sections={"toy": ToyConfig},
+            recipe=ToyRecipe,
         )
     )
 
@@ -138,7 +147,9 @@ def test_a_trainer_registered_from_a_test_is_accepted(tmp_path, toy) -> None:
 
 def test_a_second_trainer_of_the_same_name_is_refused(toy) -> None:
     with pytest.raises(ValueError, match="two trainers are named 'toy'"):
-        register_trainer(TrainerSpec(name="toy", train="tests.x:other", check=toy_check))
+        register_trainer(
+            TrainerSpec(name="toy", train="tests.x:other", check=toy_check, recipe=ToyRecipe)
+        )
     register_trainer(toy)  # the same object again is not a second registration
 
 

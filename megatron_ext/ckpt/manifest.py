@@ -24,11 +24,12 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.atomic import write_json
+from megatron_ext.config.schema import Recipe, recipe_dict
 
 __all__ = [
     "MANIFEST",
@@ -179,6 +180,6 @@ def unlisted(folder: Path, manifest: Mapping[str, Any]) -> list[Problem]:
 def recipe_hash(recipe: Any) -> str:
     """``sha256:<16 hex>`` of the recipe's fields (a dataclass), as sorted JSON: which recipe
     wrote a checkpoint (any change, ``training.steps`` included, changes it)."""
-    data = asdict(recipe) if is_dataclass(recipe) else recipe
+    data = recipe_dict(recipe) if isinstance(recipe, Recipe) else recipe
     text = json.dumps(data, sort_keys=True, default=str)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

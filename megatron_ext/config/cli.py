@@ -256,11 +256,12 @@ def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
     import dataclasses
     import typing
 
+    from megatron_ext.config.optimizer import option_keys
     from megatron_ext.config.schema import Recipe
     from megatron_ext.config.trainers import get_trainer, recipe_sections
 
     hints = typing.get_type_hints(Recipe)
-    kinds = {f.name: hints[f.name] for f in dataclasses.fields(Recipe) if f.name != "sections"}
+    kinds = {f.name: hints[f.name] for f in dataclasses.fields(Recipe)}
     kinds |= recipe_sections(get_trainer(recipe.get("trainer", "gpt")))
     out: dict[str, Any] = {}
     for name, kind in kinds.items():
@@ -269,6 +270,8 @@ def _schema_order(recipe: dict[str, Any]) -> dict[str, Any]:
         value = recipe[name]
         if isinstance(value, dict) and dataclasses.is_dataclass(kind):
             order = [g.name for g in dataclasses.fields(kind)]
+            if "options" in order:  # the optimizer section writes its options flat
+                order = [*order, *option_keys()]
             value = {k: value[k] for k in sorted(value, key=order.index)}
         out[name] = value
     return out

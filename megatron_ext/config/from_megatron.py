@@ -203,6 +203,7 @@ def _field_metadata(path: str) -> Any:
     import typing
 
     from megatron_ext.config.fields import literal_options
+    from megatron_ext.config.optimizer import OptimizerConfig, option_field
     from megatron_ext.config.schema import Recipe
     from megatron_ext.config.trainers import trainer_sections
 
@@ -214,8 +215,14 @@ def _field_metadata(path: str) -> Any:
         cls = run[section] if section in run else trainer_sections()[section]
     for part in parents:
         cls = typing.get_type_hints(cls)[part]
-    meta = {f.name: f for f in dataclasses.fields(cls)}[leaf].metadata
-    options = literal_options(typing.get_type_hints(cls)[leaf])
+    own = option_field(leaf) if cls is OptimizerConfig else None
+    if own is not None:  # an optimizer's option, written flat (optimizer.muon_momentum)
+        found, kind = own
+    else:
+        found = {f.name: f for f in dataclasses.fields(cls)}[leaf]
+        kind = typing.get_type_hints(cls)[leaf]
+    meta = found.metadata
+    options = literal_options(kind)
     return {**meta, "choices": options} if options is not None else meta
 
 
@@ -442,6 +449,7 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
     """Sample-counted flags: the run in steps (or tokens under a batch schedule), the LR
     positions as sample counts (``training.lr_*_samples``) and the warmup fraction as is."""
     from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.gpt.sections import TrainingConfig
 
     seq = int(out.get("training.seq_length"))
     samples = _value(flags.get("train-samples"))
@@ -458,7 +466,7 @@ def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
     elif samples is not None:  # a step schedule: steps until the samples are reached
         take("train-samples")
         out.set("training.train_tokens", int(samples) * seq)
-    t = recipe_from_dict(out.recipe).training
+    t = recipe_from_dict(out.recipe).section(TrainingConfig)
     # sample positions stay in samples (exact where they end inside a step): Megatron-LM's
     # scheduler counts consumed samples; without --lr-decay-samples its decay ends at
     # --train-samples

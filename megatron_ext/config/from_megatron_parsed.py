@@ -159,7 +159,7 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     import torch
 
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.gpt.sections import ModelConfig
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig, TrainingConfig
     from megatron_ext.megatron.model import transformer_kwargs
     from megatron_ext.megatron.transformer_fields import HOST_FIELDS, SECTION_FIELDS
     from megatron_ext.megatron.transformer_fields import activation_function as activation
@@ -167,8 +167,9 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     recipe = recipe_from_dict(out.recipe)
     # the host's layers do not change the fields compared (transformer_impl is skipped), and a
     # script asking for Transformer Engine converts on a host without it: refused at launch
-    model = dataclasses.replace(recipe.model, transformer_impl="local")
-    derived = transformer_kwargs(model, recipe.parallel, recipe.training.precision)
+    model = dataclasses.replace(recipe.section(ModelConfig), transformer_impl="local")
+    training = recipe.section(TrainingConfig)
+    derived = transformer_kwargs(model, recipe.section(ParallelConfig), training.precision)
     named = {f.name for f in dataclasses.fields(ModelConfig)}
     extra: dict[str, Any] = {}
     changed: set[str] = set()

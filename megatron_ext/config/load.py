@@ -19,10 +19,12 @@ import yaml
 
 from megatron_ext.config.fields import literal_options
 from megatron_ext.config.moe_presets import expand_moe_preset
+from megatron_ext.config.optimizer import option_keys, renamed_keys, split_options
 from megatron_ext.config.reads import check_reads
 from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import get_trainer, recipe_sections, trainer_sections
 from megatron_ext.errors import ConfigError
+from megatron_ext.optimizers.spec import registered_optimizers
 
 
 def load_recipe(
@@ -105,28 +107,25 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
-    """Build a typed ``Recipe``; unknown keys, wrong types, out-of-range values and keys the
-    recipe's trainer does not read (:func:`megatron_ext.config.reads.check_reads`) raise.
+    """Build the typed recipe of the trainer ``raw`` names (its registered ``recipe`` class);
+    unknown keys, wrong types, out-of-range values and keys the recipe's trainer does not read
+    (:func:`megatron_ext.config.reads.check_reads`) raise.
 
     Every registered section given is built, so that a misspelt key is named as such; the
-    recipe keeps its trainer's sections (:func:`~megatron_ext.config.trainers.recipe_sections`),
-    the ones not given from their defaults."""
+    recipe's sections not given take their defaults."""
     every = trainer_sections()
     expanded = expand_moe_preset(raw)
     core = {k: v for k, v in expanded.items() if k not in every}
-    recipe = _build(Recipe, core, prefix="", more_keys=tuple(every))
+    kwargs = _kwargs(Recipe, core, prefix="", more_keys=tuple(every))
+    spec = get_trainer(kwargs.get("trainer", "gpt"))
     given = {
         name: _build(every[name], value, prefix=f"{name}.")
         for name, value in expanded.items()
         if name in every
     }
-    spec = get_trainer(recipe.trainer)
     check_reads(expanded, spec)  # after the fields: a misspelt key is named as misspelt
-    recipe.sections = {
-        name: given[name] if name in given else config()
-        for name, config in recipe_sections(spec).items()
-    }
-    return recipe
+    sections = {name: given[name] for name in recipe_sections(spec) if name in given}
+    return spec.recipe(**kwargs, **sections)
 
 
 def _deepcopy(d: Any) -> Any:
@@ -140,13 +139,24 @@ def _deepcopy(d: Any) -> Any:
 def _build(cls: type, raw: Any, prefix: str, more_keys: tuple[str, ...] = ()) -> Any:
     """``cls`` from the mapping ``raw``. ``more_keys``: other valid keys at this level (the
     trainers' sections, built by the caller), named in the unknown-key message."""
+    return cls(**_kwargs(cls, raw, prefix, more_keys))
+
+
+def _kwargs(cls: type, raw: Any, prefix: str, more_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keyword arguments of ``cls`` read from the mapping ``raw`` (see :func:`_build`)."""
     where = prefix.rstrip(".") or "recipe"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__} {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("trainer_sections")}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    options = [name for name, f in fields.items() if f.metadata.get("optimizer_options")]
+    renamed: dict[str, list[str]] = getattr(cls, "RENAMED", {})
+    if options:  # the optimizer section: its options are written flat (muon_momentum)
+        raw, own = split_options(raw)
+        fields.pop(options[0])
+        more_keys = (*more_keys, *option_keys())
+        renamed = {**renamed, **renamed_keys()}
     hints = typing.get_type_hints(cls)
     valid = [*fields, *more_keys]
-    renamed = getattr(cls, "RENAMED", {})
     moved = getattr(cls, "MOVED", {})
     for key in raw:
         if key not in fields and key in moved:
@@ -166,16 +176,22 @@ def _build(cls: type, raw: Any, prefix: str, more_keys: tuple[str, ...] = ()) ->
                 else (f"; valid keys: {', '.join(valid)}")
             )
             raise ConfigError(f"unknown key {prefix}{key!r}{hint}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
             continue
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, raw[name], prefix=f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(f"{prefix}{name}", raw[name], tp, f.metadata)
-    return cls(**kwargs)
+    if options:
+        specs = registered_optimizers()
+        kwargs[options[0]] = {
+            name: _build(specs[name].options, given, prefix=f"{prefix}{name}_")
+            for name, given in own.items()
+        }
+    return kwargs
 
 
 def _coerce(key: str, value: Any, tp: Any, meta: Any) -> Any:

@@ -32,6 +32,7 @@ from argparse import Namespace
 from typing import Any
 
 from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
+from megatron_ext.optimizers.muon_spec import MuonOptions
 
 __all__ = ["AREAS", "compare"]
 
@@ -136,18 +137,27 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
             ("adam_eps", o.adam_eps, parsed.adam_eps),
         ]
     if name == "muon":
+        muon = o.of(MuonOptions)
         pairs += [
-            ("muon_momentum", o.muon_momentum, parsed.muon_momentum),
-            ("muon_nesterov", o.muon_nesterov, parsed.muon_nesterov),
-            ("muon_scale_mode", o.muon_scale_mode, MUON_SCALE_MODES.get(parsed.muon_scale_mode)),
+            ("muon_momentum", muon.momentum, parsed.muon_momentum),
+            ("muon_nesterov", muon.nesterov, parsed.muon_nesterov),
+            (
+                "muon_scale_mode",
+                muon.scale_mode,
+                MUON_SCALE_MODES.get(parsed.muon_scale_mode),
+            ),
             (
                 "muon_coefficient_type",
-                o.muon_coefficient_type,
+                muon.coefficient_type,
                 MUON_COEFFICIENTS.get(parsed.muon_coefficient_type),
             ),
             ("muon_tp_mode", o.tp_mode, parsed.muon_tp_mode),
-            ("muon_num_ns_steps", o.muon_num_ns_steps, parsed.muon_num_ns_steps),
-            ("muon_extra_scale_factor", o.muon_extra_scale_factor, parsed.muon_extra_scale_factor),
+            ("muon_num_ns_steps", muon.num_ns_steps, parsed.muon_num_ns_steps),
+            (
+                "muon_extra_scale_factor",
+                muon.extra_scale_factor,
+                parsed.muon_extra_scale_factor,
+            ),
         ]
     return _differ(pairs)
 

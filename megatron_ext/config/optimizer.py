@@ -1,10 +1,12 @@
-"""The recipe's ``optimizer:`` section, composed from the registered optimizer specs.
+"""The recipe's ``optimizer:`` section: the shared fields, and every registered optimizer's options.
 
-Shared fields (megatron-core ``OptimizerConfig`` names) are declared here; every option of every
-registered optimizer becomes a field ``<optimizer>_<key>`` with the default, bounds, choices and
-help its :class:`~megatron_ext.optimizers.spec.Hyperparameter` declares — megatron-core's own
-``muon_*``/``lion_*`` naming. So swapping ``optimizer.name`` in a recipe reaches every option of
-the new optimizer, and a new optimizer's options appear here without an edit.
+Shared fields (megatron-core ``OptimizerConfig`` names) are declared here. Each optimizer's own
+options are a dataclass its spec declares (:attr:`~megatron_ext.optimizers.spec.OptimizerSpec.
+options`: ``MuonOptions``), validated there; the section holds one instance per registered
+optimizer in ``options``, and a recipe writes them flat as ``<optimizer>_<field>`` —
+megatron-core's own ``muon_*``/``lion_*`` naming. So swapping ``optimizer.name`` in a recipe
+reaches every option of the new optimizer, and a new optimizer's options appear without an edit
+here.
 
 One learning rate: with ``match_update_rms`` (default) every optimizer's update is scaled to
 AdamW's update RMS (``update_rms``, 0.2), as the Muon/SOAP literature matches Muon to AdamW
@@ -19,6 +21,8 @@ No torch import (the launcher validates recipes before any process starts).
 from __future__ import annotations
 
 import dataclasses
+import typing
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ext.config.fields import spec
@@ -26,115 +30,181 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.optimizers.options import MatrixRouting, TPMode
 from megatron_ext.optimizers.spec import OptimizerSpec, optimizer_spec, registered_optimizers
 
-__all__ = ["OptimizerConfig", "update_rms_note"]
-
-_SHARED: list[tuple[str, Any, Any]] = [
-    ("name", str, "adamw"),  # choices filled in from the registry below
-    ("lr", float, spec(3e-4, gt=0.0)),
-    ("min_lr", float, spec(0.0, ge=0.0)),
-    ("weight_decay", float, spec(0.1, ge=0.0)),
-    ("adam_beta1", float, spec(0.9, ge=0.0, le=1.0, help="weight of the old first moment")),
-    ("adam_beta2", float, spec(0.95, ge=0.0, le=1.0, help="weight of the old second moment")),
-    ("adam_eps", float, spec(1e-8, gt=0.0, help="added to sqrt(v_hat) (absolute)")),
-    ("clip_grad", float, spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")),
-    (
-        "decoupled_lr",
-        float | None,
-        spec(
-            None,
-            gt=0.0,
-            help="peak LR of the word embeddings and the output layer (megatron-core's "
-            "decoupled_lr: the parameters it marks is_embedding_or_output_parameter, always "
-            "in AdamW); their schedule is the run's, from the same warmup start; none = "
-            "optimizer.lr",
-        ),
-    ),
-    (
-        "decoupled_min_lr",
-        float | None,
-        spec(
-            None,
-            ge=0.0,
-            help="the decoupled LR's floor (megatron-core's decoupled_min_lr); none = "
-            "optimizer.min_lr",
-        ),
-    ),
-    (
-        "tp_mode",
-        TPMode,
-        spec(
-            "duplicated",
-            help="matrix optimizers under tensor parallelism: duplicated = gather the shards, "
-            "TP=1 update; distributed = Muon's NS with all-reduced Gram products; blockwise = "
-            "each shard alone (not TP=1-equivalent)",
-        ),
-    ),
-    (
-        "match_update_rms",
-        bool,
-        spec(
-            True,
-            help="scale every optimizer's update to AdamW's update RMS (optimizer.update_rms), "
-            "so that one optimizer.lr serves the matrix optimizer and the AdamW part",
-        ),
-    ),
-    ("update_rms", float, spec(0.2, gt=0.0, help="AdamW's update RMS, the matching target")),
-    (
-        "matrix_routing",
-        MatrixRouting,
-        spec(
-            "megatron_ext",
-            help="which parameters the matrix optimizer takes: megatron_ext = hidden matrices "
-            "(AdamW for every embedding, the output layer, norms, biases, MoE routers); "
-            "megatron_core = every 2-D parameter but the word embeddings and the output layer, "
-            "as megatron-core's get_megatron_optimizer routes Muon",
-        ),
-    ),
-    (
-        "split_qkv",
-        bool,
-        spec(
-            False,
-            help="Muon/MOP: orthogonalise Q, K and V of a fused linear_qkv.weight separately "
-            "(megatron-core's muon_split_qkv, its default there)",
-        ),
-    ),
+__all__ = [
+    "OptimizerConfig",
+    "option_field",
+    "option_keys",
+    "renamed_keys",
+    "section_fields",
+    "split_options",
+    "update_rms_note",
 ]
 
 
-def _hyperparameter_field(opt: OptimizerSpec, hp: Any) -> tuple[str, Any, Any]:
-    help_text = f"{opt.name}: {hp.help}" if hp.help else opt.name
-    meta = dict(ge=hp.ge, gt=hp.gt, le=hp.le, lt=hp.lt, choices=hp.options, help=help_text)
-    return opt.field_name(hp), hp.type, spec(hp.default, **meta)
+def _registered_options() -> dict[str, Any]:
+    """Every registered optimizer's options at their defaults: name -> its options instance."""
+    return {name: opt.options() for name, opt in registered_optimizers().items()}
 
 
-def _compose() -> tuple[type, dict[str, list[str]]]:
-    specs = registered_optimizers()
-    fields = list(_SHARED)
-    fields[0] = ("name", str, spec("adamw", choices=tuple(specs), help="registered optimizers"))
-    seen = {name for name, _, _ in fields}
-    renamed: dict[str, list[str]] = {}
-    for opt in specs.values():
-        for hp in opt.hyperparameters:
-            field = _hyperparameter_field(opt, hp)
-            if field[0] in seen:
-                raise ValueError(f"two optimizer options are both named optimizer.{field[0]}")
-            seen.add(field[0])
-            fields.append(field)
-            for old in hp.formerly:
-                renamed.setdefault(old, []).append(field[0])
-    cls = dataclasses.make_dataclass(
-        "OptimizerConfig",
-        fields,
-        namespace={
-            "__doc__": "Optimizer section: shared fields plus every registered optimizer's own.",
-            "__module__": __name__,
-            "spec": property(lambda self: optimizer_spec(self.name)),
-            "check": _check,
-            "RENAMED": renamed,
-        },
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The recipe's ``optimizer:`` section: the shared fields (megatron-core ``OptimizerConfig``
+    names) and, in ``options``, every registered optimizer's own options (each an instance of
+    its spec's :attr:`~megatron_ext.optimizers.spec.OptimizerSpec.options` dataclass; a recipe
+    writes them flat, ``muon_momentum: 0.9``, :func:`split_options`)."""
+
+    name: str = spec("adamw", help="a registered optimizer (megatron-ext recipe fields)")
+    lr: float = spec(3e-4, gt=0.0)
+    min_lr: float = spec(0.0, ge=0.0)
+    weight_decay: float = spec(0.1, ge=0.0)
+    adam_beta1: float = spec(0.9, ge=0.0, le=1.0, help="weight of the old first moment")
+    adam_beta2: float = spec(0.95, ge=0.0, le=1.0, help="weight of the old second moment")
+    adam_eps: float = spec(1e-8, gt=0.0, help="added to sqrt(v_hat) (absolute)")
+    clip_grad: float = spec(1.0, ge=0.0, help="global grad-norm clip; 0 = off")
+    decoupled_lr: float | None = spec(
+        None,
+        gt=0.0,
+        help="peak LR of the word embeddings and the output layer (megatron-core's "
+        "decoupled_lr: the parameters it marks is_embedding_or_output_parameter, always "
+        "in AdamW); their schedule is the run's, from the same warmup start; none = "
+        "optimizer.lr",
     )
-    return cls, renamed
+    decoupled_min_lr: float | None = spec(
+        None,
+        ge=0.0,
+        help="the decoupled LR's floor (megatron-core's decoupled_min_lr); none = optimizer.min_lr",
+    )
+    tp_mode: TPMode = spec(
+        "duplicated",
+        help="matrix optimizers under tensor parallelism: duplicated = gather the shards, "
+        "TP=1 update; distributed = Muon's NS with all-reduced Gram products; blockwise = "
+        "each shard alone (not TP=1-equivalent)",
+    )
+    match_update_rms: bool = spec(
+        True,
+        help="scale every optimizer's update to AdamW's update RMS (optimizer.update_rms), "
+        "so that one optimizer.lr serves the matrix optimizer and the AdamW part",
+    )
+    update_rms: float = spec(0.2, gt=0.0, help="AdamW's update RMS, the matching target")
+    matrix_routing: MatrixRouting = spec(
+        "megatron_ext",
+        help="which parameters the matrix optimizer takes: megatron_ext = hidden matrices "
+        "(AdamW for every embedding, the output layer, norms, biases, MoE routers); "
+        "megatron_core = every 2-D parameter but the word embeddings and the output layer, "
+        "as megatron-core's get_megatron_optimizer routes Muon",
+    )
+    split_qkv: bool = spec(
+        False,
+        help="Muon/MOP: orthogonalise Q, K and V of a fused linear_qkv.weight separately "
+        "(megatron-core's muon_split_qkv, its default there)",
+    )
+    options: dict[str, Any] = field(
+        default_factory=_registered_options, metadata={"optimizer_options": True}
+    )
+
+    def __post_init__(self) -> None:
+        optimizer_spec(self.name)  # an unknown name: UnknownName (a ConfigError), did-you-mean
+        for name, opt in registered_optimizers().items():
+            self.options.setdefault(name, opt.options())
+
+    @property
+    def spec(self) -> OptimizerSpec:
+        """The spec of ``name``."""
+        return optimizer_spec(self.name)
+
+    def of[T](self, kind: type[T]) -> T:
+        """The options of type ``kind`` (``cfg.of(MuonOptions).momentum``)."""
+        for value in self.options.values():
+            if type(value) is kind:
+                return value
+        raise KeyError(f"no registered optimizer has options of type {kind.__name__}")
+
+    def check(self) -> None:
+        """Cross-field rules of the section (the chosen optimizer's, and its TP modes)."""
+        _check(self)
+
+    def flat(self) -> dict[str, Any]:
+        """The section as a recipe writes it: the shared fields, then every registered
+        optimizer's options as ``<optimizer>_<field>``."""
+        out = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"
+        }
+        for name, own in self.options.items():
+            out.update({f"{name}_{k}": v for k, v in dataclasses.asdict(own).items()})
+        return out
+
+
+def split_options(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Split a recipe's flat ``optimizer:`` mapping into the shared keys and, per registered
+    optimizer, its options (``muon_momentum`` -> ``{"muon": {"momentum": ...}}``). A key that
+    names no option stays with the shared keys (the loader names it as unknown)."""
+    shared: dict[str, Any] = {}
+    own: dict[str, dict[str, Any]] = {}
+    specs = registered_optimizers()
+    fields = {
+        name: {f.name for f in dataclasses.fields(opt.options)} for name, opt in specs.items()
+    }
+    for key, value in raw.items():
+        owner = next(
+            (
+                n
+                for n in fields
+                if str(key).startswith(f"{n}_") and str(key)[len(n) + 1 :] in fields[n]
+            ),
+            None,
+        )
+        if owner is None:
+            shared[key] = value
+        else:
+            own.setdefault(owner, {})[str(key)[len(owner) + 1 :]] = value
+    return shared, own
+
+
+def section_fields() -> dict[str, tuple[Any, Any]]:
+    """Every key of the ``optimizer:`` section as a recipe writes it -> its dataclass field and
+    resolved type: the shared fields, then each registered optimizer's options
+    (``muon_momentum``)."""
+    hints = typing.get_type_hints(OptimizerConfig)
+    out = {
+        f.name: (f, hints[f.name])
+        for f in dataclasses.fields(OptimizerConfig)
+        if f.name != "options"
+    }
+    for name, opt in registered_optimizers().items():
+        own = typing.get_type_hints(opt.options)
+        out.update({f"{name}_{f.name}": (f, own[f.name]) for f in dataclasses.fields(opt.options)})
+    return out
+
+
+def option_field(key: str) -> tuple[Any, Any] | None:
+    """The field of an optimizer's options dataclass a flat recipe key names
+    (``muon_momentum``) and its resolved type, or None."""
+    _, own = split_options({key: None})
+    for name, given in own.items():
+        kind = registered_optimizers()[name].options
+        (leaf,) = given
+        found = {f.name: f for f in dataclasses.fields(kind)}[leaf]
+        return found, typing.get_type_hints(kind)[leaf]
+    return None
+
+
+def option_keys() -> list[str]:
+    """Every registered optimizer's options as recipe keys (``muon_momentum``, ...)."""
+    return [
+        f"{name}_{f.name}"
+        for name, opt in registered_optimizers().items()
+        for f in dataclasses.fields(opt.options)
+    ]
+
+
+def renamed_keys() -> dict[str, list[str]]:
+    """Older recipe keys of the options -> the keys that replaced them."""
+    renamed: dict[str, list[str]] = {}
+    for opt in registered_optimizers().values():
+        for hp in opt.hyperparameters:
+            for old in hp.formerly:
+                renamed.setdefault(old, []).append(opt.field_name(hp))
+    return renamed
 
 
 def _check(cfg: Any) -> None:
@@ -196,6 +266,3 @@ def update_rms_note(cfg: Any) -> str:
             parts.append(f"{name} update x {total:g} (RMS-match factor {factor:g})")
     state = "on" if cfg.match_update_rms else "off"
     return f"update-RMS matching {state} (target {cfg.update_rms:g}): " + "; ".join(parts)
-
-
-OptimizerConfig, RENAMED_FIELDS = _compose()

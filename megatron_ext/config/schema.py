@@ -1,26 +1,28 @@
-"""The recipe's core: the trainer-neutral sections, and the trainer's sections by name.
+"""The recipe's core: the trainer-neutral fields every trainer's typed recipe extends.
 
 A recipe is ``trainer``, ``run_dir``, ``seed`` and the run sections every trainer reads
-(``logging``, ``checkpoint``, ``launch``), plus the sections the selected trainer declares in its
-registration (:mod:`megatron_ext.config.trainers`): the ones it owns (GPT: ``model``,
-``optimizer``, ``data``, ``training``, ``parallel``, :mod:`megatron_ext.gpt.sections`; SOMA:
-``soma``) and the ones of another trainer it reads (SOMA: ``data.source``, the stop fields of
-``training``). Each is a dataclass, read as an attribute (``recipe.training``);
-fields carry validation metadata (:func:`.fields.spec`) or a ``Literal`` type, read by
-:mod:`megatron_ext.config.load`. Cross-field rules are the trainer's (its ``check``).
+(``logging``, ``checkpoint``, ``launch``): :class:`Recipe`. Each trainer declares its own recipe
+as a subclass whose further fields are its sections (:mod:`megatron_ext.config.trainers`): the
+ones it owns (GPT: ``model``, ``optimizer``, ``data``, ``training``, ``parallel``,
+:mod:`megatron_ext.gpt.sections`; SOMA: ``soma``) and the ones of another trainer it reads
+(SOMA: ``data.source``, the stop fields of ``training``). Every section is a dataclass, a typed
+attribute (``recipe.training``); fields carry validation metadata (:func:`.fields.spec`) or a
+``Literal`` type, read by :mod:`megatron_ext.config.load`. Cross-field rules are the trainer's
+(its ``check``).
 
 This module must not import torch: the launcher validates recipes before any process starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_ext.config.fields import spec
-from megatron_ext.config.trainers import get_trainer, recipe_sections
+from megatron_ext.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "LaunchConfig", "LoggingConfig", "Recipe"]
+__all__ = ["CORE", "CheckpointConfig", "LaunchConfig", "LoggingConfig", "Recipe", "recipe_dict"]
 
 
 @dataclass
@@ -76,13 +78,15 @@ class LaunchConfig:
     )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Recipe:
-    """A whole run: the object every trainer receives.
+    """A whole run: the trainer-neutral core every trainer's recipe extends.
 
-    ``sections``: the selected trainer's sections by name (``"training"`` ->
-    ``TrainingConfig``), each also an attribute (``recipe.training``); built from their
-    defaults when not given. A section the trainer does not read is not there."""
+    Each trainer declares its recipe as a subclass (``GPTRecipe`` in
+    :mod:`megatron_ext.gpt.recipe`, ``SomaRecipe``, ``DipacoRecipe``) whose further fields are
+    its sections, typed (``recipe.training`` is a ``TrainingConfig``), and registers it
+    (:class:`~megatron_ext.config.trainers.TrainerSpec` ``recipe``). The loader builds the
+    subclass the recipe's ``trainer:`` names (:func:`megatron_ext.config.load.read_recipe`)."""
 
     trainer: str = spec("gpt", help="a registered trainer (megatron_ext.config.trainers)")
     run_dir: str = spec("runs/default", help="logs, plots, checkpoints, summary.json")
@@ -92,29 +96,25 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    sections: dict[str, Any] = field(default_factory=dict, metadata={"trainer_sections": True})
 
     def __post_init__(self) -> None:
-        for name, config in recipe_sections(get_trainer(self.trainer)).items():
-            self.sections.setdefault(name, config())
+        from megatron_ext.config.trainers import get_trainer  # the registry reads this module
 
-    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
-        sections = self.__dict__.get("sections")
-        if sections is not None and name in sections:
-            return sections[name]
-        if name.startswith("__") or sections is None:
-            raise AttributeError(name)
-        raise AttributeError(
-            f"a trainer={self.__dict__.get('trainer')} recipe has no {name!r} section "
-            f"(its sections: {', '.join(sections) or 'none'})"
-        )
+        expected = get_trainer(self.trainer).recipe
+        if type(self) is not expected:
+            raise ConfigError(
+                f"a trainer={self.trainer} recipe is a {expected.__name__}, not a "
+                f"{type(self).__name__}: build {expected.__name__}(...) (or read the recipe "
+                "with megatron_ext.config.load.read_recipe)"
+            )
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        sections = self.__dict__.get("sections")
-        if sections is not None and name in sections:
-            sections[name] = value
-        else:
-            object.__setattr__(self, name, value)
+    @property
+    def sections(self) -> dict[str, Any]:
+        """The trainer's sections by name (``"training"`` -> its ``TrainingConfig``): the
+        fields a trainer's recipe adds to this core (read-only: a copy)."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in CORE
+        }
 
     def section[T](self, kind: type[T]) -> T:
         """This recipe's section of type ``kind``, e.g. ``recipe.section(SomaConfig)``."""
@@ -126,4 +126,29 @@ class Recipe:
     def check(self, world_size: int | None = None) -> None:
         """The trainer's cross-field rules (its registered ``check``); raises ``ConfigError``.
         ``world_size`` adds the layout checks. Reads the recipe, changes nothing."""
+        from megatron_ext.config.trainers import get_trainer  # the registry reads this module
+
         get_trainer(self.trainer).check(self, world_size)
+
+
+#: The fields of the trainer-neutral core (every other field of a recipe is a trainer's section).
+CORE = tuple(f.name for f in dataclasses.fields(Recipe))
+
+
+def recipe_dict(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as plain data in the layout checkpoint manifests and DiPaCo's run
+    fingerprint have always hashed: the core fields, then ``sections`` by name, the optimizer's
+    options flat (``muon_momentum``) as a recipe writes them."""
+    out = {
+        name: dataclasses.asdict(v)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type)
+        else v
+        for name in CORE
+        for v in [getattr(recipe, name)]
+    }
+    sections: dict[str, Any] = {}
+    for name, value in recipe.sections.items():
+        flat = getattr(value, "flat", None)
+        sections[name] = flat() if callable(flat) else dataclasses.asdict(value)
+    out["sections"] = sections
+    return out

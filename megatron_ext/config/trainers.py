@@ -5,11 +5,17 @@ recipe.py``), and registers that object as an entry point of the group
 ``megatron_ext.trainers`` (``soma = megatron_ext.soma.recipe:TRAINER`` in ``setup.py``, or in
 another distribution's metadata: :mod:`megatron_ext.registry`)::
 
+    @dataclass(kw_only=True)
+    class SomaRecipe(Recipe):                      # its typed recipe: the core + its sections
+        trainer: str = "soma"
+        soma: SomaConfig = field(default_factory=SomaConfig)   # owned
+        data: DataConfig = field(default_factory=DataConfig)   # read (GPT's)
+
     TRAINER = TrainerSpec(
         name="soma",
         train="megatron_ext.soma.trainer:train",   # imported only on the ranks that train
         check=check_soma,                          # cross-field rules; raise ConfigError
-        sections={"soma": SomaConfig},             # the recipe sections it owns
+        recipe=SomaRecipe,
         reads={"data": ("source",)},               # what it reads of other trainers' sections
     )
 
@@ -24,11 +30,14 @@ validates recipes before any rank exists.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.config.schema import CORE, Recipe
 from megatron_ext.registry import Registry
 
 __all__ = [
@@ -48,25 +57,48 @@ class TrainerSpec:
 
     ``train``: ``"module:function"``, the per-rank entry ``function(recipe)``. ``check(recipe,
     world_size)``: the trainer's cross-field rules (``world_size`` None: the rules that need no
-    job size); raises ``ConfigError``. ``sections``: the recipe sections the trainer owns, by
-    name, and the dataclass each is parsed into. ``reads``: the sections of other trainers it
-    reads, each mapped to the fields it reads (None: all of them); a recipe that sets any other
-    field of them, or a section the trainer does not read, is refused before launch
-    (:mod:`megatron_ext.config.reads`). The run sections (``run_dir``, ``logging``,
-    ``checkpoint``, ``launch``) belong to every trainer.
+    job size); raises ``ConfigError``. ``recipe``: its typed recipe, a ``kw_only`` subclass of
+    :class:`~megatron_ext.config.schema.Recipe` whose further fields are its sections (each a
+    dataclass, with a default) and whose ``trainer`` defaults to ``name``. ``reads``: which of
+    those sections are another trainer's, each mapped to the fields it reads (None: all of
+    them); a recipe that sets any other field of them, or a section the trainer does not read,
+    is refused before launch (:mod:`megatron_ext.config.reads`); the rest it owns
+    (:attr:`sections`). The run sections (``run_dir``, ``logging``, ``checkpoint``,
+    ``launch``) belong to every trainer.
     """
 
     name: str
     train: str
-    check: Callable[[Any, int | None], None]  # (the Recipe, world size)
-    sections: Mapping[str, type] = field(default_factory=dict)
+    check: Callable[[Any, int | None], None]  # (its recipe, world size)
+    recipe: type[Recipe]
     reads: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if set(self.sections) & set(self.reads):
-            raise ValueError(f"trainer {self.name!r}: a section is both owned and read")
         if self.train.count(":") != 1:
             raise ValueError(f"trainer {self.name!r}: train={self.train!r} is not module:function")
+        if not (isinstance(self.recipe, type) and issubclass(self.recipe, Recipe)):
+            raise ValueError(f"trainer {self.name!r}: recipe must be a subclass of Recipe")
+        default = next(f.default for f in dataclasses.fields(self.recipe) if f.name == "trainer")
+        if default != self.name:
+            raise ValueError(
+                f"trainer {self.name!r}: {self.recipe.__name__}.trainer defaults to {default!r}"
+            )
+        missing = sorted(set(self.reads) - set(self.all_sections))
+        if missing:
+            raise ValueError(f"trainer {self.name!r} reads {missing}: not fields of its recipe")
+
+    @property
+    def all_sections(self) -> dict[str, type]:
+        """Every section of its recipe, owned and read: name -> the dataclass."""
+        hints = typing.get_type_hints(self.recipe)
+        return {
+            f.name: hints[f.name] for f in dataclasses.fields(self.recipe) if f.name not in CORE
+        }
+
+    @property
+    def sections(self) -> dict[str, type]:
+        """The sections it owns (not :attr:`reads`): name -> the dataclass."""
+        return {n: t for n, t in self.all_sections.items() if n not in self.reads}
 
     def load_train(self) -> Callable[[Any], Any]:
         """Import the trainer's entry function (this is where torch gets imported)."""
@@ -106,9 +138,12 @@ def trainer_sections() -> dict[str, type]:
 
 
 def recipe_sections(spec: TrainerSpec) -> dict[str, type]:
-    """The sections a ``spec.name`` recipe holds: its own, then the ones it reads of others."""
+    """The sections a ``spec.name`` recipe holds: its own and the ones it reads of others (each
+    the class its owner parses it into)."""
     owned = trainer_sections()
-    missing = [name for name in spec.reads if name not in owned]
-    if missing:
-        raise ValueError(f"trainer {spec.name!r} reads {missing}, which no trainer owns")
-    return {**spec.sections, **{name: owned[name] for name in spec.reads}}
+    for name, kind in spec.all_sections.items():
+        if name in spec.reads and owned.get(name) is not kind:
+            raise ValueError(
+                f"trainer {spec.name!r} reads {name!r}, which no trainer owns as {kind.__name__}"
+            )
+    return spec.all_sections

@@ -10,21 +10,25 @@ No torch import: the launcher validates recipes before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.dipaco.model.layout import PathLayout
 from megatron_ext.dipaco.queue.url import QueueURL, parse_queue_url
 from megatron_ext.errors import ConfigError
-from megatron_ext.gpt.recipe import check_gpt_sections
+from megatron_ext.gpt.recipe import GPTRecipe, check_gpt_sections
 from megatron_ext.schedules.plan import lr_schedule
 
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
-
-__all__ = ["DipacoConfig", "check_dipaco", "eval_tokens", "path_layout", "queue_url"]
+__all__ = [
+    "DipacoConfig",
+    "DipacoRecipe",
+    "check_dipaco",
+    "eval_tokens",
+    "path_layout",
+    "queue_url",
+]
 
 
 @dataclass
@@ -113,7 +117,7 @@ class DipacoConfig:
     )
 
 
-def path_layout(recipe: Recipe) -> PathLayout:
+def path_layout(recipe: DipacoRecipe) -> PathLayout:
     """The recipe's levels x modules, checked against ``model.num_layers``."""
     d = recipe.section(DipacoConfig)
     return PathLayout.from_recipe(
@@ -125,19 +129,28 @@ def path_layout(recipe: Recipe) -> PathLayout:
     )
 
 
-def eval_tokens(recipe: Recipe) -> int:
+def eval_tokens(recipe: DipacoRecipe) -> int:
     """Tokens read of each evaluation document: ``dipaco.eval_seq_length`` (else
     ``training.seq_length``) + 1, its last scored as a target only."""
     d = recipe.section(DipacoConfig)
     return (d.eval_seq_length or recipe.training.seq_length) + 1
 
 
-def queue_url(recipe: Recipe) -> QueueURL:
+def queue_url(recipe: DipacoRecipe) -> QueueURL:
     """The recipe's queue database (``dipaco.queue``; empty = ``run_dir/queue.db``)."""
     return parse_queue_url(recipe.section(DipacoConfig).queue, recipe.run_dir)
 
 
-def check_dipaco(recipe: Recipe, world_size: int | None) -> None:
+@dataclass(kw_only=True)
+class DipacoRecipe(GPTRecipe):
+    """A DiPaCo run: a GPT recipe (every path is a GPTModel trained on the GPT data pipeline)
+    and the ``dipaco`` section."""
+
+    trainer: str = spec("dipaco", help="a registered trainer (megatron_ext.config.trainers)")
+    dipaco: DipacoConfig = field(default_factory=DipacoConfig)
+
+
+def check_dipaco(recipe: DipacoRecipe, world_size: int | None) -> None:
     """The ``dipaco:`` section against itself, the model and the corpus (any job size: a rank
     is one worker, and workers cycle through the paths), after the GPT sections' own rules."""
     check_gpt_sections(recipe)
@@ -247,7 +260,7 @@ TRAINER = TrainerSpec(
     name="dipaco",
     train="megatron_ext.dipaco.trainer:train",
     check=check_dipaco,
-    sections={"dipaco": DipacoConfig},
+    recipe=DipacoRecipe,
     # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
     # parallel sizes are read to refuse any other than 1 (a rank is one worker)
     reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),

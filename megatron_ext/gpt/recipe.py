@@ -7,10 +7,12 @@ import: the launcher validates recipes before any process starts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import check_moe_fields
 from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.sections import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
@@ -24,10 +26,19 @@ from megatron_ext.schedules.plan import (
     training_schedule,
 )
 
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
+__all__ = ["GPTRecipe", "check_gpt", "check_gpt_sections", "check_model_layout"]
 
-__all__ = ["check_gpt", "check_gpt_sections", "check_model_layout"]
+
+@dataclass(kw_only=True)
+class GPTRecipe(Recipe):
+    """A GPT run: the core fields and the GPT trainer's sections."""
+
+    trainer: str = spec("gpt", help="a registered trainer (megatron_ext.config.trainers)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
@@ -59,7 +70,7 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
         )
 
 
-def check_gpt_sections(recipe: Recipe) -> None:
+def check_gpt_sections(recipe: GPTRecipe) -> None:
     """The rules of the GPT sections (``model``, ``optimizer``, ``data``, ``training``,
     ``parallel``) that need no job size; every trainer that reads them runs these (DiPaCo)."""
     m, t, p = recipe.model, recipe.training, recipe.parallel
@@ -91,7 +102,7 @@ def check_gpt_sections(recipe: Recipe) -> None:
     check_stop_fields(t)
 
 
-def check_gpt(recipe: Recipe, world_size: int | None) -> None:
+def check_gpt(recipe: GPTRecipe, world_size: int | None) -> None:
     """The sections' rules, a dataset to read, a consistent LR schedule and (given) a layout
     that fits the job."""
     check_gpt_sections(recipe)
@@ -169,11 +180,5 @@ TRAINER = TrainerSpec(
     name="gpt",
     train="megatron_ext.gpt.trainer:train",
     check=check_gpt,
-    sections={
-        "model": ModelConfig,
-        "optimizer": OptimizerConfig,
-        "data": DataConfig,
-        "training": TrainingConfig,
-        "parallel": ParallelConfig,
-    },
+    recipe=GPTRecipe,
 )

@@ -13,11 +13,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-from megatron_ext.config.schema import Recipe
 from megatron_ext.data import build_gpt_datasets, build_indexed_dataset, build_tokenizer
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
 from megatron_ext.gpt.moe_load import ExpertLoad
+from megatron_ext.gpt.recipe import GPTRecipe
 from megatron_ext.megatron.ddp import DistributedDataParallel
 from megatron_ext.megatron.model import build_gpt_model, half_precision_module
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
@@ -40,7 +40,7 @@ class GPTRun:
     every step's batch, consumed tokens and LR; ``num_microbatches``: per rank, of the target
     batch (validation; a training step's count is its stage's)."""
 
-    recipe: Recipe
+    recipe: GPTRecipe
     env: DistEnv
     dp_rank: int
     dp_size: int
@@ -57,7 +57,7 @@ class GPTRun:
     startup_s: dict[str, float] | None = None  # launch command -> first step (run.startup)
 
 
-def setup(recipe: Recipe) -> GPTRun:
+def setup(recipe: GPTRecipe) -> GPTRun:
     """Join the process groups and build data, model, optimizer and schedule (the recipe was
     checked at this world size by the entry point)."""
     env = init_distributed(
@@ -122,7 +122,7 @@ def setup(recipe: Recipe) -> GPTRun:
     )
 
 
-def build_data(recipe: Recipe, tokenizer: Any, schedule: TrainingSchedule) -> tuple[Any, Any]:
+def build_data(recipe: GPTRecipe, tokenizer: Any, schedule: TrainingSchedule) -> tuple[Any, Any]:
     """The training and validation splits of ``data.path`` (megatron-core GPT datasets, sized
     for ``schedule``'s samples): sample ``i`` is a dict of (seq_length,) arrays ``tokens``,
     ``labels``, ``loss_mask``, ``position_ids``. The validation split is None without one."""
@@ -144,7 +144,7 @@ def build_data(recipe: Recipe, tokenizer: Any, schedule: TrainingSchedule) -> tu
     return train_data, valid_data
 
 
-def ensure_dataset(recipe: Recipe, tokenizer: Any, env: DistEnv) -> None:
+def ensure_dataset(recipe: GPTRecipe, tokenizer: Any, env: DistEnv) -> None:
     """Build ``data.path`` from ``data.source`` on rank 0 when it does not exist yet.
 
     Rank 0's outcome is shared with every rank, so a failed build stops all of them (with rank

@@ -16,10 +16,10 @@ from typing import Any
 
 from megatron_ext.ckpt.manifest import recipe_hash
 from megatron_ext.config.optimizer import update_rms_note
-from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.gpt.checkpoint import Checkpointer
 from megatron_ext.gpt.evaluate import Evaluator
+from megatron_ext.gpt.recipe import GPTRecipe
 from megatron_ext.gpt.report import record_step, record_validation, summarize
 from megatron_ext.gpt.setup import setup
 from megatron_ext.gpt.step import train_step
@@ -30,7 +30,7 @@ from megatron_ext.run.stopping import RunStopped, StopPolicy
 __all__ = ["train"]
 
 
-def train(recipe: Recipe) -> dict[str, Any]:
+def train(recipe: GPTRecipe) -> dict[str, Any]:
     """Per-rank entry point: train ``recipe`` to ``training.steps``, resuming from the newest
     checkpoint (``checkpoint.load``). Returns the run summary (rank 0 also writes
     ``run_dir/summary.json``); raises :class:`TrainingDivergedError` on a non-finite loss and

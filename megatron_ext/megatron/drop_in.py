@@ -202,7 +202,7 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
             f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: megatron-ext trains the "
             f"non-matrix parameters with AdamW; set muon_scalar_optimizer='adam'"
         )
-    ours = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    ours = set(OptimizerConfig().flat())  # the recipe's optimizer.* keys
     # megatron-core's fields, and the attributes its __post_init__ adds
     known = {f.name for f in dataclasses.fields(McOptimizerConfig)} | set(vars(McOptimizerConfig()))
     for key, value in vars(config).items():

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 from typing import Any
 
 from megatron_ext.errors import ConfigError
@@ -50,20 +49,18 @@ __all__ = [
 EXT_PREFIX = "megatron_ext_"
 
 
-def _ext_fields() -> dict[str, dataclasses.Field]:
+def _ext_fields() -> dict[str, tuple[dataclasses.Field, Any]]:
     """The recipe's optimizer fields Megatron-LM's command line cannot spell: not megatron-core
     ``OptimizerConfig`` fields, nor the fields the drop-in reads from one (``split_qkv`` from
     ``muon_split_qkv``, ``tp_mode`` from ``muon_tp_mode``, ...)."""
     from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 
-    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.config.optimizer import section_fields
     from megatron_ext.megatron.drop_in import mapped_fields
 
     theirs = {f.name for f in dataclasses.fields(McOptimizerConfig)} | mapped_fields()
     return {
-        f.name: f
-        for f in dataclasses.fields(OptimizerConfig)
-        if f.name not in theirs and f.name != "name"
+        name: found for name, found in section_fields().items() if name not in theirs | {"name"}
     }
 
 
@@ -78,7 +75,6 @@ def _boolean(text: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``megatron-ext`` group to Megatron-LM's parser; returns the parser."""
     from megatron_ext.config.fields import literal_options
-    from megatron_ext.config.optimizer import OptimizerConfig
     from megatron_ext.megatron.drop_in import EXTENSION_OPTIMIZERS
 
     group = parser.add_argument_group("megatron-ext")
@@ -88,9 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="train with megatron-ext's layer-wise optimizer (instead of --optimizer)",
     )
-    hints = typing.get_type_hints(OptimizerConfig)
-    for name, f in _ext_fields().items():
-        kind = hints[name]
+    for name, (f, kind) in _ext_fields().items():
         options = literal_options(kind) or f.metadata.get("choices")
         convert = _boolean if kind is bool else (str if options and kind is not int else kind)
         group.add_argument(

@@ -5,18 +5,17 @@ No torch import: the launcher validates recipes before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.sections import DataConfig, TrainingConfig
 from megatron_ext.run.stopping import check_stop_fields
 
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
-
-__all__ = ["SomaConfig", "check_soma"]
+__all__ = ["SomaConfig", "SomaRecipe", "check_soma"]
 
 
 @dataclass
@@ -76,7 +75,18 @@ class SomaConfig:
         return self.eval_topk if self.eval_topk is not None else min(4, self.num_experts)
 
 
-def check_soma(recipe: Recipe, world_size: int | None) -> None:
+@dataclass(kw_only=True)
+class SomaRecipe(Recipe):
+    """A SOMA run: the core fields, the ``soma`` section, and what it reads of GPT's
+    (``data.source``; the stop fields of ``training``)."""
+
+    trainer: str = spec("soma", help="a registered trainer (megatron_ext.config.trainers)")
+    soma: SomaConfig = field(default_factory=SomaConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+
+def check_soma(recipe: SomaRecipe, world_size: int | None) -> None:
     """The ``soma:`` section against itself, the corpus and (given) the job size."""
     check_stop_fields(recipe.training)
     s = recipe.section(SomaConfig)
@@ -120,7 +130,7 @@ TRAINER = TrainerSpec(
     name="soma",
     train="megatron_ext.soma.trainer:train",
     check=check_soma,
-    sections={"soma": SomaConfig},
+    recipe=SomaRecipe,
     # the byte windows come from data.source; the stop rules from training
     reads={
         "data": ("source",),

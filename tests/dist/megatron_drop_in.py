@@ -18,6 +18,8 @@ import os
 import sys
 
 import torch
+
+from megatron_ext.optimizers.muon_spec import MuonOptions
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -91,7 +93,7 @@ def main() -> None:
         adam_beta2=o.adam_beta2,
         adam_eps=o.adam_eps,
         clip_grad=o.clip_grad,
-        muon_momentum=o.muon_momentum,
+        muon_momentum=o.of(MuonOptions).momentum,
         muon_coefficient_type="polar_express",
         muon_tp_mode=o.tp_mode,
         muon_split_qkv=o.split_qkv,

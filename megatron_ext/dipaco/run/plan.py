@@ -17,11 +17,10 @@ The run's identity in the queue (:func:`run_fingerprint`) is a pure function of 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 
-from megatron_ext.config.schema import Recipe
+from megatron_ext.config.schema import Recipe, recipe_dict
 from megatron_ext.dipaco.model.layout import ModuleId, PathLayout
 from megatron_ext.dipaco.queue.task_queue import TaskSpec
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
@@ -151,7 +150,7 @@ _OPERATIONAL = (
 def run_fingerprint(recipe: Recipe) -> str:
     """A hash of everything that decides the run's results (not logging, launching or queue
     timing), so workers started with the same recipe agree and another recipe is refused."""
-    raw = dataclasses.asdict(recipe)
+    raw = recipe_dict(recipe)
     for key in ("logging", "launch", "checkpoint"):
         raw.pop(key, None)
     for key in _OPERATIONAL:
