@@ -207,7 +207,7 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
     recipe = Recipe(
         sections={"optimizer": OptimizerConfig(lr=1e-3, min_lr=1e-5), "training": training}
     )
-    schedule = lr_schedule(recipe)
+    schedule = lr_schedule(recipe.training, recipe.optimizer)
     assert schedule == LRSchedule(
         max_lr=1e-3,
         min_lr=1e-5,
@@ -218,7 +218,8 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         wsd_decay_style="cosine",
     )
     training.lr_decay_steps = 120
-    assert lr_schedule(Recipe(sections={"training": training})).decay_steps == 120
+    default = Recipe(sections={"training": training})
+    assert lr_schedule(training, default.optimizer).decay_steps == 120
 
 
 @pytest.mark.parametrize(

@@ -127,7 +127,7 @@ def describe_schedule(recipe: Recipe, world_size: int, png: Path | None = None) 
     if recipe.trainer != "gpt":
         return None
     t, p = recipe.training, recipe.parallel
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
