@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -146,8 +147,9 @@ def test_recipe_hash_changes_with_any_field():
     from megatron_ext.config.load import read_recipe
 
     a, b = read_recipe("tiny_cpu_gpt", []), read_recipe("tiny_cpu_gpt", ["optimizer.lr=1e-3"])
-    assert recipe_hash(a) == recipe_hash(read_recipe("tiny_cpu_gpt", []))
-    assert recipe_hash(a) != recipe_hash(b) and recipe_hash(a).startswith("sha256:")
+    assert recipe_hash(asdict(a)) == recipe_hash(asdict(read_recipe("tiny_cpu_gpt", [])))
+    assert recipe_hash(asdict(a)) != recipe_hash(asdict(b))
+    assert recipe_hash(asdict(a)).startswith("sha256:")
 
 
 def ckpt_verify(*args: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -176,9 +176,9 @@ def unlisted(folder: Path, manifest: Mapping[str, Any]) -> list[Problem]:
     return [Problem(name, "not in the manifest") for name in extra]
 
 
-def recipe_hash(recipe: Any) -> str:
-    """``sha256:<16 hex>`` of the recipe's fields (a dataclass), as sorted JSON: which recipe
-    wrote a checkpoint (any change, ``training.steps`` included, changes it)."""
-    data = asdict(recipe) if is_dataclass(recipe) else recipe
-    text = json.dumps(data, sort_keys=True, default=str)
+def recipe_hash(fields: Mapping[str, Any]) -> str:
+    """``sha256:<16 hex>`` of a recipe's fields as plain data (``dataclasses.asdict(recipe)``;
+    this layer knows no recipe type), as sorted JSON: which recipe wrote a checkpoint (any
+    change, ``training.steps`` included, changes it)."""
+    text = json.dumps(fields, sort_keys=True, default=str)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

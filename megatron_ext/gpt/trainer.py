@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 from typing import Any
 
 from megatron_ext.ckpt.manifest import recipe_hash
@@ -41,7 +42,8 @@ def train(recipe: Recipe) -> dict[str, Any]:
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
     steps = run.schedule.steps  # training.steps, or the steps training.train_tokens takes
-    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, recipe_hash(recipe))
+    written_by = recipe_hash(asdict(recipe))  # in each checkpoint's manifest
+    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, written_by)
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
