@@ -25,9 +25,13 @@ def format_dry_run(argv: list[str], env: Mapping[str, str]) -> str:
 def describe_job(recipe: Recipe, world_size: int, schedule_png: Path | None = None) -> str:
     """The dry run's report of ``recipe`` (read and checked by the launcher) at ``world_size``
     ranks: the fields its trainer reads, the batch stages and LR on tokens (and their plot with
-    ``schedule_png``), and an MoE preset's fields."""
+    ``schedule_png``; GPT only), and an MoE preset's fields."""
     lines = [f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}"]
-    schedule = describe_schedule(recipe, world_size, schedule_png)
+    schedule = None  # the batch stages and LR on tokens are the GPT trainer's schedule
+    if recipe.trainer == "gpt":
+        schedule = describe_schedule(
+            recipe.training, recipe.optimizer, recipe.parallel, world_size, schedule_png
+        )
     model = recipe.sections.get("model")  # MoE: what the preset set, what the recipe
     preset = describe_moe_preset(model) if model is not None else None
     return "\n".join([*lines, *(text for text in (schedule, preset) if text)])
