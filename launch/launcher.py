@@ -363,7 +363,7 @@ def rank_environment(
     """
     threads = launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    p = parallel
+    p = parallel  # None: a trainer without the section
     if host.gpus and p and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if launch.max_restarts:
