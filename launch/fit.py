@@ -15,7 +15,7 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.planner.gpus import GPUS, gpu_kind, gpu_spec
-from megatron_ext.planner.plan import Cluster, Plan, plan_recipe
+from megatron_ext.planner.plan import Cluster, Plan, plan_with_fix
 
 __all__ = ["check_fit", "job_plan"]
 
@@ -23,7 +23,8 @@ __all__ = ["check_fit", "job_plan"]
 def job_plan(
     recipe: Recipe, source: str, overrides: Sequence[str], nnodes: int, nproc: int, host: HostInfo
 ) -> tuple[Plan | None, str]:
-    """(the plan of the job on this host's GPUs, "") or (None, why there is none)."""
+    """(the plan of the job on this host's GPUs, "") or (None, why there is none). ``recipe`` is
+    ``source`` with ``overrides`` as the launcher read it (not read again here)."""
     if recipe.trainer != "gpt":
         return None, f"no plan: trainer={recipe.trainer} (megatron-ext plan plans GPT runs)"
     if not host.gpus:
@@ -35,7 +36,7 @@ def job_plan(
             f"({', '.join(GPUS)}); run `megatron-ext plan --gpu KIND` for the closest one"
         )
     cluster = Cluster(gpu_spec(kind), nnodes, nproc)
-    return plan_recipe(source, overrides, cluster), ""
+    return plan_with_fix(recipe, source, overrides, cluster), ""
 
 
 def check_fit(plan: Plan | None) -> None:

@@ -1,16 +1,17 @@
 """What the launcher learns of its node, without CUDA or torch: the GPUs and CPU cores this
-process may use (:class:`HostInfo`) and the SLURM step it runs in (:class:`SlurmNodes`)."""
+process may use (:class:`HostInfo`, probed once per launch; nvidia-smi is read by
+:mod:`megatron_ext.run.nvidia_smi`) and the SLURM step it runs in (:class:`SlurmNodes`)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.run.hardware import DeviceDescription, probe_device
+from megatron_ext.run.nvidia_smi import count_visible_devices
 from megatron_ext.run.rank_env import SLURM_NUM_NODES_VARS, slurm_first_host
 
 __all__ = [
@@ -26,74 +27,48 @@ __all__ = [
 
 @dataclass(frozen=True)
 class HostInfo:
-    """The local hardware the launcher sizes the job for."""
+    """The local hardware the launcher sizes the job for, probed once per launch
+    (:func:`probe_host`)."""
 
     gpus: int
     cpus: int
-    gpu_name: str = ""  # as nvidia-smi names GPU 0 ("" when unknown or no GPU)
+    gpu_name: str = ""  # as nvidia-smi names the first visible GPU ("" when unknown or no GPU)
+    #: the precision gate's view of this machine (GPUs' compute capabilities, CUDA build of
+    #: torch, Transformer Engine); the default describes a machine with none of them
+    device: DeviceDescription = field(default_factory=DeviceDescription)
 
 
-def probe_host(environ: Mapping[str, str] | None = None) -> HostInfo:
-    """GPUs and CPU cores available to this process, and the GPUs' model."""
+def probe_host(
+    environ: Mapping[str, str] | None = None,
+    *,
+    dev_dir: Path = Path("/dev"),
+    nvidia_smi: str | None = None,
+) -> HostInfo:
+    """GPUs and CPU cores available to this process, the GPUs' model and what they can run:
+    one ``nvidia-smi`` query (:func:`~megatron_ext.run.hardware.probe_device`) serves the
+    count, the name and the precision gate."""
     environ = os.environ if environ is None else environ
-    gpus = count_gpus(environ)
-    return HostInfo(gpus=gpus, cpus=count_cpus(), gpu_name=gpu_name() if gpus else "")
-
-
-def gpu_name(nvidia_smi: str | None = None) -> str:
-    """GPU 0's name from ``nvidia-smi --query-gpu=name`` ("" when it cannot say)."""
-    smi = nvidia_smi or shutil.which("nvidia-smi")
-    if smi is None:
-        return ""
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    lines = [line.strip() for line in out.splitlines() if line.strip()]
-    return lines[0] if lines else ""
+    device = probe_device(environ, nvidia_smi)
+    gpus = count_gpus(environ, device, dev_dir)
+    name = device.names[0] if gpus and device.names else ""
+    return HostInfo(gpus=gpus, cpus=count_cpus(), gpu_name=name, device=device)
 
 
 def count_gpus(
-    environ: Mapping[str, str], dev_dir: Path = Path("/dev"), nvidia_smi: str | None = None
+    environ: Mapping[str, str], device: DeviceDescription, dev_dir: Path = Path("/dev")
 ) -> int:
     """NVIDIA GPUs visible to this process, found without CUDA or torch.
 
     CUDA_VISIBLE_DEVICES when set (SLURM sets it for the GPUs it allocated), else the
-    /dev/nvidiaN device files, else ``nvidia-smi -L`` (``nvidia_smi`` overrides its path).
+    /dev/nvidiaN device files, else the GPUs nvidia-smi listed (``device``, from
+    :func:`probe_host`'s one query).
     """
     if "CUDA_VISIBLE_DEVICES" in environ:
         return count_visible_devices(environ["CUDA_VISIBLE_DEVICES"])
     devices = [p for p in dev_dir.glob("nvidia[0-9]*") if p.name[len("nvidia") :].isdigit()]
     if devices:
         return len(devices)
-    smi = nvidia_smi or shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0  # a broken driver install counts as no GPU; the CPU path still works
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
-def count_visible_devices(value: str) -> int:
-    """Devices named by CUDA_VISIBLE_DEVICES.
-
-    Like CUDA, count up to the first entry that is not a device (an index >= 0 or a GPU/MIG
-    UUID): ``""``, ``-1`` and SLURM's ``NoDevFiles`` hide every GPU; ``0,1,-1,2`` shows two.
-    """
-    count = 0
-    for item in value.split(","):
-        item = item.strip()
-        if not (item.isdigit() or item.startswith(("GPU-", "MIG-"))):
-            break
-        count += 1
-    return count
+    return device.gpus
 
 
 def count_cpus() -> int:

@@ -11,9 +11,11 @@ The layout comes from one of three places, flags winning over SLURM field by fie
 The recipe is validated at the resulting world size *before* anything starts, so a layout that
 does not fit fails here with one message instead of on N ranks after the rendezvous.
 
-:func:`build_launch_command` is the whole decision, free of side effects (it reads the recipe,
-nothing else): an environment mapping and a :class:`HostInfo` in, ``(argv, env)`` out.
-:func:`launch_main` probes the host (:mod:`.hosts`), then prints (``--dry-run``) or checks this node
+:func:`validate_launch` is the whole decision, free of side effects (it reads the recipe, nothing
+else): a request, an environment mapping and a :class:`HostInfo` in, a :class:`ValidatedLaunch`
+out; :func:`launch_command` turns it into ``(argv, env)``. :func:`launch_main` probes the host
+once (:mod:`.hosts`), reads the recipe and resolves the layout once (:func:`validate_launch`),
+and hands the result to the rest: it prints (``--dry-run``, :mod:`.dry_run`) or checks this node
 (:mod:`.preflight`: the dataset, the run directory, the rendezvous port, free disk) and runs the
 command (:mod:`.supervise`: stop signals to the ranks, their errors reported once).
 
@@ -32,14 +34,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_ext.config.load import read_recipe
-from megatron_ext.config.moe_presets import describe_moe_preset
-from megatron_ext.config.reads import describe_reads
 from megatron_ext.config.schema import LaunchConfig, Recipe
-from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.dry_run import describe_job, format_dry_run
 from megatron_ext.launch.fit import check_fit, job_plan
 from megatron_ext.launch.hosts import HostInfo, probe_host, slurm_nodes
 from megatron_ext.launch.preflight import check_before_launch
@@ -48,7 +48,9 @@ from megatron_ext.planner.report import format_plan
 from megatron_ext.run.hardware import check_precision_before_launch
 from megatron_ext.run.startup import LAUNCHED_AT_VAR, process_start_time
 from megatron_ext.run.stopping import LAUNCH_COMMAND_VAR
-from megatron_ext.schedules.table import describe_schedule
+
+if TYPE_CHECKING:
+    from megatron_ext.gpt.sections import ParallelConfig
 
 # Each rank runs the CLI's per-rank entry point with the launcher's own interpreter, so the
 # ranks see exactly the packages the launcher saw (no dependence on PATH or console scripts).
@@ -123,37 +125,37 @@ class LaunchCommand(NamedTuple):
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class ValidatedLaunch:
+    """A launch decided once (:func:`validate_launch`): the recipe read and checked at the
+    layout's world size, the layout, and the host both were sized for. Everything after the
+    decision (the command, the dry run's report, the plan, the checks on this node) reads it."""
+
+    request: LaunchRequest
+    recipe: Recipe
+    layout: NodeLayout
+    host: HostInfo
+
+
 # --------------------------------------------------------------------------- entry point
 
 
 def launch_main(args: argparse.Namespace) -> int:
     """``megatron-ext launch``: print (``--dry-run``) or run the torchrun command, after the fit
-    check on a GPU host (:mod:`.fit`)."""
-    request, host = LaunchRequest.from_args(args), probe_host()
-    argv, env = build_launch_command(request, os.environ, host)
-    recipe = read_recipe(request.recipe, request.overrides)
-    layout = resolve_layout(request, os.environ, host, recipe)
+    check on a GPU host (:mod:`.fit`). The host is probed once, the recipe read and the layout
+    resolved once (:func:`validate_launch`)."""
+    job = validate_launch(LaunchRequest.from_args(args), os.environ, probe_host())
+    request, recipe, layout = job.request, job.recipe, job.layout
+    argv, env = launch_command(job)
     plan, no_plan = job_plan(
-        recipe, request.recipe, request.overrides, layout.nnodes, layout.nproc_per_node, host
+        recipe, request.recipe, request.overrides, layout.nnodes, layout.nproc_per_node, job.host
     )
     if args.dry_run:
         # every check the launch makes, writing nothing, before anything is printed
         check_before_launch(recipe, layout.rdzv_endpoint, layout.node_rank, dry_run=True)
         print(format_dry_run(argv, env))
-        # The batch stages and LR on tokens and an MoE preset's fields, for the reader (stderr:
-        # stdout stays a shell snippet); the schedule's plot only where --schedule-png asks.
-        print(
-            f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}",
-            file=sys.stderr,
-        )
         png = getattr(args, "schedule_png", None)
-        schedule = describe_schedule(recipe, layout.world_size, Path(png) if png else None)
-        if schedule:
-            print(schedule, file=sys.stderr)
-        model = recipe.sections.get("model")  # MoE: what the preset set, what the recipe
-        preset = describe_moe_preset(model) if model is not None else None
-        if preset:
-            print(preset, file=sys.stderr)
+        print(describe_job(recipe, layout.world_size, Path(png) if png else None), file=sys.stderr)
         print(format_plan(plan) if plan is not None else no_plan, file=sys.stderr)
     if not args.no_fit_check:
         check_fit(plan)  # a dry run of a job that does not fit says so with launch's exit code
@@ -197,6 +199,40 @@ def torchrun_grace_s(layout: NodeLayout, launch: LaunchConfig) -> float | None:
     return float(2 * launch.rdzv_timeout_s + 30)
 
 
+def validate_launch(
+    request: LaunchRequest, environ: Mapping[str, str], host: HostInfo
+) -> ValidatedLaunch:
+    """Read the recipe (the one read of a launch), resolve the layout, and check the recipe at
+    the job's world size: the trainer's rules, ranks per GPU, the precision on this host.
+
+    ``environ`` is only read (SLURM variables). Raises ``ConfigError`` for any user mistake."""
+    recipe = read_recipe(request.recipe, request.overrides)  # fields first: clearer messages
+    layout = resolve_layout(request, environ, host, recipe.launch)
+    _check_gpus_per_rank(layout, host, recipe.sections.get("parallel"))
+    recipe.check(world_size=layout.world_size)  # once: the trainer's rules and the layout
+    training = recipe.sections.get("training")  # FP8/FP4: TE and a GPU that runs it
+    check_precision_before_launch(training.precision if training else None, host.device)
+    return ValidatedLaunch(request, recipe, layout, host)
+
+
+def launch_command(job: ValidatedLaunch, *, python: str = sys.executable) -> LaunchCommand:
+    """The torchrun command of a validated launch; ``python`` is the interpreter that runs
+    torchrun and, through it, every rank. Reads nothing."""
+    argv = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(job.layout, job.recipe.launch),
+        *RANK_ENTRY,
+        job.request.recipe,
+        *job.request.overrides,
+    ]
+    env = rank_environment(
+        job.recipe.launch, job.recipe.sections.get("parallel"), job.layout, job.host
+    )
+    return LaunchCommand(argv, env)
+
+
 def build_launch_command(
     request: LaunchRequest,
     environ: Mapping[str, str],
@@ -204,39 +240,23 @@ def build_launch_command(
     *,
     python: str = sys.executable,
 ) -> LaunchCommand:
-    """Validate the recipe at the job's world size and build the torchrun command.
-
-    ``environ`` is only read (SLURM variables); ``python`` is the interpreter that runs
-    torchrun and, through it, every rank. Raises ``ConfigError`` for any user mistake.
-    """
-    recipe = read_recipe(request.recipe, request.overrides)  # fields first: clearer messages
-    layout = resolve_layout(request, environ, host, recipe)
-    _check_gpus_per_rank(layout, host, recipe)
-    recipe.check(world_size=layout.world_size)  # once: the trainer's rules and the layout
-    check_precision_before_launch(recipe)  # FP8/FP4: TE and a GPU that runs it (nvidia-smi)
-    argv = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        *torchrun_args(layout, recipe.launch),
-        *RANK_ENTRY,
-        request.recipe,
-        *request.overrides,
-    ]
-    return LaunchCommand(argv, rank_environment(recipe, layout, host))
+    """:func:`validate_launch` then :func:`launch_command`: the whole decision, free of side
+    effects (it reads the recipe, nothing else), for a caller that wants only the command."""
+    return launch_command(validate_launch(request, environ, host), python=python)
 
 
 # --------------------------------------------------------------------------- layout
 
 
 def resolve_layout(
-    request: LaunchRequest, environ: Mapping[str, str], host: HostInfo, recipe: Recipe
+    request: LaunchRequest, environ: Mapping[str, str], host: HostInfo, launch: LaunchConfig
 ) -> NodeLayout:
-    """Nodes, this node's rank, ranks per node and the rendezvous, from flags then SLURM."""
+    """Nodes, this node's rank, ranks per node and the rendezvous, from flags then SLURM
+    (``launch``: the recipe's section, for the CPU rank count and the SLURM port)."""
     slurm = slurm_nodes(environ)
     nnodes = _first(request.nnodes, slurm.nnodes if slurm else None, 1)
     node_rank = _first(request.node_rank, slurm.node_rank if slurm else None, 0)
-    nproc = _first(request.nproc_per_node, host.gpus or None, recipe.launch.nproc_per_node_cpu)
+    nproc = _first(request.nproc_per_node, host.gpus or None, launch.nproc_per_node_cpu)
     if nnodes < 1:
         raise ConfigError(f"--nnodes {nnodes}: need at least one node")
     if nproc < 1:
@@ -249,7 +269,7 @@ def resolve_layout(
 
     endpoint = request.rdzv_endpoint
     if endpoint is None and slurm is not None and nnodes > 1:
-        endpoint = f"{slurm.first_host}:{recipe.launch.master_port}"
+        endpoint = f"{slurm.first_host}:{launch.master_port}"
     if endpoint is None:
         if nnodes > 1:
             raise ConfigError(
@@ -310,9 +330,11 @@ def torchrun_args(layout: NodeLayout, launch: LaunchConfig) -> list[str]:
     ]
 
 
-def _check_gpus_per_rank(layout: NodeLayout, host: HostInfo, recipe: Recipe) -> None:
-    """NCCL needs a GPU per rank; more ranks than GPUs fails late and obscurely, so fail now."""
-    parallel = recipe.sections.get("parallel")  # a trainer without one uses its own backend
+def _check_gpus_per_rank(
+    layout: NodeLayout, host: HostInfo, parallel: ParallelConfig | None
+) -> None:
+    """NCCL needs a GPU per rank; more ranks than GPUs fails late and obscurely, so fail now.
+    ``parallel`` None: a trainer without the section uses its own backend."""
     backend = parallel.backend if parallel is not None else "auto"
     if host.gpus and layout.nproc_per_node > host.gpus and backend != "gloo":
         raise ConfigError(
@@ -325,7 +347,9 @@ def _check_gpus_per_rank(layout: NodeLayout, host: HostInfo, recipe: Recipe) -> 
 # --------------------------------------------------------------------------- environment
 
 
-def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict[str, str]:
+def rank_environment(
+    launch: LaunchConfig, parallel: ParallelConfig | None, layout: NodeLayout, host: HostInfo
+) -> dict[str, str]:
     """Variables every rank gets on top of the launcher's own environment.
 
     OMP_NUM_THREADS: ``launch.threads_per_rank``, else this node's cores shared out between its
@@ -337,23 +361,14 @@ def rank_environment(recipe: Recipe, layout: NodeLayout, host: HostInfo) -> dict
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (``launch.max_restarts`` > 0): a fresh store for the
     ranks of each rendezvous round (:data:`FRESH_STORE_PER_ROUND`).
     """
-    threads = recipe.launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
+    threads = launch.threads_per_rank or max(1, host.cpus // layout.nproc_per_node)
     env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    p = recipe.sections.get("parallel")
+    p = parallel  # None: a trainer without the section
     if host.gpus and p and (p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1):
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    if recipe.launch.max_restarts:
+    if launch.max_restarts:
         env.update(FRESH_STORE_PER_ROUND)
     return env
-
-
-# --------------------------------------------------------------------------- output and run
-
-
-def format_dry_run(argv: list[str], env: Mapping[str, str]) -> str:
-    """A shell snippet that does what the launcher would: the variables, then the command."""
-    exports = [f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())]
-    return "\n".join([*exports, shlex.join(argv)])
 
 
 # --------------------------------------------------------------------------- helpers

@@ -69,7 +69,7 @@ def test_every_step_follows_the_stage_table(recipe_file, ramped) -> None:
     assert [r["tokens_per_step"] for r in rows] == [32 * b for b in batches]
     assert [r["consumed_tokens"] for r in rows] == [32 * c for c in itertools.accumulate(batches)]
     recipe = load_recipe(recipe_file, [*COMMON, *RAMP, *SAME_WARMUP])
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     assert [r["lr"] for r in rows] == [schedule.lr_at(s) for s in range(8)]
     # the sqrt(B) switch at the boundary: the stable LR at B=4 is lr * sqrt(4/8)
     assert rows[4]["lr"] == pytest.approx(3e-3 * math.sqrt(0.5), rel=1e-15)

@@ -90,7 +90,7 @@ def test_step_schedule_reads_as_megatron_core(text: str, unit: str) -> None:
     stages = resolve_stages(StepSchedule(tuple(ours)), steps)
     recipe = _recipe(steps=steps, seq_length=seq, step_batch_size_schedule=text)
     recipe.training.step_batch_size_schedule_unit = unit
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     assert schedule.stages == stages and schedule.target_batch == theirs.global_batch_size
     consumed = 0
     for step in range(steps):
@@ -154,7 +154,7 @@ def test_doubling_ramp_stages_and_tokens(start: int, target: int) -> None:
         global_batch_size=target,
         batch_ramp={"start": start, "double_every": every},
     )
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     want = _ramp_batches(start, every, target, steps)
     assert [schedule.global_batch(s) for s in range(steps)] == want
     assert [schedule.tokens_before(s) for s in range(steps + 1)] == [
@@ -168,11 +168,11 @@ def test_doubling_ramp_stages_and_tokens(start: int, target: int) -> None:
 
 def test_ramp_refuses_a_start_above_the_target() -> None:
     with pytest.raises(ConfigError, match=r"batch_ramp.start=64 must be between 1 and"):
-        training_schedule(
-            _recipe(global_batch_size=32, batch_ramp={"start": 64, "double_every": 5})
-        )
+        recipe = _recipe(global_batch_size=32, batch_ramp={"start": 64, "double_every": 5})
+        training_schedule(recipe.training, recipe.optimizer)
     with pytest.raises(ConfigError, match="double_every must be >= 1"):
-        training_schedule(_recipe(global_batch_size=32, batch_ramp={"start": 4}))
+        recipe = _recipe(global_batch_size=32, batch_ramp={"start": 4})
+        training_schedule(recipe.training, recipe.optimizer)
 
 
 # --------------------------------------------------------------------------- LR on tokens
@@ -202,7 +202,7 @@ def test_wsd_decay_ends_on_the_last_token_under_a_ramp() -> None:
         lr_decay_style="WSD",
         lr_wsd_decay_steps=20,
     )
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     batches = _ramp_batches(4, 10, 32, steps)  # 4, 8, 16 for 10 steps each, then 32
     tokens = [sum(batches[:s]) * seq for s in range(steps + 1)]
     assert tokens[-1] == (10 * 4 + 10 * 8 + 10 * 16 + 70 * 32) * seq == 80_640
@@ -259,15 +259,17 @@ def test_a_constant_batch_keeps_the_step_schedule_bit_for_bit(style: str, wsd) -
         lr_decay_style=style,
         lr_wsd_decay_steps=wsd,
     )
-    steps, tokens = lr_schedule(recipe), training_schedule(recipe)
+    steps, tokens = (
+        lr_schedule(recipe.training, recipe.optimizer),
+        training_schedule(recipe.training, recipe.optimizer),
+    )
     assert all(tokens.lr_at(s) == steps.lr_at(s) for s in range(130))
 
 
 def test_sqrt_factor_at_every_stage_and_off_switch() -> None:
     ramp = {"start": 2, "double_every": 3, "warmup": "recipe"}
-    on = training_schedule(
-        _recipe(steps=20, global_batch_size=16, lr_decay_style="constant", batch_ramp=ramp)
-    )
+    recipe = _recipe(steps=20, global_batch_size=16, lr_decay_style="constant", batch_ramp=ramp)
+    on = training_schedule(recipe.training, recipe.optimizer)
     assert [on.lr_at(s) for s in (0, 3, 6, 9)] == [
         1e-2 * math.sqrt(2 / 16),
         1e-2 * math.sqrt(8 / 16 / 2),
@@ -276,7 +278,7 @@ def test_sqrt_factor_at_every_stage_and_off_switch() -> None:
     ]
     off = _recipe(steps=20, global_batch_size=16, lr_decay_style="constant", batch_ramp=ramp)
     off.training.batch_lr_scaling = "none"
-    assert {training_schedule(off).lr_at(s) for s in range(20)} == {1e-2}
+    assert {training_schedule(off.training, off.optimizer).lr_at(s) for s in range(20)} == {1e-2}
 
 
 def test_first_stage_warmup_and_step_positions_map_through_the_table() -> None:
@@ -288,7 +290,7 @@ def test_first_stage_warmup_and_step_positions_map_through_the_table() -> None:
         lr_decay_style="cosine",
         lr_decay_steps=50,  # past the run: the table extends at the target batch
     )
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     assert schedule.lr.warmup_steps == 4 * 2 * 10
     assert schedule.lr.decay_steps == (4 * 2 + 4 * 4 + 42 * 8) * 10
     assert schedule.total_tokens == (4 * 2 + 4 * 4 + 32 * 8) * 10
@@ -298,14 +300,16 @@ def test_train_tokens_sets_the_step_count() -> None:
     ramp = {"start": 2, "double_every": 4, "warmup": "recipe"}
     recipe = _recipe(seq_length=10, global_batch_size=8, batch_ramp=ramp)
     recipe.training.train_tokens = 1_000  # 80 + 160 = 240 after 8 steps, then 80 per step
-    assert run_steps(recipe) == 8 + math.ceil((1_000 - 240) / 80)
+    assert run_steps(recipe.training) == 8 + math.ceil((1_000 - 240) / 80)
     recipe.training.train_tokens = 80
-    assert run_steps(recipe) == 4  # exactly the first stage
+    assert run_steps(recipe.training) == 4  # exactly the first stage
     recipe.data.path = "unused"
     before = copy.deepcopy(recipe)
     recipe.check()
     assert recipe == before  # validation reads the recipe, it does not fill it in
-    assert training_schedule(recipe).steps == 4  # the step count comes from the plan
+    assert (
+        training_schedule(recipe.training, recipe.optimizer).steps == 4
+    )  # the step count comes from the plan
 
 
 @pytest.mark.parametrize(
@@ -332,7 +336,8 @@ def test_train_tokens_sets_the_step_count() -> None:
 )
 def test_inconsistent_ramps_are_refused(training: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        training_schedule(_recipe(global_batch_size=8, **training))
+        recipe = _recipe(global_batch_size=8, **training)
+        training_schedule(recipe.training, recipe.optimizer)
 
 
 # --------------------------------------------------------------------------- before launch
@@ -417,7 +422,7 @@ def test_the_table_rows_come_from_the_schedule() -> None:
     recipe = _recipe(
         steps=12, seq_length=4, global_batch_size=8, batch_ramp={"start": 2, "double_every": 3}
     )
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     assert stage_rows(schedule, 1, 2) == [
         (0, 0, 0, 2, 1, 8, 0.0),
         (1, 3, 24, 4, 2, 16, schedule.lr_at(3)),
@@ -428,7 +433,8 @@ def test_the_table_rows_come_from_the_schedule() -> None:
 
 def test_a_checkpoint_from_another_batch_schedule_is_refused() -> None:
     ramp = {"start": 4, "double_every": 6, "warmup": "recipe"}
-    schedule = training_schedule(_recipe(steps=8, global_batch_size=8, batch_ramp=ramp))
+    recipe = _recipe(steps=8, global_batch_size=8, batch_ramp=ramp)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     schedule.check_resume(8, 6 * 4 + 2 * 8)  # its own checkpoint
     with pytest.raises(ConfigError, match=r"step 8 consumed 64 samples, but .* consumes 40 by"):
         schedule.check_resume(8, 8 * 8)  # saved without the ramp

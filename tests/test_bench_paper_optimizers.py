@@ -42,7 +42,7 @@ from megatron_ext.schedules.plan import training_schedule
 def _schedule(scale_name: str, arm: Arm):
     scale = SCALES[scale_name]
     recipe = load_recipe(RECIPE, arm_overrides(scale, arm, seed=1))
-    return recipe, training_schedule(recipe)
+    return recipe, training_schedule(recipe.training, recipe.optimizer)
 
 
 @pytest.mark.parametrize("size", ["quick", "full"])

@@ -24,6 +24,7 @@ from megatron_ext.ckpt.manifest import (
     write_manifest,
 )
 from megatron_ext.ckpt.select import checkpoint_dirs, inspect, prune_plan, resume_order
+from megatron_ext.config.schema import recipe_dict
 
 MEGATRON_EXT = Path(sys.executable).parent / "megatron-ext"
 
@@ -146,8 +147,9 @@ def test_recipe_hash_changes_with_any_field():
     from megatron_ext.config.load import read_recipe
 
     a, b = read_recipe("tiny_cpu_gpt", []), read_recipe("tiny_cpu_gpt", ["optimizer.lr=1e-3"])
-    assert recipe_hash(a) == recipe_hash(read_recipe("tiny_cpu_gpt", []))
-    assert recipe_hash(a) != recipe_hash(b) and recipe_hash(a).startswith("sha256:")
+    assert recipe_hash(recipe_dict(a)) == recipe_hash(recipe_dict(read_recipe("tiny_cpu_gpt", [])))
+    assert recipe_hash(recipe_dict(a)) != recipe_hash(recipe_dict(b))
+    assert recipe_hash(recipe_dict(a)).startswith("sha256:")
 
 
 def ckpt_verify(*args: str) -> subprocess.CompletedProcess:

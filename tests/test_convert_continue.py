@@ -93,7 +93,9 @@ def _continue(tmp_path: Path, hf: torch.nn.Module, source: str) -> list[float]:
 
     # The same first batch as the trainer's (its dataset, built by the trainer's own function)
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
-    train_data, _ = build_data(recipe, tokenizer, training_schedule(recipe))
+    train_data, _ = build_data(
+        recipe, tokenizer, training_schedule(recipe.training, recipe.optimizer)
+    )
     expected = hf_batch_loss(hf, [train_data[i] for i in range(4)])
     print(f"first loss {losses[0]:.7f}, HF {expected:.7f}; after {STEPS} steps {losses[-1]:.4f}")
     assert losses[0] == pytest.approx(expected, rel=1e-5, abs=1e-5)  # fp32 forward

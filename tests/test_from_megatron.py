@@ -284,7 +284,7 @@ def test_sample_counts_follow_the_stage_table() -> None:
         consumed += calc.get_current_global_batch_size()
         iterations += 1
     recipe = load_recipe_dict(conversion.recipe)
-    assert run_steps(recipe) == iterations  # train_tokens: the plan's step count
+    assert run_steps(recipe.training) == iterations  # train_tokens: the plan's step count
     t = recipe.training
     assert (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples) == (40, 901, 160)
     assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
@@ -358,7 +358,7 @@ def test_train_samples_round_down_at_a_constant_batch_as_megatron_lm() -> None:
     until the samples are reached: test_sample_counts_follow_the_stage_table)."""
     conversion = _convert("--global-batch-size 8 --train-samples 1001")
     recipe = load_recipe_dict(conversion.recipe)
-    assert run_steps(recipe) == 1001 // 8 == 125
+    assert run_steps(recipe.training) == 1001 // 8 == 125
     assert any("rounded down as Megatron-LM does" in n for n in conversion.notes)
 
 
@@ -485,7 +485,8 @@ def test_an_lr_schedule_longer_than_the_run_runs_as_in_megatron_lm(tmp_path: Pat
         "warmup (it ends at token 3,276,800): its last step's lr is 3.094e-05 (0.0309 x "
         "optimizer.lr), as Megatron-LM runs such a schedule"
     ]
-    schedule = training_schedule(load_recipe(tmp_path / "r.yaml"))
+    loaded = load_recipe(tmp_path / "r.yaml")
+    schedule = training_schedule(loaded.training, loaded.optimizer)
 
     theirs = megatron_core_lrs(
         range(100), max_lr=1e-3, min_lr=1e-5, warmup=3200, decay=320000, style="cosine"

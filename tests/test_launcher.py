@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.launch.hosts import HostInfo, count_gpus, count_visible_devices
+from megatron_ext.launch.hosts import HostInfo, count_gpus, count_visible_devices, probe_host
 from megatron_ext.launch.launcher import LaunchRequest, build_launch_command, parse_endpoint
+from megatron_ext.run.hardware import DeviceDescription
 
 PY = "/opt/python/bin/python3"  # any interpreter path: the launcher must use the one it is given
 RANK_ENTRY = ["-m", "megatron_ext.launch.cli", "train"]
@@ -306,19 +307,22 @@ def test_count_gpus_from_dev_files_then_nvidia_smi(tmp_path: Path) -> None:
     dev.mkdir()
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-caps"):
         (dev / name).touch()
-    assert count_gpus({}, dev) == 2
-    assert count_gpus({"CUDA_VISIBLE_DEVICES": "5"}, dev) == 1  # the variable wins
+    no_smi = DeviceDescription()
+    assert count_gpus({}, no_smi, dev) == 2
+    assert count_gpus({"CUDA_VISIBLE_DEVICES": "5"}, no_smi, dev) == 1  # the variable wins
 
     empty = tmp_path / "empty"
     empty.mkdir()
     smi = tmp_path / "nvidia-smi"
     smi.write_text(
-        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\n"
-        "echo '  MIG 1g.10gb Device 0: (UUID: MIG-2)'\necho 'GPU 1: NVIDIA H100'\n"
+        "#!/bin/sh\necho 'WARNING: a driver note'\n"
+        "echo '0, GPU-1, NVIDIA H100 80GB HBM3, 9.0'\necho '1, GPU-2, NVIDIA H100 80GB HBM3, 9.0'\n"
     )
     smi.chmod(0o755)
-    assert count_gpus({}, empty, nvidia_smi=str(smi)) == 2
-    assert count_gpus({}, empty, nvidia_smi=str(tmp_path / "missing")) == 0
+    host = probe_host({}, dev_dir=empty, nvidia_smi=str(smi))
+    assert (host.gpus, host.gpu_name, host.device.gpus) == (2, "NVIDIA H100 80GB HBM3", 2)
+    missing = probe_host({}, dev_dir=empty, nvidia_smi=str(tmp_path / "missing"))
+    assert (missing.gpus, missing.gpu_name) == (0, "")
 
 
 # --------------------------------------------------------------------------- before launch

@@ -128,7 +128,7 @@ def test_mixtral_8x7b_is_the_scripts_model_and_schedule() -> None:
         256,
         "bf16",
     )
-    assert run_steps(recipe) == 500000 and t.batch_lr_scaling == "none"
+    assert run_steps(recipe.training) == 500000 and t.batch_lr_scaling == "none"
     assert (o.name, o.lr, o.min_lr, o.weight_decay, o.clip_grad) == ("adamw", 1e-4, 1e-5, 0.1, 1.0)
     assert (o.adam_beta1, o.adam_beta2) == (0.9, 0.999)  # Megatron-LM's defaults
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (1, 4)
@@ -145,7 +145,7 @@ def test_mixtral_8x7b_is_the_scripts_model_and_schedule() -> None:
         "--no-load-rng",
     ]
 
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     steps = (0, 1, 250, 500, 501, 100000, 319999, 320000, 400000, 499999)
     theirs = megatron_core_lrs(
         steps, max_lr=1e-4, min_lr=1e-5, warmup=500, decay=320000, style="cosine"
@@ -172,7 +172,7 @@ def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     recipe = recipe_from_dict(conversion.recipe)
     recipe.check()
     assert recipe.model.transformer_config["layernorm_zero_centered_gamma"] is True
-    assert run_steps(recipe) == 1953125000 // 128
+    assert run_steps(recipe.training) == 1953125000 // 128
     t = recipe.training
     assert (recipe.model.kv_channels, t.lr_warmup_samples) == (128, 3906252)
     assert (t.lr_warmup_steps, t.lr_decay_samples) == (0, 1949218748)

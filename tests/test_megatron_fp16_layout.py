@@ -61,7 +61,7 @@ def test_the_recipe_is_megatron_lms_run(converted, case: str) -> None:
 
 def test_fp16_is_written_and_refused_at_launch(converted) -> None:
     from megatron_ext.megatron.model import transformer_config
-    from megatron_ext.run.hardware import check_precision_before_launch
+    from megatron_ext.run.hardware import DeviceDescription, check_precision_before_launch
 
     recipe, conversion = converted["fp16"]
     assert recipe.training.precision == "fp16"
@@ -70,7 +70,7 @@ def test_fp16_is_written_and_refused_at_launch(converted) -> None:
     unmapped = dict(conversion.unmapped)
     assert "refused at launch" in unmapped["--loss-scale 1024"]
     with pytest.raises(ConfigError, match=r"loss scaler .*CUDA only"):
-        check_precision_before_launch(recipe, probe=lambda: pytest.fail("no probe for fp16"))
+        check_precision_before_launch(recipe.training.precision, DeviceDescription())
 
 
 def test_pipeline_layouts_are_carried(converted) -> None:

@@ -124,7 +124,9 @@ def test_a_trainer_checkpoint_converts_to_hf(ep2_run, tmp_path: Path) -> None:
     assert hf.config.model_type == "olmoe" and hf.config.num_experts == 8
     recipe = read_recipe(recipe_args[0], recipe_args[1:])
     t = recipe.training
-    _, valid = build_data(recipe, build_tokenizer("byte", ""), training_schedule(recipe))
+    _, valid = build_data(
+        recipe, build_tokenizer("byte", ""), training_schedule(recipe.training, recipe.optimizer)
+    )
     # the evaluator's batch: samples 0..B-1, one micro-batch of 4 per rank, mean over them
     mbs = [[valid[i] for i in range(j, j + t.micro_batch_size)] for j in (0, t.micro_batch_size)]
     expected = sum(hf_batch_loss(hf, mb) for mb in mbs) / len(mbs)

@@ -189,7 +189,7 @@ def test_no_plan_without_a_known_gpu() -> None:
     plan, why = job_plan(recipe, "gpt_8b", [VOCAB], 8, 8, HostInfo(gpus=0, cpus=8))
     assert plan is None and "no GPU" in why
     check_fit(None)  # nothing to check: no refusal
-    plan, _ = job_plan(recipe, "gpt_8b", TOO_BIG, 8, 8, H100_HOST)
+    plan, _ = job_plan(read_recipe("gpt_8b", TOO_BIG), "gpt_8b", TOO_BIG, 8, 8, H100_HOST)
     with pytest.raises(ConfigError, match=r"exceeds the 76\.0 GB usable"):
         check_fit(plan)
 

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_ext.config.load import load_recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.run import hardware
 from megatron_ext.run.hardware import (
     REQUIREMENTS,
@@ -263,21 +264,18 @@ def test_the_model_builder_refuses_fp8_on_the_local_spec():
 # --------------------------------------------------------------------------- the gates
 
 
-def test_the_launcher_gate_uses_the_table(tmp_path, monkeypatch):
+def test_the_launcher_gate_uses_the_table(tmp_path):
     recipe = write_recipe(tmp_path, training={"precision": "fp8_tensorwise"})
     h200 = DeviceDescription(
         names=("NVIDIA H200",), capabilities=((9, 0),), cuda=(12, 8),
         transformer_engine="2.5.0", source="faked",
     )  # fmt: skip
-    monkeypatch.setattr(hardware, "probe_device", lambda: h200)
-    argv, _ = build(recipe)  # accepted: the command is built
+    h200_host = HostInfo(gpus=0, cpus=8, device=h200)  # the launcher's one probe, faked
+    argv, _ = build(recipe, host=h200_host)  # accepted: the command is built
     assert "torch.distributed.run" in argv
     with pytest.raises(ConfigError, match=r"compute capability 10\.x-11\.x"):
-        build(recipe, overrides=("training.precision=mxfp8",))
-    probed = []
-    monkeypatch.setattr(hardware, "probe_device", lambda: probed.append(1) or h200)
-    build(recipe, overrides=("training.precision=bf16",))
-    assert probed == []  # fp32/bf16 never probe the device
+        build(recipe, host=h200_host, overrides=("training.precision=mxfp8",))
+    build(recipe, overrides=("training.precision=bf16",))  # fp32/bf16 need no GPU
 
 
 @ON_CPU_HOST

@@ -205,7 +205,7 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         lr_wsd_decay_style="cosine",
     )
     recipe = GPTRecipe(optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-5), training=training)
-    schedule = lr_schedule(recipe)
+    schedule = lr_schedule(recipe.training, recipe.optimizer)
     assert schedule == LRSchedule(
         max_lr=1e-3,
         min_lr=1e-5,
@@ -216,7 +216,8 @@ def test_recipe_builds_its_schedule_from_schema_names() -> None:
         wsd_decay_style="cosine",
     )
     training.lr_decay_steps = 120
-    assert lr_schedule(GPTRecipe(training=training)).decay_steps == 120
+    default = GPTRecipe(training=training)
+    assert lr_schedule(training, default.optimizer).decay_steps == 120
 
 
 @pytest.mark.parametrize(

@@ -123,7 +123,7 @@ def run_length_overrides(
 
     base = load_recipe(recipe, overrides)
     given = {o.split("=", 1)[0] for o in overrides}
-    factor = steps / run_steps(base)  # training.steps, or what training.train_tokens takes
+    factor = steps / run_steps(base.training)  # training.steps, or what training.train_tokens takes
     scaled, notes = [], []
     for key in SCHEDULE_STEP_KEYS:
         value = _field(base, key)

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"bench ramp needs a GPT recipe, {args.recipe} is trainer {recipe.trainer}"
         )
-    tokens = training_schedule(recipe).total_tokens
+    tokens = training_schedule(recipe.training, recipe.optimizer).total_tokens
     ramp = [
         f"training.batch_ramp.start={args.start}",
         f"training.batch_ramp.double_every={args.double_every}",

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.atomic import write_json
-from megatron_ext.config.schema import Recipe, recipe_dict
 
 __all__ = [
     "MANIFEST",
@@ -177,9 +176,10 @@ def unlisted(folder: Path, manifest: Mapping[str, Any]) -> list[Problem]:
     return [Problem(name, "not in the manifest") for name in extra]
 
 
-def recipe_hash(recipe: Any) -> str:
-    """``sha256:<16 hex>`` of the recipe's fields (a dataclass), as sorted JSON: which recipe
-    wrote a checkpoint (any change, ``training.steps`` included, changes it)."""
-    data = recipe_dict(recipe) if isinstance(recipe, Recipe) else recipe
-    text = json.dumps(data, sort_keys=True, default=str)
+def recipe_hash(fields: Mapping[str, Any]) -> str:
+    """``sha256:<16 hex>`` of a recipe's fields as plain data
+    (``megatron_ext.config.schema.recipe_dict(recipe)``; this layer knows no recipe type), as
+    sorted JSON: which recipe wrote a checkpoint (any change, ``training.steps`` included,
+    changes it)."""
+    text = json.dumps(fields, sort_keys=True, default=str)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]

@@ -241,8 +241,8 @@ def chosen_steps(recipe: Any) -> list[int]:
     from megatron_ext.schedules.plan import lr_positions, run_steps
 
     t = recipe.training
-    steps = run_steps(recipe)
-    decay, warmup = lr_positions(recipe)
+    steps = run_steps(t)
+    decay, warmup = lr_positions(t)
     points = {0, 1, warmup - 1, warmup, warmup + 1}
     points |= {decay // 3, decay // 2, decay - 1, decay, steps - 1}
     if t.lr_wsd_decay_steps:
@@ -313,7 +313,7 @@ def _megatron_train_iters(parsed: Namespace) -> int:
 def _lr(recipe: Any, parsed: Namespace) -> list[str]:
     from megatron_ext.schedules.plan import training_schedule
 
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     steps = chosen_steps(recipe)
     scheduler = megatron_scheduler(parsed)
     walk = megatron_batches(parsed, steps)
@@ -339,9 +339,9 @@ def _batch(recipe: Any, parsed: Namespace) -> list[str]:
     pairs: list[tuple[str, Any, Any]] = [
         ("micro_batch_size", t.micro_batch_size, parsed.micro_batch_size),
         ("seq_length", t.seq_length, parsed.seq_length),
-        ("steps", run_steps(recipe), _megatron_train_iters(parsed)),
+        ("steps", run_steps(recipe.training), _megatron_train_iters(parsed)),
     ]
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
     steps = chosen_steps(recipe)
     walk = megatron_batches(parsed, steps)
     for step in steps:

@@ -252,7 +252,7 @@ def check_dipaco(recipe: DipacoRecipe, world_size: int | None) -> None:
             f"global/micro micro-batches)"
         )
     if not d.base_checkpoint:
-        lr_schedule(recipe)  # the base run's schedule must be consistent
+        lr_schedule(recipe.training, recipe.optimizer)  # the base run's schedule must be consistent
 
 
 #: The ``megatron_ext.trainers`` entry point ``dipaco`` (setup.py).

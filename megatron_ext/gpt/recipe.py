@@ -117,11 +117,11 @@ def check_gpt(recipe: GPTRecipe, world_size: int | None) -> None:
     t = recipe.training
     positions = (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples)
     if positions == (None, None, None) and t.lr_warmup_fraction is None:
-        lr_schedule(recipe)  # positions in samples: the token schedule below checks them
-    schedule = training_schedule(recipe)
+        lr_schedule(t, recipe.optimizer)  # positions in samples: the token schedule checks them
+    schedule = training_schedule(t, recipe.optimizer)
     if world_size is not None:
         _check_layout(recipe.parallel, recipe.model.num_moe_experts, world_size)
-        _check_stages(recipe.parallel, recipe.training, schedule, batch_rule(recipe), world_size)
+        _check_stages(recipe.parallel, t, schedule, batch_rule(t), world_size)
 
 
 def _check_layout(p: ParallelConfig, num_experts: int, world_size: int) -> None:

@@ -68,7 +68,7 @@ def setup(recipe: GPTRecipe) -> GPTRun:
     )
     t = recipe.training
     dp_size = parallel_state.get_data_parallel_world_size()
-    schedule = training_schedule(recipe)
+    schedule = training_schedule(recipe.training, recipe.optimizer)
 
     tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
     ensure_dataset(recipe, tokenizer, env)

@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_ext.ckpt.manifest import recipe_hash
 from megatron_ext.config.optimizer import update_rms_note
+from megatron_ext.config.schema import recipe_dict
 from megatron_ext.errors import TrainingDivergedError
 from megatron_ext.gpt.checkpoint import Checkpointer
 from megatron_ext.gpt.evaluate import Evaluator
@@ -41,7 +42,8 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
     run = setup(recipe)
     t, rank0 = recipe.training, run.env.rank == 0
     steps = run.schedule.steps  # training.steps, or the steps training.train_tokens takes
-    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, recipe_hash(recipe))
+    written_by = recipe_hash(recipe_dict(recipe))  # in each checkpoint's manifest
+    checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, written_by)
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0

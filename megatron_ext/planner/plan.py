@@ -51,6 +51,7 @@ __all__ = [
     "plan_recipe",
     "plan_run",
     "plan_vocab_size",
+    "plan_with_fix",
     "stage_activations",
 ]
 
@@ -615,9 +616,23 @@ def plan_recipe(
 ) -> Plan:
     """The plan of recipe ``source`` with ``overrides``; one that does not fit carries the first
     single change that makes it fit (``plan.fix``, None when no single change does)."""
-    plan = plan_run(read_recipe(source, overrides), cluster, name=source, mfu=mfu)
+    return plan_with_fix(read_recipe(source, overrides), source, overrides, cluster, mfu=mfu)
+
+
+def plan_with_fix(
+    recipe: Recipe,
+    source: str,
+    overrides: Sequence[str],
+    cluster: Cluster,
+    *,
+    mfu: float = DEFAULT_MFU,
+) -> Plan:
+    """:func:`plan_recipe` of a recipe already read from ``source`` with ``overrides`` (the
+    launcher's one read); ``source`` and ``overrides`` name it and give :func:`first_fix` the
+    recipe to change."""
+    plan = plan_run(recipe, cluster, name=source, mfu=mfu)
     if not plan.fits:
-        plan.fix = first_fix(source, overrides, cluster, mfu=mfu)
+        plan.fix = first_fix(recipe, source, overrides, cluster, mfu=mfu)
     return plan
 
 
@@ -739,11 +754,17 @@ def candidate_changes(recipe: Recipe, cluster: Cluster) -> list[list[str]]:
 
 
 def first_fix(
-    source: str, overrides: Sequence[str], cluster: Cluster, *, mfu: float = DEFAULT_MFU
+    recipe: Recipe,
+    source: str,
+    overrides: Sequence[str],
+    cluster: Cluster,
+    *,
+    mfu: float = DEFAULT_MFU,
 ) -> str | None:
-    """The first of :func:`candidate_changes` under which the plan fits (``key=value`` text),
-    or None when none does alone; a change the recipe refuses at this size is skipped."""
-    recipe = read_recipe(source, overrides)
+    """The first of :func:`candidate_changes` to ``recipe`` (read from ``source`` with
+    ``overrides``) under which the plan fits (``key=value`` text), or None when none does alone;
+    each candidate is read as the recipe with one more override, and one the recipe refuses at
+    this size is skipped."""
     for change in candidate_changes(recipe, cluster):
         try:
             changed = read_recipe(source, [*overrides, *change])

@@ -57,9 +57,9 @@ def train_main(recipe_path: str, overrides: Sequence[str]) -> int:
 
 def _train_main(recipe_path: str, overrides: Sequence[str], rank: int, world_size: int) -> int:
     recipe = load_recipe(recipe_path, overrides, world_size=world_size)
-    check_precision_on_rank(
-        recipe, detect_rank_env(os.environ).local_rank
-    )  # again, as torch sees this rank's GPU
+    training = recipe.sections.get("training")  # again, as torch sees this rank's GPU
+    precision = training.precision if training is not None else None
+    check_precision_on_rank(precision, detect_rank_env(os.environ).local_rank)
     defer_compile_on_cpu()  # before the trainer imports megatron-core (run.lazy_compile)
     train = get_trainer(recipe.trainer).load_train()
     import torch

@@ -8,10 +8,11 @@ returns the one-line refusal (requirement, then what the machine has), or None.
 The gate runs twice, on two descriptions of the same hardware:
 
 * before any process starts, in the launcher (:func:`check_precision_before_launch`), which must
-  not import torch. The description comes from ``nvidia-smi --query-gpu`` (the driver's own
-  answer: no CUDA context is created, so it neither takes GPU memory nor fails on a GPU in
-  exclusive-process mode, and it answers in a fraction of a second where a probe subprocess
-  would spend seconds importing torch), the CUDA version torch was built with (read from
+  not import torch. The description (:func:`probe_device`, made once per launch with the rest of
+  the launcher's host probe) comes from ``nvidia-smi --query-gpu``
+  (:mod:`megatron_ext.run.nvidia_smi`: the driver's own answer, no CUDA context, a fraction of a
+  second where a probe subprocess would spend seconds importing torch), the CUDA version torch
+  was built with (read from
   ``torch/version.py`` as text: that is the version TE checks, not the driver's), and
   Transformer Engine's installed version (package metadata; nothing is imported). A GPU whose
   compute capability nvidia-smi cannot report (drivers before R510) counts as unknown and
@@ -26,18 +27,13 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import shutil
-import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.run.precision import FP16_REFUSAL, PRECISIONS, precision_spec
-
-if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
+from megatron_ext.run.nvidia_smi import query_gpus, visible_gpus
+from megatron_ext.run.precision import FP16_REFUSAL, PRECISIONS, Precision, precision_spec
 
 __all__ = [
     "REQUIREMENTS",
@@ -209,32 +205,24 @@ def require_precision(precision: str, device: DeviceDescription) -> None:
         raise ConfigError(reason)
 
 
-def check_precision_before_launch(
-    recipe: Recipe, probe: Callable[[], DeviceDescription] | None = None
-) -> None:
-    """The launcher's gate: torch-free; the device is probed (:func:`probe_device`) only when
-    the recipe's precision has a rule."""
-    precision = _precision(recipe)
+def check_precision_before_launch(precision: Precision | None, device: DeviceDescription) -> None:
+    """The launcher's gate, torch-free: ``precision`` (``training.precision``; None for a trainer
+    without a ``training`` section) against ``device``, the launcher's one probe of this
+    machine (:func:`probe_device`, read by :func:`megatron_ext.launch.hosts.probe_host`)."""
     if precision == "fp16":
         raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
-        require_precision(precision, (probe or probe_device)())
+        require_precision(precision, device)
 
 
-def check_precision_on_rank(recipe: Recipe, local_rank: int) -> None:
+def check_precision_on_rank(precision: Precision | None, local_rank: int) -> None:
     """The per-rank gate (``megatron-ext train``): the same table, against the rank's own GPU
-    as torch sees it and Transformer Engine as actually imported."""
-    precision = _precision(recipe)
+    as torch sees it and Transformer Engine as actually imported (probed only when
+    ``precision`` has a rule)."""
     if precision == "fp16":
         raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
         require_precision(precision, probe_device_with_torch(local_rank))
-
-
-def _precision(recipe: Recipe) -> str | None:
-    """``training.precision``; None for a trainer without a ``training`` section."""
-    training = recipe.sections.get("training")
-    return getattr(training, "precision", None) if training is not None else None
 
 
 # --------------------------------------------------------------------------- probes
@@ -243,21 +231,19 @@ def _precision(recipe: Recipe) -> str | None:
 def probe_device(
     environ: Mapping[str, str] | None = None, nvidia_smi: str | None = None
 ) -> DeviceDescription:
-    """This machine as the launcher sees it, without torch (see the module docstring).
+    """This machine as the launcher sees it, without torch (see the module docstring): one
+    ``nvidia-smi`` query (:func:`~megatron_ext.run.nvidia_smi.query_gpus`);
     ``CUDA_VISIBLE_DEVICES`` selects the GPUs (indices or UUIDs, as CUDA reads it)."""
     environ = os.environ if environ is None else environ
-    common = {"cuda": torch_cuda_version(), "transformer_engine": transformer_engine_version()}
-    smi = nvidia_smi or shutil.which("nvidia-smi")
-    if smi is None:
-        return DeviceDescription(source="nvidia-smi", notes=("not on PATH",), **common)
-    rows, note = _query_gpus(smi)
-    rows = _visible(rows, environ.get("CUDA_VISIBLE_DEVICES"))
+    answer = query_gpus(nvidia_smi)
+    rows = visible_gpus(answer.rows, environ.get("CUDA_VISIBLE_DEVICES"))
     return DeviceDescription(
-        names=tuple(r["name"] for r in rows),
-        capabilities=tuple(r["cc"] for r in rows),
+        names=tuple(r.name for r in rows),
+        capabilities=tuple(r.compute_capability for r in rows),
+        cuda=torch_cuda_version(),
+        transformer_engine=transformer_engine_version(),
         source="nvidia-smi",
-        notes=(note,) if note else (),
-        **common,
+        notes=(answer.note,) if answer.note else (),
     )
 
 
@@ -316,63 +302,6 @@ def torch_cuda_version() -> tuple[int, int] | None:
     match = re.search(r"^cuda\b[^=]*=\s*['\"]([0-9.]+)['\"]", text, re.MULTILINE)
     version = _version(match[1]) if match else None
     return version[:2] if version and len(version) >= 2 else None  # type: ignore[return-value]
-
-
-def _query_gpus(smi: str) -> tuple[list[dict[str, Any]], str]:
-    """``nvidia-smi --query-gpu`` rows (index, uuid, name, cc) and a note when something is
-    missing. An older driver that lacks the ``compute_cap`` field is asked again without it."""
-    note = ""
-    for fields in ("index,uuid,name,compute_cap", "index,uuid,name"):
-        try:
-            done = subprocess.run(
-                [smi, f"--query-gpu={fields}", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            return [], f"failed to run: {exc}"
-        if done.returncode == 0:
-            break
-        note = f"exited {done.returncode}: {(done.stderr or done.stdout).strip()[:120]}"
-    else:
-        return [], note
-    if fields == "index,uuid,name":
-        note = "this driver does not report compute_cap (older than R510?)"
-    rows = []
-    for line in done.stdout.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 3 or not parts[0].isdigit():
-            continue
-        cc = _version(parts[3]) if len(parts) > 3 else None
-        rows.append(
-            {
-                "index": int(parts[0]),
-                "uuid": parts[1],
-                "name": parts[2],
-                "cc": cc[:2] if cc and len(cc) >= 2 else None,
-            }
-        )
-    return rows, note
-
-
-def _visible(rows: list[dict[str, Any]], value: str | None) -> list[dict[str, Any]]:
-    """The rows CUDA_VISIBLE_DEVICES selects: indices or GPU UUID prefixes, up to the first
-    entry that is neither (as CUDA reads it). MIG UUIDs do not name a row: every GPU is kept,
-    so the lowest compute capability on the node applies."""
-    if value is None:
-        return rows
-    chosen: list[dict[str, Any]] = []
-    for item in (s.strip() for s in value.split(",")):
-        if item.isdigit():
-            chosen += [r for r in rows if r["index"] == int(item)]
-        elif item.startswith("GPU-"):
-            chosen += [r for r in rows if r["uuid"].startswith(item)]
-        elif item.startswith("MIG-"):
-            return rows
-        else:
-            break
-    return chosen
 
 
 def _version(text: str) -> Version | None:

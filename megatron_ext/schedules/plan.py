@@ -1,7 +1,9 @@
 """The GPT run's schedule: every step's global batch, consumed tokens and learning rate.
 
-:func:`training_schedule` turns a recipe into a :class:`TrainingSchedule`, the one object the
-GPT loop, its report, the launcher's dry run and the checkpoint's loop state read:
+:func:`training_schedule` turns a recipe's ``training`` and ``optimizer`` sections (the only ones
+it reads; every function here takes the sections, not the recipe) into a
+:class:`TrainingSchedule`, the one object the GPT loop, its report, the launcher's dry run and
+the checkpoint's loop state read:
 
 - the **stage table** (:mod:`.batch`): ``training.batch_ramp`` or
   ``training.step_batch_size_schedule`` or one constant stage; the run is ``training.steps``
@@ -46,7 +48,8 @@ from megatron_ext.schedules.batch import (
 from megatron_ext.schedules.lr import LRSchedule
 
 if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
+    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.gpt.sections import TrainingConfig
 
 __all__ = [
     "TrainingSchedule",
@@ -146,9 +149,9 @@ class TrainingSchedule:
         return tuple(s for s in self.stages if s.first_step < self.steps)
 
 
-def batch_rule(recipe: Recipe) -> BatchRule:
-    """The recipe's batch rule: its ramp, its step schedule, or its constant batch."""
-    t = recipe.training
+def batch_rule(t: TrainingConfig) -> BatchRule:
+    """The ``training`` section's batch rule: its ramp, its step schedule, or its constant
+    batch."""
     ramp, text = t.batch_ramp, t.step_batch_size_schedule.strip()
     if ramp.start and text:
         raise ConfigError(
@@ -163,20 +166,19 @@ def batch_rule(recipe: Recipe) -> BatchRule:
     return ConstantBatch(t.global_batch_size)
 
 
-def run_steps(recipe: Recipe) -> int:
+def run_steps(t: TrainingConfig) -> int:
     """The run's optimizer steps: ``training.steps``, or the first count of steps whose
     consumed tokens reach ``training.train_tokens`` (the last step may pass it; as Megatron-LM
     counts ``--train-samples`` under a step schedule)."""
-    t = recipe.training
     if t.train_tokens is None:
         return t.steps
-    return steps_for_samples(recipe, -(-t.train_tokens // t.seq_length))[0]
+    return steps_for_samples(t, -(-t.train_tokens // t.seq_length))[0]
 
 
-def steps_for_samples(recipe: Recipe, samples: int) -> tuple[int, bool]:
-    """The first step count whose consumed samples reach ``samples`` under the recipe's batch
-    rule, and whether it consumes exactly ``samples``."""
-    rule = batch_rule(recipe)
+def steps_for_samples(t: TrainingConfig, samples: int) -> tuple[int, bool]:
+    """The first step count whose consumed samples reach ``samples`` (sequences) under the
+    ``training`` section's batch rule, and whether it consumes exactly ``samples``."""
+    rule = batch_rule(t)
     step, consumed = 0, 0
     while consumed < samples:
         batch = rule.batch(step, consumed)
@@ -187,19 +189,19 @@ def steps_for_samples(recipe: Recipe, samples: int) -> tuple[int, bool]:
     return step, consumed == samples
 
 
-def samples_at(recipe: Recipe, step: int) -> int:
-    """Samples consumed by the first ``step`` steps under the recipe's batch rule."""
-    stages = resolve_stages(batch_rule(recipe), max(step, 1))
+def samples_at(t: TrainingConfig, step: int) -> int:
+    """Samples (sequences) consumed by the first ``step`` steps under the ``training``
+    section's batch rule."""
+    stages = resolve_stages(batch_rule(t), max(step, 1))
     stage = [s for s in stages if s.first_step < max(step, 1)][-1]
     return stage.first_sample + (step - stage.first_step) * stage.global_batch
 
 
-def lr_schedule(recipe: Recipe) -> LRSchedule:
+def lr_schedule(t: TrainingConfig, o: OptimizerConfig) -> LRSchedule:
     """The learning-rate schedule in optimizer steps that ``training`` and ``optimizer``
     describe (``training.lr_decay_steps`` None: the run's length, :func:`run_steps`); a
     ``ConfigError`` when it is inconsistent. The GPT trainer positions its LR on tokens
     (:func:`training_schedule`); DiPaCo's inner loop uses this one."""
-    t, o = recipe.training, recipe.optimizer
     if (t.lr_warmup_samples, t.lr_decay_samples, t.lr_wsd_decay_samples, t.lr_warmup_fraction) != (
         None,
         None,
@@ -214,21 +216,20 @@ def lr_schedule(recipe: Recipe) -> LRSchedule:
         max_lr=o.lr,
         min_lr=o.min_lr,
         warmup_steps=t.lr_warmup_steps,
-        decay_steps=run_steps(recipe) if t.lr_decay_steps is None else t.lr_decay_steps,
+        decay_steps=run_steps(t) if t.lr_decay_steps is None else t.lr_decay_steps,
         decay_style=t.lr_decay_style,
         wsd_decay_steps=t.lr_wsd_decay_steps,
         wsd_decay_style=t.lr_wsd_decay_style,
     )
 
 
-def training_schedule(recipe: Recipe) -> TrainingSchedule:
-    """The recipe's schedule, its length from :func:`run_steps` (``training.steps``, or the
-    steps that reach ``training.train_tokens``); ConfigError when its positions do not fit,
-    named in the recipe's fields."""
-    t, o = recipe.training, recipe.optimizer
-    rule = batch_rule(recipe)
-    steps = run_steps(recipe)
-    decay_steps, warmup_step = lr_positions(recipe)
+def training_schedule(t: TrainingConfig, o: OptimizerConfig) -> TrainingSchedule:
+    """The schedule of a recipe's ``training`` and ``optimizer`` sections, its length from
+    :func:`run_steps` (``training.steps``, or the steps that reach ``training.train_tokens``);
+    ConfigError when its positions do not fit, named in the recipe's fields."""
+    rule = batch_rule(t)
+    steps = run_steps(t)
+    decay_steps, warmup_step = lr_positions(t)
     stages = resolve_stages(rule, max(steps, decay_steps))
     probe = TrainingSchedule(stages, steps, t.seq_length, rule.target, _placeholder())
 
@@ -251,7 +252,7 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
                 "window: keep one"
             )
         end = decay_tokens // t.seq_length
-        window = decay_steps - steps_for_samples(recipe, max(0, end - t.lr_wsd_decay_samples))[0]
+        window = decay_steps - steps_for_samples(t, max(0, end - t.lr_wsd_decay_samples))[0]
     if t.lr_decay_style == "WSD" and window is not None:
         window_start = decay_steps - window
         if warmup_step > window_start:
@@ -287,11 +288,11 @@ def training_schedule(recipe: Recipe) -> TrainingSchedule:
     return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr, decoupled)
 
 
-def lr_positions(recipe: Recipe) -> tuple[int, int]:
-    """(the step the decay ends at, the step the warmup ends at): the recipe's steps, or the
-    first step whose consumed samples reach its sample counts (``lr_decay_samples``,
-    ``lr_warmup_samples``); ConfigError when a position is given both ways."""
-    t = recipe.training
+def lr_positions(t: TrainingConfig) -> tuple[int, int]:
+    """(the step the decay ends at, the step the warmup ends at): the ``training`` section's
+    steps, or the first step whose consumed samples reach its sample counts
+    (``lr_decay_samples``, ``lr_warmup_samples``); ConfigError when a position is given both
+    ways."""
     if t.lr_warmup_fraction is not None and (t.lr_warmup_steps or t.lr_warmup_samples):
         raise ConfigError(
             f"training.lr_warmup_fraction={t.lr_warmup_fraction} and training.lr_warmup_steps/"
@@ -304,21 +305,20 @@ def lr_positions(recipe: Recipe) -> tuple[int, int]:
                 f"training.lr_{name}_steps={given[0]} and training.lr_{name}_samples={given[1]} "
                 f"both set the {name}: keep one"
             )
-    decay = run_steps(recipe) if t.lr_decay_steps is None else t.lr_decay_steps
+    decay = run_steps(t) if t.lr_decay_steps is None else t.lr_decay_steps
     if t.lr_decay_samples is not None:
-        decay = steps_for_samples(recipe, t.lr_decay_samples)[0]
-    warmup = _warmup_step(recipe, batch_rule(recipe))
+        decay = steps_for_samples(t, t.lr_decay_samples)[0]
+    warmup = _warmup_step(t, batch_rule(t))
     if t.lr_warmup_samples is not None:
-        warmup = steps_for_samples(recipe, t.lr_warmup_samples)[0]
+        warmup = steps_for_samples(t, t.lr_warmup_samples)[0]
     if t.lr_warmup_fraction is not None:
-        decay_samples = t.lr_decay_samples or samples_at(recipe, decay)
-        warmup = steps_for_samples(recipe, math.ceil(t.lr_warmup_fraction * decay_samples))[0]
+        decay_samples = t.lr_decay_samples or samples_at(t, decay)
+        warmup = steps_for_samples(t, math.ceil(t.lr_warmup_fraction * decay_samples))[0]
     return decay, warmup
 
 
-def _warmup_step(recipe: Recipe, rule: BatchRule) -> int:
-    """Where the warmup ends, in steps: the recipe's, or tied to the ramp."""
-    t = recipe.training
+def _warmup_step(t: TrainingConfig, rule: BatchRule) -> int:
+    """Where the warmup ends, in steps: the ``training`` section's, or tied to the ramp."""
     tie = t.batch_ramp.warmup
     if not isinstance(rule, DoublingRamp) or tie == "recipe":
         return t.lr_warmup_steps

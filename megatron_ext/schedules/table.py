@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
 
 if TYPE_CHECKING:
-    from megatron_ext.config.schema import Recipe
+    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.gpt.sections import ParallelConfig, TrainingConfig
 
 __all__ = ["describe_schedule", "format_stage_table", "plot_schedule", "stage_rows"]
 
@@ -121,13 +122,17 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
     return path
 
 
-def describe_schedule(recipe: Recipe, world_size: int, png: Path | None = None) -> str | None:
-    """The dry run's schedule text for a GPT recipe at ``world_size`` ranks (None for other
-    trainers); with ``png``, after writing the plot there."""
-    if recipe.trainer != "gpt":
-        return None
-    t, p = recipe.training, recipe.parallel
-    schedule = training_schedule(recipe)
+def describe_schedule(
+    training: TrainingConfig,
+    optimizer: OptimizerConfig,
+    parallel: ParallelConfig,
+    world_size: int,
+    png: Path | None = None,
+) -> str:
+    """The dry run's schedule text for a GPT run of these sections at ``world_size`` ranks;
+    with ``png``, after writing the plot there."""
+    t, p = training, parallel
+    schedule = training_schedule(t, optimizer)
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )

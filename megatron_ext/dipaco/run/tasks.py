@@ -125,8 +125,8 @@ def base(recipe: Recipe, files: RunFiles, tools: TaskTools, out: Path) -> dict[s
     stream = ShardStream(tools.dataset, files.split()["train"])
     assign_params(pm.model, pm.init_state)
     optimizer = InnerOptimizer(list(pm.model.named_parameters()), recipe.optimizer)
-    schedule = lr_schedule(recipe)
-    steps = run_steps(recipe)  # training.steps, or what training.train_tokens takes
+    schedule = lr_schedule(recipe.training, recipe.optimizer)
+    steps = run_steps(recipe.training)  # training.steps, or what training.train_tokens takes
     batches = (stream.step_batch(recipe, STREAM_BASE, k) for k in range(steps))
     lrs = [schedule.lr_at(k) for k in range(steps)]
     checked = _checked(tools.check_lease, batches)
