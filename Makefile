@@ -25,7 +25,7 @@ help:
 	@echo "make demo   - train the tiny CPU GPT recipe on 2 gloo ranks (runs/demo/)"
 	@echo "make test   - run the whole test suite (what CI runs)"
 	@echo "make test-fast - the in-process tests only (no torchrun, no subprocess): the edit-test loop"
-	@echo "make lint   - ruff"
+	@echo "make lint   - ruff, and mypy over config/ run/ gpt/ optimizers/ distributed/"
 	@echo "make bench  - optimizer benchmark (megatron-ext bench optimizers)"
 	@echo "make results - render docs/results/*/*.md from the benchmarks' JSON (megatron-ext docs results)"
 
@@ -60,6 +60,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
 
 bench: $(STAMP)
 	$(VENV)/bin/megatron-ext bench optimizers

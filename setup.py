@@ -91,6 +91,7 @@ setup(
             "pytest>=8",
             "pytest-xdist>=3.6",  # make test: two workers, a test file each at a time
             "ruff>=0.6",
+            "mypy>=1.11",  # make lint: scripts/typecheck.py over the typed core
             "emerging-optimizers==0.3.0",
             "transformers>=5,<6",
         ],

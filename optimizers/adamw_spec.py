@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .spec import OptimizerSpec
+from .spec import MegatronNames, OptimizerSpec
 
 #: AdamW/Lion: moments, bias correction, decay, update (FLOPs per element).
 ELEMENTWISE_FLOPS = 12
@@ -30,4 +30,6 @@ SPEC = OptimizerSpec(
     fixed={"foreach": True},
     flops=elementwise_flops,
     state_bytes=lambda rows, cols: 2 * 4 * rows * cols,  # exp_avg, exp_avg_sq
+    label="AdamW",
+    megatron=MegatronNames(optimizers=("adam",)),
 )

@@ -163,7 +163,7 @@ class KLSoap(torch.optim.Optimizer):
     def _config(group: dict[str, Any]) -> KLSoapConfig:
         return KLSoapConfig(
             factor_update=group["factor_update"],
-            betas=tuple(group["betas"]),  # type: ignore[arg-type]
+            betas=tuple(group["betas"]),
             shampoo_beta=group["shampoo_beta"],
             correct_shampoo_beta_bias=group["correct_shampoo_beta_bias"],
             eps=group["eps"],
@@ -273,7 +273,7 @@ class KLSoap(torch.optim.Optimizer):
             for key in STATE_KEYS
         }
         local = params[0].shape[-2:]
-        grads = torch.cat([p.grad.reshape(-1, *local) for p in params]).to(torch.float32)
+        grads = torch.cat([_grad(p).reshape(-1, *local) for p in params]).to(torch.float32)
         if split is not None:
             grads = gather_shards(grads, split)
         delta = kl_soap_direction(grads, KLSoapMatrices(**packed), cfg, step)
@@ -288,3 +288,10 @@ class KLSoap(torch.optim.Optimizer):
             p.add_(delta[offset : offset + count].view_as(p), alpha=-lr)
             offset += count
             self.state[p]["step"] = step
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``: the step batches only parameters that have one (the others are skipped)."""
+    if p.grad is None:
+        raise RuntimeError("KLSoap: a parameter without a gradient reached the batched step")
+    return p.grad

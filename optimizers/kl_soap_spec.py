@@ -19,7 +19,7 @@ from typing import Any
 
 from .adamw_spec import ELEMENTWISE_FLOPS
 from .options import FactorUpdate, InverseRoot, RefreshMode
-from .spec import OptimizerSpec, option
+from .spec import MegatronNames, OptimizerSpec, option
 
 #: The options only KL-Shampoo factors read, at their defaults. Shampoo's ``G Gᵀ`` takes no
 #: inverse root, so ``factor_update="shampoo"`` refuses any other value (it would be ignored).
@@ -140,6 +140,11 @@ def _refresh_every(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _factor_update(use_kl_shampoo: bool) -> str:
+    """megatron-core's ``soap_use_kl_shampoo`` as ``kl_soap_factor_update``."""
+    return "kl" if use_kl_shampoo else "shampoo"
+
+
 def _check(section: Any) -> None:
     own: KLSoapOptions = section.options["kl_soap"]
     check_factor_update(
@@ -168,4 +173,15 @@ SPEC = OptimizerSpec(
     check=_check,
     flops=_step_flops,
     state_bytes=_state_bytes,
+    label="KL-SOAP",
+    # megatron-core's SOAP (Emerging-Optimizers'); soap_use_kl_shampoo picks the factor update
+    # (megatron_ext.megatron.drop_in)
+    megatron=MegatronNames(
+        optimizers=("soap",),
+        fields={
+            "soap_shampoo_beta": "kl_soap_shampoo_beta",
+            "soap_precondition_frequency": "kl_soap_refresh_every",
+        },
+        derived={"kl_soap_factor_update": ("soap_use_kl_shampoo", _factor_update)},
+    ),
 )

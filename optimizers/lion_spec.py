@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .adamw_spec import elementwise_flops
-from .spec import OptimizerSpec, option
+from .spec import MegatronNames, OptimizerSpec, option
 
 
 @dataclass(kw_only=True)
@@ -38,4 +38,10 @@ SPEC = OptimizerSpec(
     update_rms_kwarg="update_scale",
     flops=elementwise_flops,
     state_bytes=lambda rows, cols: 4 * rows * cols,  # exp_avg
+    label="Lion",
+    megatron=MegatronNames(
+        optimizers=("lion",),
+        fields={"lion_beta1": "lion_beta1", "lion_beta2": "lion_beta2"},
+        flags={"lion-beta1": "lion_beta1", "lion-beta2": "lion_beta2"},
+    ),
 )

@@ -11,9 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .muon_spec import MomentumOptions, check_rms_matchable, own_rms_factor
+from .muon_spec import (
+    MUON_SCALE_MODES,
+    MomentumOptions,
+    check_rms_matchable,
+    momentum_megatron_fields,
+    own_rms_factor,
+)
 from .options import PolarPrecision
-from .spec import OptimizerSpec, option
+from .spec import MegatronNames, OptimizerSpec, option
 
 
 @dataclass(kw_only=True)
@@ -42,4 +48,11 @@ SPEC = OptimizerSpec(
     check=lambda section: check_rms_matchable(section, "mop"),
     flops=mop_flops,
     state_bytes=lambda rows, cols: 4 * rows * cols,  # momentum
+    label="MOP",
+    # megatron-core has no MOP: the drop-in reads its muon_* fields for it
+    megatron=MegatronNames(
+        fields=momentum_megatron_fields("mop"),
+        choices={"muon_scale_mode": MUON_SCALE_MODES},
+        ignored={"muon_fp32_matmul_prec": "MOP's polar factor is an SVD at mop_polar_precision"},
+    ),
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .ns_schedule import newton_schulz_flops
 from .options import (
@@ -29,7 +29,32 @@ from .options import (
     RMSMatch,
     ScaleMode,
 )
-from .spec import OptimizerSpec, option
+from .spec import MegatronNames, OptimizerSpec, option
+
+#: Megatron-LM / Emerging-Optimizers spelling -> megatron-ext's (absent: no counterpart)
+MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "shape", "unit_rms_norm": "unit_rms"}
+MUON_COEFFICIENTS = {
+    "simple": "quintic",  # Keller Jordan's one triple
+    "quintic": "quintic_schedule",  # modded-nanogpt's five triples, cycled (Megatron's default)
+    "polar_express": "polar_express",
+}
+#: megatron-core's Muon fields shared by MOP (megatron-core has one set of muon_* fields)
+MOMENTUM_FIELDS = ("momentum", "nesterov", "extra_scale_factor")
+
+
+def momentum_megatron_fields(prefix: str) -> dict[str, str]:
+    """megatron-core's ``muon_*`` momentum fields, TP mode and QKV split -> ``<prefix>_*``."""
+    return {
+        **{f"muon_{k}": f"{prefix}_{k}" for k in MOMENTUM_FIELDS},
+        "muon_scale_mode": f"{prefix}_scale_mode",
+        "muon_tp_mode": "tp_mode",
+        "muon_split_qkv": "split_qkv",
+    }
+
+
+def _ns_precision(fp32_matmul_prec: str) -> str:
+    """megatron-core's Muon (Emerging-Optimizers) runs Newton–Schulz in bf16 under "medium"."""
+    return "bf16" if fp32_matmul_prec == "medium" else "fp32"
 
 
 def momentum_rms_factor(beta: float) -> float:
@@ -131,7 +156,9 @@ def muon_flops(rows: int, cols: int, kwargs: Mapping[str, Any]) -> float:
     coefficients = kwargs.get("coefficients", "polar_express")
     precision = kwargs.get("precision", "fp32")
     method = kwargs.get("ns_method", "auto")
-    methods = ("plain", "gram") if method == "auto" else (method,)
+    methods: tuple[Literal["plain", "gram"], ...] = (
+        ("plain", "gram") if method == "auto" else (method,)
+    )
     ns = min(
         newton_schulz_flops(rows, cols, steps, m, precision=precision, coefficients=coefficients)
         for m in methods
@@ -152,4 +179,32 @@ SPEC = OptimizerSpec(
     check=lambda section: check_rms_matchable(section, "muon"),
     flops=muon_flops,
     state_bytes=lambda rows, cols: 4 * rows * cols,  # momentum
+    label="Muon",
+    megatron=MegatronNames(
+        optimizers=("muon",),
+        fields={
+            **momentum_megatron_fields("muon"),
+            "muon_num_ns_steps": "muon_num_ns_steps",
+            "muon_fp32_matmul_prec": "muon_fp32_matmul_prec",
+            "muon_coefficient_type": "muon_coefficient_type",
+        },
+        choices={"muon_scale_mode": MUON_SCALE_MODES, "muon_coefficient_type": MUON_COEFFICIENTS},
+        derived={"muon_ns_precision": ("muon_fp32_matmul_prec", _ns_precision)},
+        core_defaults={"muon_ns_method": "plain"},  # megatron-core has no Gram Newton–Schulz
+        flags={
+            "muon-momentum": "muon_momentum",
+            "muon-nesterov": "muon_nesterov",
+            "muon-num-ns-steps": "muon_num_ns_steps",
+            "muon-extra-scale-factor": "muon_extra_scale_factor",
+            "muon-tp-mode": "tp_mode",
+            "muon-scale-mode": "muon_scale_mode",
+            "muon-coefficient-type": "muon_coefficient_type",
+        },
+        # Megatron-LM's argparse defaults (its --muon-momentum 0.9; OptimizerConfig says 0.95)
+        flag_defaults={
+            "muon_momentum": 0.9,
+            "muon_coefficient_type": "quintic_schedule",  # its "quintic"
+            "tp_mode": "blockwise",
+        },
+    ),
 )

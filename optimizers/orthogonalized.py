@@ -320,7 +320,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
 
         # Batches: same shape, and (TP shards) split the same way over the same group; whole
         # tall matrices stay untransposed where the orthogonalisation takes them so.
-        by_batch: dict[tuple[tuple[int, int], ShardSplit | None, bool], list[MatrixSlot]]
+        by_batch: dict[tuple[tuple[int, int], ShardSplit | None, bool, bool], list[MatrixSlot]]
         by_batch = defaultdict(list)
         for p, source in zip(params, sources, strict=True):
             for slot in matrix_slots(source, p, group["qkv_layout"]):

@@ -12,6 +12,7 @@ write to.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ def qkv_views(weight: torch.Tensor, layout: QKVLayout) -> tuple[torch.Tensor, ..
 
 
 def qkv_weight_decay_groups(
-    named: list[tuple[str, torch.Tensor]], layout: QKVLayout
+    named: Sequence[tuple[str, torch.Tensor]], layout: QKVLayout
 ) -> list[dict[str, object]]:
     """megatron-core's weight-decay groups (:func:`~.routing.weight_decay_groups`), with each
     fused ``linear_qkv.weight`` moved to a group of its own whose ``qkv_layout`` makes Muon/MOP

@@ -15,7 +15,7 @@ __all__ = ["build_optimizer", "hyperparameter_names"]
 
 def hyperparameter_names(name: str) -> list[str]:
     """Keyword hyperparameters that optimizer ``name`` accepts (from its signature)."""
-    signature = inspect.signature(optimizer_spec(name).optimizer_class().__init__)
+    signature = inspect.signature(optimizer_spec(name).optimizer_class())
     return [p for p in signature.parameters if p not in ("self", "params")]
 
 

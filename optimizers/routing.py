@@ -83,7 +83,8 @@ def weight_decay_groups(
     """Parameter groups with megatron-core's convention: weight decay on matrices, none on
     biases and 1-D tensors (norm weights). ``weight_decay=None`` leaves the decayed group at
     the optimizer's own default. Empty groups are left out."""
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for name, p in named_params:
         (decay if decays_weight(name, p.shape) else no_decay).append(p)
     groups: list[dict[str, Any]] = []

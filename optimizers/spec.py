@@ -25,9 +25,11 @@ from typing import Any, get_args
 from megatron_ext.registry import Registry
 
 __all__ = [
+    "BASE",
     "OPTIMIZERS",
     "SHARED_FIELDS",
     "Hyperparameter",
+    "MegatronNames",
     "NoOptions",
     "OptimizerSpec",
     "optimizer_spec",
@@ -112,6 +114,41 @@ class Hyperparameter:
         return get_args(self.type) if typing.get_origin(self.type) is typing.Literal else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class MegatronNames:
+    """How megatron-core's ``OptimizerConfig`` and Megatron-LM's command line spell an optimizer:
+    read by the drop-in ``get_megatron_optimizer`` (:mod:`megatron_ext.megatron.drop_in`), the
+    converter of Megatron-LM flags (``recipe from-megatron-args``) and ``recipe check-megatron``.
+
+    Attributes:
+        optimizers: the ``--optimizer`` / ``OptimizerConfig.optimizer`` values that mean it
+            (``soap`` for KL-SOAP); the drop-in also takes the optimizer's own name.
+        fields: megatron-core ``OptimizerConfig`` field -> the recipe's optimizer key it sets
+            (``muon_tp_mode`` -> ``tp_mode``), for the drop-in.
+        choices: megatron-core field -> {its spelling: the recipe's} where they differ
+            (``shape_scaling`` -> ``shape``); a value without one is refused.
+        derived: recipe key -> (megatron-core field, its value -> the recipe's): a second
+            recipe key read from a field already mapped (``muon_fp32_matmul_prec`` "medium"
+            is bf16 Newton–Schulz).
+        ignored: megatron-core fields the drop-in does not honour -> why (a warning).
+        core_defaults: recipe keys whose default differs from megatron-core's meaning ->
+            megatron-core's (``muon_ns_method`` "plain": it has no Gram variant).
+        flags: Megatron-LM flag -> the recipe's optimizer key, for the flags the converter
+            maps one to one (their values are the recipe's type; a ``bool`` one is a switch).
+        flag_defaults: Megatron-LM's argparse defaults of its flags, where the recipe's
+            defaults differ (recipe key -> value), written by the converter when not given.
+    """
+
+    optimizers: tuple[str, ...] = ()
+    fields: Mapping[str, str] = field(default_factory=dict)
+    choices: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    derived: Mapping[str, tuple[str, Callable[[Any], Any]]] = field(default_factory=dict)
+    ignored: Mapping[str, str] = field(default_factory=dict)
+    core_defaults: Mapping[str, Any] = field(default_factory=dict)
+    flags: Mapping[str, str] = field(default_factory=dict)
+    flag_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
 #: Recipe fields shared by several optimizers -> the keyword hyperparameters they set.
 SHARED_FIELDS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "lr": lambda c: {"lr": c.lr},
@@ -166,6 +203,9 @@ class OptimizerSpec:
             multiply-add), given the optimizer's keyword hyperparameters.
         state_bytes: ``(rows, cols) -> bytes`` of fp32 optimizer state for one matrix.
         check: cross-field rule on a recipe's optimizer section; raises ``ValueError``.
+        label: its name in tables and plots (``KL-SOAP``; default: ``name``).
+        megatron: how megatron-core and Megatron-LM spell it (:class:`MegatronNames`; none:
+            the drop-in takes it by its own name, ``--megatron-ext-optimizer NAME``).
 
     The callables that take a recipe's optimizer ``section`` read the shared fields as its
     attributes and this optimizer's options as :meth:`options_of` ``(section)``.
@@ -186,6 +226,8 @@ class OptimizerSpec:
     update_rms_kwarg: str | None = None
     own_update_rms: Callable[[Any], float | None] = _no_own_factor
     check: Callable[[Any], None] = _no_check
+    label: str = ""
+    megatron: MegatronNames = field(default_factory=MegatronNames)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.uses) - set(SHARED_FIELDS))
@@ -218,6 +260,11 @@ class OptimizerSpec:
                 )
             )
         return tuple(out)
+
+    @property
+    def display(self) -> str:
+        """Its name in tables and plots."""
+        return self.label or self.name
 
     def field_name(self, hp: Hyperparameter) -> str:
         """The recipe field of ``hp``: ``<optimizer>_<key>``."""
@@ -265,6 +312,9 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), attr)
 
 
+#: The optimizer of every parameter a matrix optimizer does not take (embeddings, norms, biases).
+BASE = "adamw"
+
 #: ``optimizer.name`` -> its spec; the group ``megatron_ext.optimizers``.
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(
     "optimizer", "megatron_ext.optimizers", of=OptimizerSpec, key="optimizer.name"
@@ -290,5 +340,5 @@ def optimizer_spec(name: str) -> OptimizerSpec:
 def recipe_hyperparameters(section: Any) -> dict[str, dict[str, Any]]:
     """Keyword hyperparameters of a recipe's optimizer (``section.name``) and of AdamW (the
     non-matrix part), from their specs, with the update-RMS matching applied."""
-    names = dict.fromkeys((section.name, "adamw"))
+    names = dict.fromkeys((section.name, BASE))
     return {name: optimizer_spec(name).kwargs(section) for name in names}

@@ -338,7 +338,7 @@ def test_a_muon_script_gets_megatron_lms_muon_defaults() -> None:
     sees), its 'quintic' schedule and TP mode blockwise (megatron-core's too)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS
+    from megatron_ext.optimizers.muon_spec import MUON_COEFFICIENTS
 
     theirs = OptimizerConfig()
     o = load_recipe_dict(_convert("--global-batch-size 8 --train-iters 10 --optimizer muon").recipe)

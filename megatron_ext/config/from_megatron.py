@@ -34,16 +34,16 @@ from megatron_ext.config.megatron_flags import (
     ENTRY_SCRIPTS,
     MEGATRON_DEFAULTS,
     MODEL_CHANGING,
-    MUON_COEFFICIENTS,
-    MUON_DEFAULTS,
-    MUON_SCALE_MODES,
-    OPTIMIZERS,
     PLAIN,
     REASONS,
     REQUIRED,
     TORCHRUN,
+    megatron_optimizers,
+    optimizer_flag_defaults,
+    optimizer_flags,
 )
 from megatron_ext.errors import ConfigError
+from megatron_ext.optimizers.spec import registered_optimizers
 
 __all__ = ["Conversion", "convert", "translate"]
 
@@ -226,6 +226,17 @@ def _field_metadata(path: str) -> Any:
     return {**meta, "choices": options} if options is not None else meta
 
 
+def _flag_kind(path: str) -> Callable[[str], Any] | None:
+    """How a flag's value is read for the recipe field ``path``: None for a switch (bool)."""
+
+    from megatron_ext.config.optimizer import section_fields
+
+    _, kind = section_fields()[path.removeprefix("optimizer.")]
+    if kind is bool:
+        return None
+    return kind if kind in (int, float) else str
+
+
 def _value(flag: Flag | None) -> str | None:
     return flag.values[0] if flag is not None and len(flag.values) == 1 else None
 
@@ -277,31 +288,35 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     if init is not None:
         take("lr-warmup-init", None if float(init) == 0.0 else "megatron-ext warms up from 0")
     name = _value(flags.get("optimizer"))
+    optimizers = megatron_optimizers()
     if name is not None:
-        if name in OPTIMIZERS:
+        if name in optimizers:
             take("optimizer")
-            out.set("optimizer.name", OPTIMIZERS[name])
+            out.set("optimizer.name", optimizers[name])
         else:
-            take("optimizer", f"megatron-ext has {', '.join(sorted(set(OPTIMIZERS.values())))}")
-    if out.get("optimizer.name") in ("muon", "mop", "lion"):
+            take("optimizer", f"megatron-ext has {', '.join(sorted(set(optimizers.values())))}")
+    chosen = registered_optimizers().get(str(out.get("optimizer.name")))
+    if chosen is not None and chosen.update_rms_kwarg is not None:  # Muon, MOP, Lion
         out.set("optimizer.match_update_rms", False)
         out.notes.append(
             "optimizer.match_update_rms: false keeps Megatron-LM's update scale (megatron-ext's "
             "default scales every update to AdamW's RMS, one LR for all: set it true for that)"
         )
-    for key, table, path in (
-        ("muon-scale-mode", MUON_SCALE_MODES, "optimizer.muon_scale_mode"),
-        ("muon-coefficient-type", MUON_COEFFICIENTS, "optimizer.muon_coefficient_type"),
-    ):
-        value = _value(flags.get(key))
-        if value is not None:
-            if value in table:
-                take(key)
-                out.set(path, table[value])
-            else:
-                take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
-    if out.get("optimizer.name") == "muon":  # Megatron-LM's --muon-* defaults where absent
-        for path, value in MUON_DEFAULTS.items():
+    for key, (_, path, table) in optimizer_flags().items():  # each optimizer spec's flags
+        flag = flags.get(key)
+        if flag is None:
+            continue
+        value = _value(flag)
+        if table is None:  # one field: read as the plain flags are (_plain records it)
+            handled.add(key)
+            _plain(out, flag, path, _flag_kind(path))
+        elif value is not None and value in table:
+            take(key)
+            out.set(path, table[value])
+        elif value is not None:
+            take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
+    if chosen is not None:  # Megatron-LM's defaults of the optimizer's flags where absent
+        for path, value in optimizer_flag_defaults(chosen.name).items():
             if out.get(path) is None:
                 out.set(path, value)
     _data(out, flags, take)

@@ -31,8 +31,8 @@ import functools
 from argparse import Namespace
 from typing import Any
 
-from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
-from megatron_ext.optimizers.muon_spec import MuonOptions
+from megatron_ext.config.megatron_flags import megatron_optimizers
+from megatron_ext.optimizers.spec import BASE, registered_optimizers
 
 __all__ = ["AREAS", "compare"]
 
@@ -114,7 +114,7 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
 
 def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
     o = recipe.optimizer
-    name = OPTIMIZERS.get(parsed.optimizer, parsed.optimizer)
+    name = megatron_optimizers().get(parsed.optimizer, parsed.optimizer)
     pairs: list[tuple[str, Any, Any]] = [
         ("optimizer", o.name, name),
         ("lr", o.lr, parsed.lr),
@@ -130,35 +130,20 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
         ("weight_decay_incr_style", "constant", parsed.weight_decay_incr_style),
         ("lr_warmup_init", 0.0, parsed.lr_warmup_init),
     ]
-    if name == "adamw":
+    if name == BASE:
         pairs += [
             ("adam_beta1", o.adam_beta1, parsed.adam_beta1),
             ("adam_beta2", o.adam_beta2, parsed.adam_beta2),
             ("adam_eps", o.adam_eps, parsed.adam_eps),
         ]
-    if name == "muon":
-        muon = o.of(MuonOptions)
-        pairs += [
-            ("muon_momentum", muon.momentum, parsed.muon_momentum),
-            ("muon_nesterov", muon.nesterov, parsed.muon_nesterov),
-            (
-                "muon_scale_mode",
-                muon.scale_mode,
-                MUON_SCALE_MODES.get(parsed.muon_scale_mode),
-            ),
-            (
-                "muon_coefficient_type",
-                muon.coefficient_type,
-                MUON_COEFFICIENTS.get(parsed.muon_coefficient_type),
-            ),
-            ("muon_tp_mode", o.tp_mode, parsed.muon_tp_mode),
-            ("muon_num_ns_steps", muon.num_ns_steps, parsed.muon_num_ns_steps),
-            (
-                "muon_extra_scale_factor",
-                muon.extra_scale_factor,
-                parsed.muon_extra_scale_factor,
-            ),
-        ]
+    spec = registered_optimizers().get(name)
+    if spec is not None:  # the optimizer's own flags (its spec's), as the converter maps them
+        ours = o.flat()
+        for flag, key in spec.megatron.flags.items():
+            field = flag.replace("-", "_")
+            table = spec.megatron.choices.get(field)
+            value = getattr(parsed, field)
+            pairs.append((field, ours[key], value if table is None else table.get(value)))
     return _differ(pairs)
 
 

@@ -1,39 +1,60 @@
 """The tables of :mod:`.from_megatron`: which Megatron-LM flag sets which recipe field,
-Megatron-LM's defaults where the recipe's differ, the required flags, torchrun's flags, and the
-spellings of choices that differ between Megatron-LM (Emerging-Optimizers) and megatron-ext.
+Megatron-LM's defaults where the recipe's differ, the required flags and torchrun's flags. An
+optimizer's own flags, defaults and spellings are its spec's (``OptimizerSpec.megatron``), read
+here through the registry (:func:`optimizer_flags`, :func:`megatron_optimizers`).
 
 No torch import.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from megatron_ext.optimizers.spec import BASE, registered_optimizers
 
 __all__ = [
     "CONSUMED",
     "ENTRY_SCRIPTS",
     "MEGATRON_DEFAULTS",
     "MODEL_CHANGING",
-    "MUON_COEFFICIENTS",
-    "MUON_DEFAULTS",
-    "MUON_SCALE_MODES",
-    "OPTIMIZERS",
     "PLAIN",
     "REASONS",
     "REQUIRED",
     "TORCHRUN",
+    "megatron_optimizers",
+    "optimizer_flag_defaults",
+    "optimizer_flags",
 ]
 
-#: Megatron-LM / Emerging-Optimizers name -> megatron-ext name (names absent: no counterpart)
-MUON_SCALE_MODES = {"spectral": "spectral", "shape_scaling": "shape", "unit_rms_norm": "unit_rms"}
-MUON_COEFFICIENTS = {
-    "simple": "quintic",  # Keller Jordan's one triple
-    "quintic": "quintic_schedule",  # modded-nanogpt's five triples, cycled (Megatron's default)
-    "polar_express": "polar_express",
-}
-OPTIMIZERS = {"adam": "adamw", "muon": "muon", "lion": "lion", "soap": "kl_soap"}
-OPTIMIZERS |= {"kl_soap": "kl_soap", "mop": "mop"}
+
+def megatron_optimizers() -> dict[str, str]:
+    """Megatron-LM's ``--optimizer`` (megatron-core's ``OptimizerConfig.optimizer``) -> the
+    registered optimizer: each spec's ``megatron.optimizers`` (``adam`` -> ``adamw``, ``soap``
+    -> ``kl_soap``), and every optimizer but AdamW by its own name (the drop-in takes those)."""
+    specs = registered_optimizers()
+    out = {alias: spec.name for spec in specs.values() for alias in spec.megatron.optimizers}
+    return out | {name: name for name in specs if name != BASE}
+
+
+def optimizer_flags() -> dict[str, tuple[str, str, Mapping[str, str] | None]]:
+    """Megatron-LM flag -> (registered optimizer, recipe path, the spelling table of a choice
+    flag or None): every spec's ``megatron.flags``."""
+    out: dict[str, tuple[str, str, Mapping[str, str] | None]] = {}
+    for spec in registered_optimizers().values():
+        for flag, key in spec.megatron.flags.items():
+            table = spec.megatron.choices.get(flag.replace("-", "_"))
+            out[flag] = (spec.name, f"optimizer.{key}", table)
+    return out
+
+
+def optimizer_flag_defaults(name: str) -> dict[str, Any]:
+    """Megatron-LM's defaults of optimizer ``name``'s flags where the recipe's differ, as recipe
+    paths (``optimizer.muon_momentum`` 0.9)."""
+    spec = registered_optimizers().get(name)
+    defaults = spec.megatron.flag_defaults if spec is not None else {}
+    return {f"optimizer.{key}": value for key, value in defaults.items()}
+
 
 # Megatron-LM 0.19's defaults where the recipe's differ (arguments.py, TransformerConfig,
 # OptimizerConfig, SchedulerConfig).
@@ -54,12 +75,6 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "training.lr_wsd_decay_style": "exponential",
     "data.split": "969,30,1",
     "logging.log_interval": 100,
-}
-#: Megatron-LM's defaults of a Muon run's fields (--muon-*), where the recipe's differ
-MUON_DEFAULTS: dict[str, Any] = {
-    "optimizer.muon_momentum": 0.9,
-    "optimizer.muon_coefficient_type": "quintic_schedule",  # its "quintic"
-    "optimizer.tp_mode": "blockwise",
 }
 REQUIRED = (
     "num-layers",
@@ -134,13 +149,6 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "adam-beta2": ("optimizer.adam_beta2", _F),
     "adam-eps": ("optimizer.adam_eps", _F),
     "clip-grad": ("optimizer.clip_grad", _F),
-    "muon-momentum": ("optimizer.muon_momentum", _F),
-    "muon-nesterov": ("optimizer.muon_nesterov", None),
-    "muon-num-ns-steps": ("optimizer.muon_num_ns_steps", _I),
-    "muon-extra-scale-factor": ("optimizer.muon_extra_scale_factor", _F),
-    "muon-tp-mode": ("optimizer.tp_mode", _S),
-    "lion-beta1": ("optimizer.lion_beta1", _F),
-    "lion-beta2": ("optimizer.lion_beta2", _F),
     "tensor-model-parallel-size": ("parallel.tensor_model_parallel_size", _I),
     "pipeline-model-parallel-size": ("parallel.pipeline_model_parallel_size", _I),
     "context-parallel-size": ("parallel.context_parallel_size", _I),

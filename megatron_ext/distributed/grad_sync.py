@@ -25,7 +25,7 @@ At one rank nothing is communicated or copied: the storage already holds the sum
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +136,7 @@ class GradSync:
         return self.bind(torch.zeros(self.numel, dtype=dtype, device=device))
 
     # -- per step -----------------------------------------------------------------------------
-    def reduce_copies(self, grads: dict[str, torch.Tensor]) -> None:
+    def reduce_copies(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Reduce gradients held outside a bound storage (``reduce_grads`` of the unit tests and
         benchmarks): allocate the sync's own storage once (``grads``' dtype and device), copy
         each gradient in unless it already is its view, and run :meth:`finish`. The caller
@@ -169,15 +169,22 @@ class GradSync:
             self._launch(bucket)
             self._next -= 1
 
+    def _bound(self) -> torch.Tensor:
+        """The bound storage; an error before :meth:`bind` / :meth:`allocate`."""
+        if self.storage is None:
+            raise RuntimeError("the gradient sync has no storage: bind() or allocate() first")
+        return self.storage
+
     def _launch(self, bucket: GradBucket) -> None:
         if self.scale == 1.0 and self.world == 1:  # one rank's gradient is the sum: nothing
             bucket.launched = True
             self._record("grad_launch", bucket.index)
             return
-        region = self.storage[bucket.start : bucket.start + bucket.numel]
+        region = self._bound()[bucket.start : bucket.start + bucket.numel]
         if self.scale != 1.0:
             region.mul_(self.scale)  # DDP's gradient_scaling_factor, before the sum
         if self.world > 1:
+            assert bucket.recv is not None  # allocated by bind() for a world over 1
             bucket.handles = start_reduce_scatter_v(
                 region,
                 bucket.recv,
@@ -196,7 +203,7 @@ class GradSync:
         self._record("grad_launch", -1)
 
     def _launch_replicated_region(self) -> None:
-        region = self.storage[self.replicated_start : self.numel]
+        region = self._bound()[self.replicated_start : self.numel]
         if self.scale != 1.0:
             region.mul_(self.scale)
         if self.world > 1 and self.replicated_numel:
@@ -220,8 +227,9 @@ class GradSync:
         self._launch_replicated()
         if self._replicated_handle is not None:
             self._replicated_handle.wait()
+            assert self._replicated_recv is not None  # bound with a replicated region
             rows = self._replicated_recv.view(self.world, self.replicated_numel)
-            region = self.storage[self.replicated_start : self.numel]
+            region = self._bound()[self.replicated_start : self.numel]
             region.copy_(rows[0])
             for r in range(1, self.world):
                 region.add_(rows[r])
@@ -233,7 +241,8 @@ class GradSync:
             if bucket.handles:
                 own = sum(bucket.counts[: self.rank])
                 start = bucket.start + own
-                owned = self.storage[start : start + bucket.counts[self.rank]]
+                owned = self._bound()[start : start + bucket.counts[self.rank]]
+                assert bucket.recv is not None  # a bucket with handles received into it
                 fold_in_rank_order(owned, bucket.recv, self.rank)
             bucket.handles, bucket.launched = [], False
             bucket.ready.clear()

@@ -167,7 +167,7 @@ class LayerwiseOptimizer(NamedState):
         # fp32 masters only for the parameters this rank updates (owned or replicated).
         self.masters = {n: fp32_master(p) for n, p in self.named_params if self.holds(n)}
         self._tp = {
-            n: self.tp_shards[p] for n, p in self.named_params if p in (self.tp_shards or {})
+            n: shards[p] for n, p in self.named_params if p in (shards := self.tp_shards or {})
         }
         replicated = OwnershipPlan.REPLICATED
         self.replicated = [n for n, _ in self.named_params if self.plan.owner[n] == replicated]

@@ -184,7 +184,7 @@ def _per_rank(key: str, obj: Any) -> ShardedObject:
     return ShardedObject(key, obj, (world,), (rank,), replica_id=0)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def _unwrap(model: torch.nn.Module) -> Any:
     """The GPTModel inside megatron-core's DDP wrapper (its keys carry no ``module.`` prefix)."""
     return getattr(model, "module", model)
 

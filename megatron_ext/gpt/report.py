@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["StepRecord", "format_line", "record_step", "summarize"]
 
 # The figures TensorBoard shows, under train/<name>.
-SCALARS = (
+SCALARS: tuple[str, ...] = (
     "loss",
     "lr",
     "grad_norm",

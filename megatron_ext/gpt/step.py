@@ -104,4 +104,6 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     loss /= run.dp_size
     dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
+    if grad_norm is None:  # megatron-core's step returns one whenever it clips or logs it
+        raise RuntimeError("the optimizer step returned no gradient norm")
     return StepResult(float(loss), float(grad_norm), success, optimizer_s, moe)

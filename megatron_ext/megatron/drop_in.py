@@ -61,70 +61,39 @@ from megatron.core.utils import get_model_config
 
 from megatron_ext.config.from_megatron import translate
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_flags import MUON_COEFFICIENTS, MUON_SCALE_MODES, OPTIMIZERS
+from megatron_ext.config.megatron_flags import megatron_optimizers
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.megatron.mcore_grad_norm import McoreGradNorm
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
+from megatron_ext.optimizers.spec import BASE, optimizer_spec, registered_optimizers
 
 __all__ = [
-    "EXTENSION_OPTIMIZERS",
     "MEGATRON_CORE_DEFAULTS",
     "extension_config",
+    "extension_optimizers",
     "get_megatron_optimizer",
     "mapped_fields",
 ]
 
 logger = logging.getLogger(__name__)
 
-EXTENSION_OPTIMIZERS = ("muon", "kl_soap", "mop", "lion")
 _SHARED = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
-_MOMENTUM = ("momentum", "nesterov", "extra_scale_factor")
-# megatron-core field -> megatron-ext field, per optimizer (beyond the shared ones); the choice
-# fields whose spellings differ are translated (_TRANSLATED)
-_MAPPED: dict[str, dict[str, str]] = {
-    "muon": {
-        **{f"muon_{k}": f"muon_{k}" for k in (*_MOMENTUM, "num_ns_steps", "fp32_matmul_prec")},
-        # megatron-core's Muon (Emerging-Optimizers) runs Newton–Schulz in bf16 under "medium"
-        "muon_fp32_matmul_prec@": "muon_ns_precision",
-        "muon_tp_mode": "tp_mode",
-        "muon_split_qkv": "split_qkv",
-    },
-    "mop": {
-        **{f"muon_{k}": f"mop_{k}" for k in _MOMENTUM},
-        "muon_tp_mode": "tp_mode",
-        "muon_split_qkv": "split_qkv",
-    },
-    "lion": {"lion_beta1": "lion_beta1", "lion_beta2": "lion_beta2"},
-    "kl_soap": {
-        "soap_shampoo_beta": "kl_soap_shampoo_beta",
-        "soap_precondition_frequency": "kl_soap_refresh_every",
-    },
-}
-_TRANSLATED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
-    "muon": {
-        "muon_scale_mode": ("muon_scale_mode", MUON_SCALE_MODES),
-        "muon_coefficient_type": ("muon_coefficient_type", MUON_COEFFICIENTS),
-    },
-    "mop": {"muon_scale_mode": ("mop_scale_mode", MUON_SCALE_MODES)},
-}
-# megatron-core fields megatron-ext does not honour, per optimizer, and why
-_NOT_HONOURED: dict[str, dict[str, str]] = {
-    "mop": {"muon_fp32_matmul_prec": "MOP's polar factor is an SVD at mop_polar_precision"},
-}
-# megatron-ext fields derived from a megatron-core field already mapped to one
-_DERIVED: dict[str, Any] = {
-    "muon_ns_precision": lambda prec: "bf16" if prec == "medium" else "fp32"
-}
 # megatron-core's meaning where the recipe's default differs: its routing (every 2-D parameter
-# but the word embeddings and the output layer) and its raw update scale; an extra attribute
-# of the same name on the config (config.match_update_rms = True) asks for megatron-ext's
+# but the word embeddings and the output layer) and its raw update scale, and each optimizer's
+# own (its spec's megatron.core_defaults); an extra attribute of the same name on the config
+# (config.match_update_rms = True) asks for megatron-ext's
 MEGATRON_CORE_DEFAULTS: dict[str, Any] = {
     "match_update_rms": False,
     "matrix_routing": "megatron_core",
-    "muon_ns_method": "plain",  # megatron-core's Newton–Schulz (no Gram variant)
 }
+
+
+def extension_optimizers() -> tuple[str, ...]:
+    """The registered optimizers the drop-in serves: every one but AdamW (megatron-core's
+    ``adam`` serves it)."""
+    return tuple(name for name in registered_optimizers() if name != BASE)
 
 
 def get_megatron_optimizer(
@@ -161,18 +130,20 @@ def get_megatron_optimizer(
 
 
 def mapped_fields() -> set[str]:
-    """The ``optimizer:`` fields the drop-in reads from megatron-core fields of another name."""
-    out = {ours for table in _MAPPED.values() for ours in table.values()}  # with the derived
-    out |= {ours for table in _TRANSLATED.values() for ours, _ in table.values()}
-    return out | {"kl_soap_factor_update"}
+    """The ``optimizer:`` fields the drop-in reads from megatron-core fields (each spec's
+    ``megatron.fields`` and ``megatron.derived``)."""
+    out: set[str] = set()
+    for spec in registered_optimizers().values():
+        out |= set(spec.megatron.fields.values()) | set(spec.megatron.derived)
+    return out
 
 
 def extension_name(optimizer: str) -> str | None:
-    """megatron-ext's optimizer for megatron-core's ``config.optimizer`` (the converter's table,
-    :data:`~megatron_ext.config.megatron_flags.OPTIMIZERS`: ``soap`` -> ``kl_soap``), or None
-    when megatron-core's own serves it (``adam``, ``sgd``)."""
-    name = OPTIMIZERS.get(optimizer)
-    return name if name in EXTENSION_OPTIMIZERS else None
+    """megatron-ext's optimizer for megatron-core's ``config.optimizer`` (the converter's
+    reading, :func:`~megatron_ext.config.megatron_flags.megatron_optimizers`: ``soap`` ->
+    ``kl_soap``), or None when megatron-core's own serves it (``adam``, ``sgd``)."""
+    name = megatron_optimizers().get(optimizer)
+    return name if name in extension_optimizers() else None
 
 
 def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
@@ -182,21 +153,19 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
     if name is None:
         raise ConfigError(
             f"optimizer={config.optimizer!r} is megatron-core's own; megatron-ext's are "
-            f"{', '.join(EXTENSION_OPTIMIZERS)} (and soap, as kl_soap)"
+            f"{', '.join(extension_optimizers())} (and soap, as kl_soap)"
         )
-    raw: dict[str, Any] = {"name": name, **MEGATRON_CORE_DEFAULTS}
+    names = optimizer_spec(name).megatron
+    raw: dict[str, Any] = {"name": name, **MEGATRON_CORE_DEFAULTS, **names.core_defaults}
     for f in _SHARED:  # megatron-core leaves min_lr None by default: the section's 0 then
         if getattr(config, f) is not None or f == "lr":
             raw[f] = getattr(config, f)
-    for theirs, ours in _MAPPED[name].items():
-        if theirs.endswith("@"):  # a second field read from the same megatron-core field
-            raw[ours] = _DERIVED[ours](getattr(config, theirs[:-1]))
-        else:
-            raw[ours] = getattr(config, theirs)
-    for theirs, (ours, table) in _TRANSLATED.get(name, {}).items():
-        raw[ours] = translate(table, getattr(config, theirs), theirs)
-    if name == "kl_soap":
-        raw["kl_soap_factor_update"] = "kl" if config.soap_use_kl_shampoo else "shampoo"
+    for theirs, ours in names.fields.items():
+        value = getattr(config, theirs)
+        table = names.choices.get(theirs)
+        raw[ours] = value if table is None else translate(dict(table), value, theirs)
+    for ours, (theirs, derive) in names.derived.items():
+        raw[ours] = derive(getattr(config, theirs))
     if name == "muon" and config.muon_scalar_optimizer != "adam":
         raise ConfigError(
             f"muon_scalar_optimizer={config.muon_scalar_optimizer!r}: megatron-ext trains the "
@@ -215,9 +184,7 @@ def extension_config(config: McOptimizerConfig) -> OptimizerConfig:
                 f"kl_soap_factor_eps, update_rms, muon_ns_method)"
             )
         raw[key] = value
-    ignored = [
-        f"{k}={getattr(config, k)!r} ({why})" for k, why in _NOT_HONOURED.get(name, {}).items()
-    ]
+    ignored = [f"{k}={getattr(config, k)!r} ({why})" for k, why in names.ignored.items()]
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if ignored and rank0:
         logger.warning("megatron-ext %s does not use: %s", name, "; ".join(ignored))

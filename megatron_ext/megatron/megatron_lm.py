@@ -75,12 +75,12 @@ def _boolean(text: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``megatron-ext`` group to Megatron-LM's parser; returns the parser."""
     from megatron_ext.config.fields import literal_options
-    from megatron_ext.megatron.drop_in import EXTENSION_OPTIMIZERS
+    from megatron_ext.megatron.drop_in import extension_optimizers
 
     group = parser.add_argument_group("megatron-ext")
     group.add_argument(
         "--megatron-ext-optimizer",
-        choices=EXTENSION_OPTIMIZERS,
+        choices=extension_optimizers(),
         default=None,
         help="train with megatron-ext's layer-wise optimizer (instead of --optimizer)",
     )

@@ -97,7 +97,7 @@ class MetricsLogger:
         record that is not a step of its own (e.g. a validation after one) leaves the progress
         bar where it is."""
         self.records.append(dict(figures))
-        if self.write and persist:
+        if self.write and persist and self._jsonl is not None:
             self._jsonl.write(json.dumps(figures) + "\n")
             self._jsonl.flush()
             if self._tb is not None:
