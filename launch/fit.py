@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.planner.gpus import GPUS, gpu_kind, gpu_spec
@@ -24,7 +25,7 @@ def job_plan(
     recipe: Recipe, source: str, overrides: Sequence[str], nnodes: int, nproc: int, host: HostInfo
 ) -> tuple[Plan | None, str]:
     """(the plan of the job on this host's GPUs, "") or (None, why there is none)."""
-    if recipe.trainer != "gpt":
+    if get_trainer(recipe.trainer).plan != "memory":
         return None, f"no plan: trainer={recipe.trainer} (megatron-ext plan plans GPT runs)"
     if not host.gpus:
         return None, "no plan: no GPU on this host (the plan is of GPU memory)"

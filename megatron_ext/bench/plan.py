@@ -196,11 +196,12 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
 def _check_inputs(args: argparse.Namespace) -> None:
     """Every recipe a GPT recipe and every optimizer a registered one, before any row."""
     from megatron_ext.config.load import read_recipe
+    from megatron_ext.config.trainers import get_trainer
     from megatron_ext.optimizers.spec import OPTIMIZERS
 
     for source in args.recipes:
         trainer = read_recipe(source).trainer
-        if trainer != "gpt":
+        if get_trainer(trainer).plan != "memory":
             raise ConfigError(
                 f"--recipes {source}: a trainer={trainer} recipe; bench plan plans GPT recipes "
                 f"(e.g. {', '.join(RECIPES)})"

@@ -176,4 +176,7 @@ TRAINER = TrainerSpec(
         "training": TrainingConfig,
         "parallel": ParallelConfig,
     },
+    plan="memory",
+    token_schedule=True,
+    converts_hf=True,
 )

@@ -51,6 +51,7 @@ from typing import Any
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.dipaco.model.layout import ModuleId, PathLayout
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
 from megatron_ext.errors import ConfigError
@@ -277,7 +278,7 @@ def dipaco_vocab_size(recipe: Recipe) -> tuple[int, str]:
 def outer_figures(recipe: Recipe, name: str = "", vocab_size: int | None = None) -> OuterFigures:
     """One phase's store bytes for a ``trainer: dipaco`` recipe (checked first: its layout,
     sizes and parallel sizes). ``vocab_size`` overrides :func:`dipaco_vocab_size`."""
-    if recipe.trainer != "dipaco":
+    if get_trainer(recipe.trainer).plan != "outer":
         raise ConfigError(
             f"outer-step bytes are DiPaCo's: a trainer={recipe.trainer} recipe has no outer "
             "step (use a trainer: dipaco recipe)"

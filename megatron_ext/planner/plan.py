@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
 from megatron_ext.optimizers.spec import optimizer_spec, recipe_hyperparameters
@@ -529,7 +530,7 @@ def plan_run(
     """The plan of ``recipe`` (a GPT recipe, overrides applied) on ``cluster``, without
     :func:`first_fix` (see :func:`plan_recipe`); ``baselines``: also megatron-core's layer-wise
     and ZeRO-1 assignments (:func:`layerwise_baselines`)."""
-    if recipe.trainer != "gpt":
+    if get_trainer(recipe.trainer).plan != "memory":
         raise ConfigError(
             f"megatron-ext plan plans GPT runs; {name or 'this recipe'} is trainer="
             f"{recipe.trainer} (its outer-step bytes: `megatron-ext dipaco` / `soma` reports)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
 
 if TYPE_CHECKING:
@@ -122,9 +123,10 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
 
 
 def describe_schedule(recipe: Recipe, world_size: int, png: Path | None = None) -> str | None:
-    """The dry run's schedule text for a GPT recipe at ``world_size`` ranks (None for other
-    trainers); with ``png``, after writing the plot there."""
-    if recipe.trainer != "gpt":
+    """The dry run's schedule text for a recipe at ``world_size`` ranks (None when its trainer's
+    loop does not follow :func:`training_schedule`: no ``token_schedule`` capability); with
+    ``png``, after writing the plot there."""
+    if not get_trainer(recipe.trainer).token_schedule:
         return None
     t, p = recipe.training, recipe.parallel
     schedule = training_schedule(recipe)
