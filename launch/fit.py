@@ -15,8 +15,10 @@ from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo
+from megatron_ext.planner.figures import Plan
 from megatron_ext.planner.gpus import GPUS, gpu_kind, gpu_spec
-from megatron_ext.planner.plan import Cluster, Plan, plan_recipe
+from megatron_ext.planner.inputs import Cluster
+from megatron_ext.planner.plan import plan_recipe
 
 __all__ = ["check_fit", "job_plan"]
 

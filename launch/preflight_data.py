@@ -20,7 +20,7 @@ from pathlib import Path
 from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
-from megatron_ext.planner.plan import BYTE_VOCAB
+from megatron_ext.planner.inputs import BYTE_VOCAB
 
 __all__ = ["check_tokenizer_and_vocabulary", "max_token_id"]
 

@@ -28,8 +28,9 @@ from megatron_ext.launch.fit import job_plan
 from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.launch.preflight_data import check_tokenizer_and_vocabulary
 from megatron_ext.planner.gpus import gpu_spec
+from megatron_ext.planner.inputs import Cluster
 from megatron_ext.planner.outer import outer_figures
-from megatron_ext.planner.plan import Cluster, plan_run
+from megatron_ext.planner.plan import plan_run
 from megatron_ext.schedules.table import describe_schedule
 
 GPT_SECTIONS = ("model", "optimizer", "data", "training", "parallel")

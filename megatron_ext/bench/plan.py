@@ -69,7 +69,8 @@ def _overrides(source: str, optimizer: str, world: int, vocab_unset: bool) -> li
 def _row(source: str, optimizer: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.config.load import read_recipe
     from megatron_ext.planner.gpus import gpu_spec
-    from megatron_ext.planner.plan import Cluster, plan_recipe
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.plan import plan_recipe
 
     vocab_unset = read_recipe(source).model.vocab_size is None
     overrides = _overrides(source, optimizer, world, vocab_unset)

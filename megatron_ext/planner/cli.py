@@ -16,7 +16,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.planner.gpus import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, GPUS, gpu_spec
 
 if TYPE_CHECKING:
-    from megatron_ext.planner.plan import Cluster
+    from megatron_ext.planner.inputs import Cluster
 
 __all__ = ["COMMAND", "add_cluster_arguments", "cluster_from_args"]
 
@@ -63,7 +63,7 @@ def cluster_from_args(args: argparse.Namespace, nodes: int) -> Cluster:
             f"{gpu.memory_bytes / 1e9:g} GB: give less than that (default "
             f"{DEFAULT_RESERVE_BYTES / 1e9:g})"
         )
-    from megatron_ext.planner.plan import Cluster  # the model's modules: only when planning
+    from megatron_ext.planner.inputs import Cluster  # the model's modules: only when planning
 
     return Cluster(gpu, nodes, args.gpus_per_node, int(args.reserve_gb * 1e9))
 
