@@ -63,7 +63,7 @@ def cluster_from_args(args: argparse.Namespace, nodes: int) -> Cluster:
             f"{gpu.memory_bytes / 1e9:g} GB: give less than that (default "
             f"{DEFAULT_RESERVE_BYTES / 1e9:g})"
         )
-    from megatron_ext.planner.inputs import Cluster  # the model's modules: only when planning
+    from megatron_ext.planner.inputs import Cluster  # the recipe schema: only when planning
 
     return Cluster(gpu, nodes, args.gpus_per_node, int(args.reserve_gb * 1e9))
 
