@@ -25,10 +25,11 @@ def format_dry_run(argv: list[str], env: Mapping[str, str]) -> str:
 def describe_job(recipe: Recipe, world_size: int, schedule_png: Path | None = None) -> str:
     """The dry run's report of ``recipe`` (read and checked by the launcher) at ``world_size``
     ranks: the fields its trainer reads, the batch stages and LR on tokens (and their plot with
-    ``schedule_png``; GPT only), and an MoE preset's fields."""
+    ``schedule_png``; a trainer with the ``token_schedule`` capability), and an MoE preset's
+    fields."""
     lines = [f"trainer={recipe.trainer} reads {describe_reads(get_trainer(recipe.trainer))}"]
-    schedule = None  # the batch stages and LR on tokens are the GPT trainer's schedule
-    if recipe.trainer == "gpt":
+    schedule = None  # the batch stages and LR on tokens: a trainer whose loop follows them
+    if get_trainer(recipe.trainer).token_schedule:
         schedule = describe_schedule(
             recipe.training, recipe.optimizer, recipe.parallel, world_size, schedule_png
         )

@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.launch.hosts import HostInfo
+from megatron_ext.planner.figures import Plan
 from megatron_ext.planner.gpus import GPUS, gpu_kind, gpu_spec
-from megatron_ext.planner.plan import Cluster, Plan, plan_with_fix
+from megatron_ext.planner.inputs import Cluster
+from megatron_ext.planner.plan import plan_with_fix
 
 __all__ = ["check_fit", "job_plan"]
 
@@ -25,7 +28,7 @@ def job_plan(
 ) -> tuple[Plan | None, str]:
     """(the plan of the job on this host's GPUs, "") or (None, why there is none). ``recipe`` is
     ``source`` with ``overrides`` as the launcher read it (not read again here)."""
-    if recipe.trainer != "gpt":
+    if get_trainer(recipe.trainer).plan != "memory":
         return None, f"no plan: trainer={recipe.trainer} (megatron-ext plan plans GPT runs)"
     if not host.gpus:
         return None, "no plan: no GPU on this host (the plan is of GPU memory)"

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
-from megatron_ext.planner.plan import BYTE_VOCAB
+from megatron_ext.planner.inputs import BYTE_VOCAB
 
 __all__ = ["check_tokenizer_and_vocabulary", "max_token_id"]
 
@@ -38,8 +39,9 @@ def check_tokenizer_and_vocabulary(recipe: Recipe) -> None:
     data, model = recipe.sections.get("data"), recipe.sections.get("model")
     if data is None or not hasattr(data, "tokenizer"):
         return
-    if recipe.trainer == "dipaco" and data.source and not Path(data.tokenizer_model).exists():
-        return  # the DiPaCo trainer trains its SentencePiece model from data.source first
+    trains = get_trainer(recipe.trainer).trains_tokenizer
+    if trains and data.source and not Path(data.tokenizer_model).exists():
+        return  # the trainer trains its SentencePiece model from data.source first (DiPaCo)
     vocab = _tokenizer_vocabulary(data.tokenizer, data.tokenizer_model)
     if model is not None and getattr(model, "vocab_size", None):
         vocab = int(model.vocab_size)

@@ -75,7 +75,8 @@ def main() -> None:
     import torch.distributed as dist
 
     from megatron_ext.config.load import load_recipe
-    from megatron_ext.planner.plan import plan_vocab_size, run_layout, stage_activations
+    from megatron_ext.planner.inputs import plan_vocab_size, run_layout
+    from megatron_ext.planner.stage import stage_activations
     from tests.dist.ending import leave
     from tests.dist.planner_measure import model_parallel_groups, saved_bytes, trainer_run
 

@@ -221,7 +221,8 @@ PLAN_OVERRIDES = [
 def plan_memory(out: Path, timeout: float) -> dict[str, Any]:
     from megatron_ext.launch.hosts import gpu_name
     from megatron_ext.planner.gpus import gpu_kind, gpu_spec
-    from megatron_ext.planner.plan import Cluster, plan_recipe
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.plan import plan_recipe
 
     kind = gpu_kind(gpu_name())
     if kind is None:

@@ -396,14 +396,14 @@ def test_moe_fields_that_exist_are_mapped() -> None:
     [("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("([1]*2+[0]*1)*2", [1, 1, 0, 1, 1, 0])],
 )
 def test_layer_patterns_are_megatron_lms(text: str, layers: list[int]) -> None:
-    from megatron_ext.config.from_megatron import layer_pattern
+    from megatron_ext.config.from_megatron_groups import layer_pattern
 
     assert layer_pattern(text) == layers
 
 
 @pytest.mark.parametrize("bad", ["__import__('os')", "[2]*3", "[0]*x", "([0]*3"])
 def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
-    from megatron_ext.config.from_megatron import layer_pattern
+    from megatron_ext.config.from_megatron_groups import layer_pattern
 
     with pytest.raises(ValueError):
         layer_pattern(bad)

@@ -24,7 +24,8 @@ from megatron_ext.launch.cli import main
 from megatron_ext.launch.fit import check_fit, job_plan
 from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.planner.gpus import gpu_kind, gpu_spec
-from megatron_ext.planner.plan import Cluster, plan_recipe, plan_vocab_size
+from megatron_ext.planner.inputs import Cluster, plan_vocab_size
+from megatron_ext.planner.plan import plan_recipe
 
 H100_HOST = HostInfo(gpus=8, cpus=96, gpu_name="NVIDIA H100 80GB HBM3")
 VOCAB = "model.vocab_size=128256"

@@ -17,7 +17,7 @@ The runs are the trainer's own (``tests/dist/planner_measure.py``: ``gpt.setup.s
 - **activations within 15 %**: the bytes autograd saves for one micro-batch (saved-tensor hooks,
   storages counted once) of the tiny dense GPT (fp32, bf16), the tiny MoE and a ~125M GPT, with
   recompute none / selective / full, against
-  :func:`~megatron_ext.planner.plan.stage_activations` (kept, and rebuilt at a time);
+  :func:`~megatron_ext.planner.stage.stage_activations` (kept, and rebuilt at a time);
 - **peak memory within 15 %**: the ~125M GPT's peak resident set over a runtime baseline
   (after imports and process groups) during setup and two AdamW steps, and two Muon steps
   (glibc's mmap threshold fixed, so freed tensors leave the resident set), against the plan's
@@ -37,17 +37,12 @@ from megatron_ext.config.load import load_recipe
 from megatron_ext.optimizers.spec import recipe_hyperparameters
 from megatron_ext.planner.comm import data_parallel_bytes
 from megatron_ext.planner.gpus import GPUS
+from megatron_ext.planner.inputs import Cluster, plan_vocab_size, planned_model, run_layout
 from megatron_ext.planner.memory import rank_memory
 from megatron_ext.planner.ownership import optimizer_layout
 from megatron_ext.planner.params import gpt_parameters
-from megatron_ext.planner.plan import (
-    Cluster,
-    plan_run,
-    plan_vocab_size,
-    planned_model,
-    run_layout,
-    stage_activations,
-)
+from megatron_ext.planner.plan import plan_run
+from megatron_ext.planner.stage import stage_activations
 from megatron_ext.run.precision import precision_spec
 from tests.conftest import DIST, run_torchrun
 from tests.dist.planner_measure import (

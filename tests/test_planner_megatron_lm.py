@@ -31,7 +31,8 @@ from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
 from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.planner.gpus import GPUS
-from megatron_ext.planner.plan import Cluster, plan_run
+from megatron_ext.planner.inputs import Cluster
+from megatron_ext.planner.plan import plan_run
 from tests.test_megatron_examples import LLAMA3_8B
 
 MIB = 1024 * 1024

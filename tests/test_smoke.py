@@ -165,7 +165,8 @@ def check_dipaco(report: dict[str, Any], out: str, folder: Path) -> None:
 
 def check_plan(report: dict[str, Any], out: str, folder: Path) -> None:
     from megatron_ext.planner.gpus import gpu_spec
-    from megatron_ext.planner.plan import Cluster, plan_recipe
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.plan import plan_recipe
 
     rows = report["rows"]
     assert [(r["gpus"], r["optimizer"]) for r in rows] == [

@@ -69,7 +69,8 @@ def _overrides(source: str, optimizer: str, world: int, vocab_unset: bool) -> li
 def _row(source: str, optimizer: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.config.load import read_recipe
     from megatron_ext.planner.gpus import gpu_spec
-    from megatron_ext.planner.plan import Cluster, plan_recipe
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.plan import plan_recipe
 
     vocab_unset = read_recipe(source).model.vocab_size is None
     overrides = _overrides(source, optimizer, world, vocab_unset)
@@ -196,11 +197,12 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
 def _check_inputs(args: argparse.Namespace) -> None:
     """Every recipe a GPT recipe and every optimizer a registered one, before any row."""
     from megatron_ext.config.load import read_recipe
+    from megatron_ext.config.trainers import get_trainer
     from megatron_ext.optimizers.spec import OPTIMIZERS
 
     for source in args.recipes:
         trainer = read_recipe(source).trainer
-        if trainer != "gpt":
+        if get_trainer(trainer).plan != "memory":
             raise ConfigError(
                 f"--recipes {source}: a trainer={trainer} recipe; bench plan plans GPT recipes "
                 f"(e.g. {', '.join(RECIPES)})"

@@ -101,11 +101,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import run_length_overrides, write_json
     from megatron_ext.config.load import load_recipe
+    from megatron_ext.config.trainers import get_trainer
     from megatron_ext.schedules.plan import training_schedule
 
     overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "ramp")
     recipe = load_recipe(args.recipe, overrides)  # a bad recipe fails before any run
-    if recipe.trainer != "gpt":
+    if not get_trainer(recipe.trainer).token_schedule:
         raise ConfigError(
             f"bench ramp needs a GPT recipe, {args.recipe} is trainer {recipe.trainer}"
         )

@@ -14,7 +14,9 @@ A required flag that is missing or whose value is an unresolved shell variable i
 ConfigError (exit 2). Sample counts become steps through the recipe's own batch stages
 (:mod:`megatron_ext.schedules`), inexact ones are noted. Choice spellings that differ between
 Megatron-LM (Emerging-Optimizers) and megatron-ext are translated once, here
-(:mod:`.megatron_flags`; the drop-in optimizer uses them too).
+(:mod:`.megatron_flags`; the drop-in optimizer uses them too). The flags read together (a
+low-precision format and its recipe, the MoE layer pattern, data and tokenizer, sample counts)
+are mapped by :mod:`.from_megatron_groups`.
 
 Megatron-LM's own parser then reads the same flags (:mod:`.from_megatron_parsed`): its
 refusals are the converter's, and what it derives (sequence parallelism at TP=1, the tokenizer
@@ -28,6 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_ext.config.from_megatron_groups import (
+    flag_value,
+    map_data,
+    map_low_precision,
+    map_moe_layer_freq,
+    map_samples,
+)
 from megatron_ext.config.megatron_args import Flag, MegatronArgs
 from megatron_ext.config.megatron_flags import (
     CONSUMED,
@@ -127,7 +136,7 @@ def convert(args: MegatronArgs, world_size: int | None = None, gpu: str = "H100"
             continue
         if key in TORCHRUN:
             out.launcher.append(flag.text)
-            if key == "master-port" and _value(flag) and _value(flag).isdigit():  # type: ignore[union-attr]
+            if key == "master-port" and flag_value(flag) and flag_value(flag).isdigit():  # type: ignore[union-attr]
                 out.set("launch.master_port", int(flag.values[0]))
         elif key in CONSUMED:
             out.mapped.append(flag.text)
@@ -228,17 +237,12 @@ def _field_metadata(path: str) -> Any:
 
 def _flag_kind(path: str) -> Callable[[str], Any] | None:
     """How a flag's value is read for the recipe field ``path``: None for a switch (bool)."""
-
     from megatron_ext.config.optimizer import section_fields
 
     _, kind = section_fields()[path.removeprefix("optimizer.")]
     if kind is bool:
         return None
     return kind if kind in (int, float) else str
-
-
-def _value(flag: Flag | None) -> str | None:
-    return flag.values[0] if flag is not None and len(flag.values) == 1 else None
 
 
 def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
@@ -265,7 +269,7 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     if gqa is not None:
         take("group-query-attention")
         take("num-query-groups")
-        out.set("model.num_query_groups", int(_value(groups) or 1))
+        out.set("model.num_query_groups", int(flag_value(groups) or 1))
     elif groups is not None:
         take("num-query-groups", "Megatron-LM ignores it without --group-query-attention")
     for key, value in (("bf16", "bf16"),):
@@ -275,19 +279,19 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     if take("fp16"):  # written; the launcher refuses it (run/precision.py's FP16_REFUSAL)
         out.set("training.precision", "fp16")
         precision = "fp16"
-    _low_precision(out, flags, take, precision)
+    map_low_precision(out, flags, take, precision)
     take("rotary-percent")  # model.rotary_percent: Megatron-LM's parsed value (apply_parsed)
-    _moe_layer_freq(out, flags, take)
+    map_moe_layer_freq(out, flags, take)
     take("no-position-embedding")  # validate_args refuses it without RoPE; with it, a no-op
-    seq = _value(flags.get("seq-length"))
-    positions = _value(flags.get("max-position-embeddings"))
+    seq = flag_value(flags.get("seq-length"))
+    positions = flag_value(flags.get("max-position-embeddings"))
     if positions is not None:
         same = seq is not None and int(positions) >= int(seq)
         take("max-position-embeddings", None if same else "must be >= --seq-length")
-    init = _value(flags.get("lr-warmup-init"))
+    init = flag_value(flags.get("lr-warmup-init"))
     if init is not None:
         take("lr-warmup-init", None if float(init) == 0.0 else "megatron-ext warms up from 0")
-    name = _value(flags.get("optimizer"))
+    name = flag_value(flags.get("optimizer"))
     optimizers = megatron_optimizers()
     if name is not None:
         if name in optimizers:
@@ -306,204 +310,19 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         flag = flags.get(key)
         if flag is None:
             continue
-        value = _value(flag)
+        given = flag_value(flag)
         if table is None:  # one field: read as the plain flags are (_plain records it)
             handled.add(key)
             _plain(out, flag, path, _flag_kind(path))
-        elif value is not None and value in table:
+        elif given is not None and given in table:
             take(key)
-            out.set(path, table[value])
-        elif value is not None:
+            out.set(path, table[given])
+        elif given is not None:
             take(key, f"no counterpart; megatron-ext has {', '.join(table)}")
     if chosen is not None:  # Megatron-LM's defaults of the optimizer's flags where absent
         for path, value in optimizer_flag_defaults(chosen.name).items():
             if out.get(path) is None:
                 out.set(path, value)
-    _data(out, flags, take)
-    _samples(out, flags, take)
+    map_data(out, flags, take)
+    map_samples(out, flags, take)
     return handled
-
-
-def _low_precision(
-    out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any], base: str
-) -> None:
-    """``--fp8-format``/``--fp8-recipe`` (Megatron-LM's recipe default: delayed) or
-    ``--fp4-format``/``--fp4-recipe`` (default nvfp4) as the one ``training.precision`` with
-    those megatron-core fields (run/precision.py's table); a pair no precision has is refused
-    like a model-changing flag."""
-    from megatron_ext.run.precision import SPECS
-
-    fp8, fp4 = _value(flags.get("fp8-format")), _value(flags.get("fp4-format"))
-    if fp8 is None and fp4 is None:
-        for key in ("fp8-recipe", "fp4-recipe"):
-            take(key, "megatron-core reads it only with its format flag", changes_model=False)
-        return
-    if fp8 is not None:
-        wanted = {"fp8": fp8, "fp8_recipe": _value(flags.get("fp8-recipe")) or "delayed"}
-    else:
-        wanted = {"fp4": fp4, "fp4_recipe": _value(flags.get("fp4-recipe")) or "nvfp4"}
-    found = [s.name for s in SPECS.values() if all(getattr(s, k) == v for k, v in wanted.items())]
-    keys = ("fp8-format", "fp8-recipe") if fp8 is not None else ("fp4-format", "fp4-recipe")
-    if found and base == "bf16":
-        for key in keys:
-            take(key)
-        out.set("training.precision", found[0])
-        return
-    shown = ", ".join(f"{k}={v}" for k, v in wanted.items())
-    reason = (
-        f"{shown} with {base} parameters is not one of megatron-ext's precisions "
-        f"({', '.join(SPECS)}: run/precision.py)"
-    )
-    for key in keys:
-        take(key, reason)
-
-
-def _moe_layer_freq(
-    out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]
-) -> None:
-    """``--moe-layer-freq N`` (one MoE layer in N) or a pattern ``([0]*3+[1]*58)``, one 0/1
-    per layer, as ``model.moe_layer_freq``."""
-    flag = flags.get("moe-layer-freq")
-    if flag is None:
-        return
-    text = " ".join(flag.values).strip("'\"")
-    try:
-        value = [int(text)] if text.isdigit() else layer_pattern(text)
-    except ValueError as err:
-        take("moe-layer-freq", f"not an integer or a list pattern ({err})")
-        return
-    take("moe-layer-freq")
-    out.set("model.moe_layer_freq", value)
-
-
-def layer_pattern(text: str) -> list[int]:
-    """Megatron-LM's layer pattern (``([1]*3+[0]*2)*2``: lists of 0/1, ``+`` and ``*`` by an
-    integer), evaluated without ``eval``; ValueError for anything else."""
-    import ast
-
-    def value(node: ast.AST) -> list[int] | int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List):
-            items = [value(e) for e in node.elts]
-            if all(type(i) is int and i in (0, 1) for i in items):
-                return items  # type: ignore[return-value]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
-                return left + right
-            if isinstance(node.op, ast.Mult) and isinstance(left, list) and type(right) is int:
-                return left * right
-            if isinstance(node.op, ast.Mult) and type(left) is int and isinstance(right, list):
-                return right * left
-        raise ValueError(f"unsupported: {ast.unparse(node)}")
-
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as err:
-        raise ValueError(str(err)) from None
-    result = value(tree.body)
-    if not isinstance(result, list):
-        raise ValueError("not a list")
-    return result
-
-
-def _data(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
-    data = flags.get("data-path")
-    if data is not None and len(data.values) == 1:
-        take("data-path")
-        out.set("data.path", data.values[0])
-    elif data is not None:
-        take("data-path", "a blend of several prefixes: give one indexed-dataset prefix")
-    # no --tokenizer-type: pretrain_gpt.py's args_defaults (GPT2BPETokenizer), as parsed
-    kind = _value(flags.get("tokenizer-type")) or getattr(out.megatron, "tokenizer_type", None)
-    model = _value(flags.get("tokenizer-model"))
-    vocab, merges = _value(flags.get("vocab-file")), _value(flags.get("merge-file"))
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-        take("tokenizer-type")
-        out.set("data.tokenizer", "sentencepiece")
-        if model is not None:
-            take("tokenizer-model")
-            out.set("data.tokenizer_model", model)
-    elif kind == "HuggingFaceTokenizer" and model is not None:
-        take("tokenizer-type")
-        take("tokenizer-model")
-        out.set("data.tokenizer", "huggingface")
-        out.set("data.tokenizer_model", model)
-        out.notes.append(
-            f"--tokenizer-model {model}: megatron-ext reads it offline, so it must be a local "
-            "folder saved by save_pretrained (a hub name is not downloaded)"
-        )
-    elif kind == "GPT2BPETokenizer" and vocab is not None and merges is not None:
-        from pathlib import PurePosixPath
-
-        from megatron_ext.data.kinds import gpt2_files
-
-        expected = str(gpt2_files(PurePosixPath(vocab))[1])
-        if merges != expected:
-            take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
-            take("vocab-file", f"its merges must be {expected} (next to it, same prefix)")
-            take("merge-file", f"megatron-ext reads the merges at {expected}: rename it there")
-        else:
-            for key in ("tokenizer-type", "vocab-file", "merge-file"):
-                take(key)
-            out.set("data.tokenizer", "huggingface")
-            out.set("data.tokenizer_model", vocab)
-    elif kind is not None:
-        take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
-        take("tokenizer-model", f"the model of --tokenizer-type {kind}")
-    load, save = _value(flags.get("load")), _value(flags.get("save"))
-    if load is not None:
-        reason = None if load == save else "megatron-ext resumes from run_dir/checkpoints"
-        take("load", reason)
-        if reason is None:
-            out.set("checkpoint.load", "auto")
-
-
-def _samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
-    """Sample-counted flags: the run in steps (or tokens under a batch schedule), the LR
-    positions as sample counts (``training.lr_*_samples``) and the warmup fraction as is."""
-    from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.gpt.sections import TrainingConfig
-
-    seq = int(out.get("training.seq_length"))
-    samples = _value(flags.get("train-samples"))
-    batch = out.get("training.global_batch_size")
-    if samples is not None and out.get("training.step_batch_size_schedule") is None and batch:
-        # Megatron-LM's update_train_iters: train_samples // global_batch_size (rounded down)
-        take("train-samples")
-        out.set("training.steps", int(samples) // int(batch))
-        if int(samples) % int(batch):
-            out.notes.append(
-                f"--train-samples {int(samples):,} is not a multiple of --global-batch-size "
-                f"{batch}: {int(samples) // int(batch):,} steps, rounded down as Megatron-LM does"
-            )
-    elif samples is not None:  # a step schedule: steps until the samples are reached
-        take("train-samples")
-        out.set("training.train_tokens", int(samples) * seq)
-    t = recipe_from_dict(out.recipe).section(TrainingConfig)
-    # sample positions stay in samples (exact where they end inside a step): Megatron-LM's
-    # scheduler counts consumed samples; without --lr-decay-samples its decay ends at
-    # --train-samples
-    decay = _value(flags.get("lr-decay-samples"))
-    if decay is not None:
-        take("lr-decay-samples")
-    elif samples is not None and t.lr_decay_steps is None:
-        decay = samples
-    if decay is not None:
-        t.lr_decay_samples = int(decay)
-        out.set("training.lr_decay_samples", t.lr_decay_samples)
-    warmup = _value(flags.get("lr-warmup-samples"))
-    if warmup is not None and int(warmup) > 0:
-        take("lr-warmup-samples")
-        out.set("training.lr_warmup_samples", int(warmup))
-    elif warmup is not None:
-        take("lr-warmup-samples")
-    window = _value(flags.get("lr-wsd-decay-samples"))
-    if window is not None:  # a window of samples that ends where the decay ends
-        take("lr-wsd-decay-samples")
-        out.set("training.lr_wsd_decay_samples", int(window))
-    fraction = _value(flags.get("lr-warmup-fraction"))
-    if fraction is not None:  # Megatron-LM: a fraction of the decay, in samples
-        take("lr-warmup-fraction")
-        out.set("training.lr_warmup_fraction", float(fraction))

@@ -113,7 +113,11 @@ def apply_parsed(
 
 
 #: Megatron-LM's recomputation flags, as the recipe's parallel.recompute_granularity reads them
-RECOMPUTE_FLAGS = ("recompute-granularity", "recompute-method", "recompute-num-layers")
+RECOMPUTE_FLAGS: tuple[str, ...] = (
+    "recompute-granularity",
+    "recompute-method",
+    "recompute-num-layers",
+)
 RECOMPUTE_FLAGS += ("recompute-modules",)
 
 

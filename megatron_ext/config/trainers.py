@@ -35,13 +35,14 @@ import importlib
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from megatron_ext.config.schema import CORE, Recipe
 from megatron_ext.registry import Registry
 
 __all__ = [
     "TRAINERS",
+    "PlanKind",
     "TrainerSpec",
     "get_trainer",
     "recipe_sections",
@@ -49,6 +50,13 @@ __all__ = [
     "trainer_sections",
     "trainers",
 ]
+
+
+#: How ``megatron-ext plan`` plans a trainer's recipe: ``"memory"``, memory, bytes and step time
+#: per rank of the megatron-core GPT model its ``model``/``training``/``parallel``/``optimizer``
+#: sections describe (:mod:`megatron_ext.planner.plan`); ``"outer"``, the bytes one outer round
+#: moves through the run's store, from its ``dipaco`` section (:mod:`megatron_ext.planner.outer`).
+PlanKind = Literal["memory", "outer"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +73,17 @@ class TrainerSpec:
     is refused before launch (:mod:`megatron_ext.config.reads`); the rest it owns
     (:attr:`sections`). The run sections (``run_dir``, ``logging``, ``checkpoint``,
     ``launch``) belong to every trainer.
+
+    Capabilities, what the commands that serve several trainers ask of one (they read these,
+    never the trainer's name; a recipe of a trainer without one is refused in one line):
+    ``plan``, how ``megatron-ext plan`` plans it (:data:`PlanKind`; None: no plan, and no fit
+    check at launch); ``token_schedule``, its loop follows
+    :func:`megatron_ext.schedules.plan.training_schedule` (LR and batch ramp on consumed
+    tokens: the dry run's stage table, ``bench ramp``); ``converts_hf``, its checkpoints hold
+    the megatron-core GPT model of its ``model`` section, which ``convert mcore-to-hf``
+    writes as a Hugging Face model; ``trains_tokenizer``, it trains its SentencePiece
+    ``data.tokenizer_model`` from ``data.source`` when that file is missing (so the launch
+    does not ask for it).
     """
 
     name: str
@@ -72,10 +91,18 @@ class TrainerSpec:
     check: Callable[[Any, int | None], None]  # (its recipe, world size)
     recipe: type[Recipe]
     reads: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
+    plan: PlanKind | None = None
+    token_schedule: bool = False
+    converts_hf: bool = False
+    trains_tokenizer: bool = False
 
     def __post_init__(self) -> None:
         if self.train.count(":") != 1:
             raise ValueError(f"trainer {self.name!r}: train={self.train!r} is not module:function")
+        if self.plan is not None and self.plan not in get_args(PlanKind):
+            raise ValueError(
+                f"trainer {self.name!r}: plan={self.plan!r} is not one of {get_args(PlanKind)}"
+            )
         if not (isinstance(self.recipe, type) and issubclass(self.recipe, Recipe)):
             raise ValueError(f"trainer {self.name!r}: recipe must be a subclass of Recipe")
         default = next(f.default for f in dataclasses.fields(self.recipe) if f.name == "trainer")

@@ -282,6 +282,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
 def _trainer_checkpoint(args: argparse.Namespace) -> tuple[object, dict, dict]:
     """(model, mapping fields, HF config) of a GPT-trainer checkpoint and its recipe."""
     from megatron_ext.config.load import read_recipe
+    from megatron_ext.config.trainers import get_trainer
 
     if not (args.mcore_ckpt / "metadata.json").is_file():
         raise ConfigError(
@@ -289,7 +290,7 @@ def _trainer_checkpoint(args: argparse.Namespace) -> tuple[object, dict, dict]:
             "folder such as run_dir/checkpoints/step_000100"
         )
     recipe = read_recipe(args.recipe[0], args.recipe[1:])
-    if recipe.trainer != "gpt":
+    if not get_trainer(recipe.trainer).converts_hf:
         raise ConfigError(
             f"--recipe {args.recipe[0]} is a trainer={recipe.trainer} recipe: give the GPT "
             "recipe that wrote the checkpoint"

@@ -32,11 +32,12 @@ def dipaco_main(args: argparse.Namespace) -> int:
 
         return run_status(args.run_dir, args.json)
     from megatron_ext.config import load_recipe
+    from megatron_ext.dipaco.recipe import TRAINER
     from megatron_ext.errors import ConfigError
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.trainer != "dipaco":
-        raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not dipaco")
+    if recipe.trainer != TRAINER.name:  # `megatron-ext dipaco` serves its own trainer only
+        raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not {TRAINER.name}")
     from torch import distributed as dist
 
     from megatron_ext.dipaco.queue.task_queue import TaskFailedError

@@ -264,4 +264,6 @@ TRAINER = TrainerSpec(
     # a path is a GPT model trained by an inner optimizer on the GPT data pipeline; the
     # parallel sizes are read to refuse any other than 1 (a rank is one worker)
     reads=dict.fromkeys(("model", "optimizer", "data", "training", "parallel")),
+    plan="outer",
+    trains_tokenizer=True,  # the prepare task trains data.tokenizer_model on data.source
 )

@@ -181,4 +181,7 @@ TRAINER = TrainerSpec(
     train="megatron_ext.gpt.trainer:train",
     check=check_gpt,
     recipe=GPTRecipe,
+    plan="memory",
+    token_schedule=True,
+    converts_hf=True,
 )

@@ -16,7 +16,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.planner.gpus import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, GPUS, gpu_spec
 
 if TYPE_CHECKING:
-    from megatron_ext.planner.plan import Cluster
+    from megatron_ext.planner.inputs import Cluster
 
 __all__ = ["COMMAND", "add_cluster_arguments", "cluster_from_args"]
 
@@ -63,7 +63,7 @@ def cluster_from_args(args: argparse.Namespace, nodes: int) -> Cluster:
             f"{gpu.memory_bytes / 1e9:g} GB: give less than that (default "
             f"{DEFAULT_RESERVE_BYTES / 1e9:g})"
         )
-    from megatron_ext.planner.plan import Cluster  # the model's modules: only when planning
+    from megatron_ext.planner.inputs import Cluster  # the recipe schema: only when planning
 
     return Cluster(gpu, nodes, args.gpus_per_node, int(args.reserve_gb * 1e9))
 
@@ -77,9 +77,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def plan_main(args: argparse.Namespace) -> int:
     from megatron_ext.config.load import read_recipe
+    from megatron_ext.config.trainers import get_trainer
 
-    if read_recipe(args.recipe, args.overrides).trainer == "dipaco":
-        return _plan_dipaco(args)
+    if get_trainer(read_recipe(args.recipe, args.overrides).trainer).plan == "outer":
+        return _plan_outer(args)
     from megatron_ext.planner.plan import plan_recipe
     from megatron_ext.planner.report import format_plan
 
@@ -89,9 +90,10 @@ def plan_main(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _plan_dipaco(args: argparse.Namespace) -> int:
-    """A DiPaCo recipe: the bytes one outer round moves through the store (its workers'
-    path copies, the outer executors' reads and writes), per module, phase and worker."""
+def _plan_outer(args: argparse.Namespace) -> int:
+    """A recipe planned by its outer round (DiPaCo's): the bytes one round moves through the
+    store (its workers' path copies, the outer executors' reads and writes), per module, phase
+    and worker."""
     from megatron_ext.planner.outer import format_outer, plan_outer
 
     figures = plan_outer(args.recipe, args.overrides)

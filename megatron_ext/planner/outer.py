@@ -51,11 +51,12 @@ from typing import Any
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.dipaco.model.layout import ModuleId, PathLayout
 from megatron_ext.dipaco.recipe import DipacoConfig, path_layout
 from megatron_ext.errors import ConfigError
+from megatron_ext.planner.inputs import fused_attention, plan_vocab_size, planned_model
 from megatron_ext.planner.params import PlannedParam, gpt_parameters
-from megatron_ext.planner.plan import fused_attention, plan_vocab_size, planned_model
 from megatron_ext.run.precision import precision_spec
 
 __all__ = [
@@ -258,7 +259,7 @@ def stored_dtype(name: str, precision: str, transformer_engine: bool) -> str:
 
 def dipaco_vocab_size(recipe: Recipe) -> tuple[int, str]:
     """(vocabulary before padding, where it comes from): ``model.vocab_size``, else the
-    tokenizer's (:func:`megatron_ext.planner.plan.plan_vocab_size`), else -- a SentencePiece
+    tokenizer's (:func:`megatron_ext.planner.inputs.plan_vocab_size`), else -- a SentencePiece
     model that does not exist yet -- the ``dipaco.tokenizer_vocab_size`` pieces the prepare
     task trains on ``data.source``."""
     m, data = recipe.model, recipe.data
@@ -277,7 +278,7 @@ def dipaco_vocab_size(recipe: Recipe) -> tuple[int, str]:
 def outer_figures(recipe: Recipe, name: str = "", vocab_size: int | None = None) -> OuterFigures:
     """One phase's store bytes for a ``trainer: dipaco`` recipe (checked first: its layout,
     sizes and parallel sizes). ``vocab_size`` overrides :func:`dipaco_vocab_size`."""
-    if recipe.trainer != "dipaco":
+    if get_trainer(recipe.trainer).plan != "outer":
         raise ConfigError(
             f"outer-step bytes are DiPaCo's: a trainer={recipe.trainer} recipe has no outer "
             "step (use a trainer: dipaco recipe)"

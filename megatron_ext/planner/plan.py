@@ -3,502 +3,59 @@ fits — computed from the recipe alone (torch-free, seconds), with the trainer'
 for the parameters (:mod:`.params`), the optimizer routes and the layer-wise ownership plan
 (:mod:`.ownership`).
 
-:func:`plan_run` is the whole computation; :mod:`.report` renders it; :func:`first_fix` finds the
-first single change that makes a layout that does not fit fit. Where the figures rest on an
+:func:`plan_run` is the whole computation, from :mod:`.inputs` (the cluster, the layout, the
+vocabulary) and :mod:`.stage` (each pipeline stage) into :mod:`.figures` (what a plan holds);
+:mod:`.report` renders it; :func:`first_fix` finds the first single change that makes a layout
+that does not fit fit. Where the figures rest on an
 assumption (an MFU, link bandwidths, a runtime reserve), the plan carries it in ``assumptions``
 so the report prints it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from megatron_ext.config.load import read_recipe
 from megatron_ext.config.schema import Recipe
+from megatron_ext.config.trainers import get_trainer
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.flops import gpt_train_flops_per_token
-from megatron_ext.optimizers.spec import optimizer_spec, recipe_hyperparameters
-from megatron_ext.planner.activations import ActivationShape, activation_bytes
+from megatron_ext.optimizers.spec import recipe_hyperparameters
 from megatron_ext.planner.baselines import matrix_routed, routed_specs, scheme_loads
-from megatron_ext.planner.comm import CommFigures, data_parallel_bytes
-from megatron_ext.planner.gpus import DEFAULT_MFU, DEFAULT_RESERVE_BYTES, GpuSpec
+from megatron_ext.planner.figures import Plan
+from megatron_ext.planner.gpus import DEFAULT_MFU
+from megatron_ext.planner.inputs import (
+    Cluster,
+    RunLayout,
+    fused_attention,
+    plan_vocab_size,
+    planned_model,
+    run_layout,
+)
 from megatron_ext.planner.mcore_layout import default_bucket_size
-from megatron_ext.planner.memory import MemoryFigures, rank_memory, state_bytes
-from megatron_ext.planner.ownership import FP32, OptimizerLayout, domain_buckets, optimizer_layout
+from megatron_ext.planner.memory import state_bytes
+from megatron_ext.planner.ownership import FP32
 from megatron_ext.planner.params import (
     PlannedParam,
     default_ffn_hidden_size,
     gpt_parameters,
-    moe_layer_pattern,
     padded_vocab_size,
-    stage_layers,
 )
-from megatron_ext.planner.steptime import StepTime, step_time
+from megatron_ext.planner.stage import plan_stage
+from megatron_ext.planner.steptime import step_time
 from megatron_ext.run.precision import precision_spec
 
 __all__ = [
-    "BYTE_VOCAB",
-    "Cluster",
-    "Plan",
-    "RankLoads",
-    "RunLayout",
-    "StagePlan",
+    "candidate_changes",
+    "checkpoint_bytes",
     "first_fix",
+    "layerwise_baselines",
     "plan_recipe",
     "plan_run",
-    "plan_vocab_size",
     "plan_with_fix",
-    "stage_activations",
 ]
-
-#: the byte tokenizer's vocabulary (megatron_ext.data.tokenizers.ByteTokenizer.vocab_size)
-BYTE_VOCAB = 258
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The machines: ``nodes × gpus_per_node`` GPUs of one kind."""
-
-    gpu: GpuSpec
-    nodes: int
-    gpus_per_node: int
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-@dataclass(frozen=True)
-class RunLayout:
-    """The parallel layout and batch of the run (sizes in ranks, sequences and tokens)."""
-
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    dp: int
-    edp: int  # expert data parallel: dp·cp/ep (expert TP = TP)
-    sequence_parallel: bool
-    recompute: str
-    micro_batch: int
-    global_batch: int
-    seq: int
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches per rank per step (the gradient-accumulation count)."""
-        return self.global_batch // (self.micro_batch * self.dp)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**vars(self), "micro_batches": self.micro_batches}
-
-
-@dataclass
-class RankLoads:
-    """Per data-parallel rank of one domain (dense or experts): what the layer-wise plan gives
-    it to update beyond the replicated parameters (bytes, FLOPs per step)."""
-
-    state_bytes: list[int]
-    master_bytes: list[int]
-    flops: list[float]
-    gather_bytes: list[int]  # all-gather-v bytes received per step
-
-    @property
-    def ranks(self) -> int:
-        return len(self.state_bytes)
-
-    def imbalance(self, values: Sequence[float]) -> float:
-        """max / mean (1 = perfectly balanced; 0 work anywhere counts as balanced)."""
-        mean = sum(values) / len(values)
-        return max(values) / mean if mean else 1.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ranks": self.ranks}
-        for key in ("state_bytes", "master_bytes", "flops", "gather_bytes"):
-            values = getattr(self, key)
-            out[key] = {
-                "max": max(values),
-                "mean": sum(values) / len(values),
-                "imbalance": self.imbalance(values),
-            }
-        return out
-
-
-@dataclass
-class StagePlan:
-    """One pipeline stage: its most loaded rank's memory and communication, the mean rank's
-    memory, and the per-rank loads of the layer-wise plan."""
-
-    stage: int
-    params: int  # elements on one rank of the stage
-    memory: MemoryFigures  # the most loaded rank
-    mean_static: float  # the mean rank's static bytes
-    comm: CommFigures
-    dense: RankLoads | None
-    expert: RankLoads | None
-    optimizer_flops: float  # the most loaded rank's optimizer step
-    in_flight: int  # micro-batches whose activations are alive at once (1F1B)
-    dense_rank: int  # the most loaded rank's ranks in the dense / expert domains
-    expert_rank: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "params": self.params,
-            "most_loaded_rank": {"dense": self.dense_rank, "expert": self.expert_rank},
-            "memory": self.memory.as_dict(),
-            "mean_static": self.mean_static,
-            "comm": self.comm.as_dict(),
-            "optimizer_flops": self.optimizer_flops,
-            "micro_batches_in_flight": self.in_flight,
-            "layerwise_dense": self.dense.as_dict() if self.dense else None,
-            "layerwise_expert": self.expert.as_dict() if self.expert else None,
-        }
-
-
-@dataclass
-class Plan:
-    """The whole plan (see the module docstring)."""
-
-    recipe: str
-    cluster: Cluster
-    layout: RunLayout
-    optimizer: str
-    precision: str
-    vocab: int
-    total_params: int  # elements of the whole model
-    stages: list[StagePlan]
-    step: StepTime
-    tokens_per_step: int
-    train_tokens: int
-    model_flops_per_rank: float
-    assumptions: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
-    baselines: dict[str, Any] = field(default_factory=dict)
-    fix: str | None = None  # the first change that makes it fit, when it does not
-
-    @property
-    def worst(self) -> StagePlan:
-        """The stage whose most loaded rank peaks highest."""
-        return max(self.stages, key=lambda s: s.memory.peak)
-
-    @property
-    def usable_bytes(self) -> int:
-        return self.cluster.gpu.memory_bytes - self.cluster.reserve_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.worst.memory.peak <= self.usable_bytes
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens_per_step / self.step.total_s
-
-    @property
-    def time_to_budget_s(self) -> float:
-        return self.train_tokens / self.tokens_per_second
-
-    def as_dict(self) -> dict[str, Any]:
-        gpu = self.cluster.gpu
-        return {
-            "recipe": self.recipe,
-            "cluster": {
-                "gpu": gpu.kind,
-                "gpu_name": gpu.name,
-                "nodes": self.cluster.nodes,
-                "gpus_per_node": self.cluster.gpus_per_node,
-                "world": self.cluster.world,
-                "gpu_memory_bytes": gpu.memory_bytes,
-                "reserve_bytes": self.cluster.reserve_bytes,
-            },
-            "layout": self.layout.as_dict(),
-            "optimizer": self.optimizer,
-            "precision": self.precision,
-            "vocab_size": self.vocab,
-            "total_params": self.total_params,
-            "stages": [s.as_dict() for s in self.stages],
-            "worst_stage": self.worst.stage,
-            "peak_bytes": self.worst.memory.peak,
-            "usable_bytes": self.usable_bytes,
-            "fits": self.fits,
-            "fix": self.fix,
-            "step": self.step.as_dict(),
-            "model_flops_per_rank": self.model_flops_per_rank,
-            "tokens_per_step": self.tokens_per_step,
-            "tokens_per_second": self.tokens_per_second,
-            "train_tokens": self.train_tokens,
-            "time_to_budget_s": self.time_to_budget_s,
-            "baselines": self.baselines,
-            "assumptions": self.assumptions,
-            "notes": list(self.notes),
-        }
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def plan_vocab_size(recipe: Recipe) -> int:
-    """The vocabulary the model is built with (before padding): ``model.vocab_size``, else the
-    tokenizer's, read without torch; a tokenizer file that cannot be read is refused."""
-    m, data = recipe.model, recipe.data
-    if m.vocab_size:
-        return int(m.vocab_size)
-    if data.tokenizer == "byte":
-        return BYTE_VOCAB
-    path = Path(data.tokenizer_model)
-    if data.tokenizer == "sentencepiece" and path.is_file():
-        import sentencepiece
-
-        return int(sentencepiece.SentencePieceProcessor(model_file=str(path)).vocab_size())
-    raise ConfigError(
-        f"model.vocab_size is unset and the {data.tokenizer} tokenizer at "
-        f"data.tokenizer_model={str(path)!r} cannot be read here: pass model.vocab_size=N "
-        "(the tokenizer's vocabulary, e.g. 128256 for Llama-3's)"
-    )
-
-
-def run_layout(recipe: Recipe, world: int) -> RunLayout:
-    """The layout at ``world`` ranks, after the recipe's own checks at that size."""
-    recipe.check(world_size=world)
-    p, t = recipe.parallel, recipe.training
-    tp, pp, cp, ep = (
-        p.tensor_model_parallel_size,
-        p.pipeline_model_parallel_size,
-        p.context_parallel_size,
-        p.expert_model_parallel_size,
-    )
-    dp = world // (tp * pp * cp)
-    return RunLayout(
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        ep=ep,
-        dp=dp,
-        edp=dp * cp // ep,
-        sequence_parallel=p.sequence_parallel,
-        recompute=p.recompute_granularity,
-        micro_batch=t.micro_batch_size,
-        global_batch=t.global_batch_size,
-        seq=t.seq_length,
-    )
-
-
-def planned_model(recipe: Recipe) -> Any:
-    """The model section the parameters are listed for: a ``transformer_engine`` model is
-    listed with the local spec's names (Transformer Engine moves each norm's weight into the
-    following linear, ``linear_qkv.layer_norm_weight``: the same elements, the same routes)."""
-    m = recipe.model
-    return replace(m, transformer_impl="local") if m.transformer_impl == "transformer_engine" else m
-
-
-def fused_attention(recipe: Recipe) -> bool:
-    """Whether the cluster run's layers are Transformer Engine's (fused attention, norms fused
-    into the next linear): ``auto`` and ``transformer_engine`` use TE (the NGC container has
-    it); ``local`` is megatron-core's local spec with SDPA core attention (what a CPU runs)."""
-    return recipe.model.transformer_impl != "local"
-
-
-# --------------------------------------------------------------------------- per stage
-
-
-def _matrix_flops(p: PlannedParam, route: str, hp: dict[str, Any], tp: int, tp_mode: str) -> float:
-    """One optimizer step of ``p`` (FLOPs): a TP shard is updated as the whole matrix in the
-    ``duplicated`` mode (every TP rank does the whole matrix's work)."""
-    spec = optimizer_spec(route)
-    whole = spec.couples_matrix_entries and p.tensor_parallel and tp > 1 and tp_mode == "duplicated"
-    shape = p.full_shape(tp) if whole else p.shape
-    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
-    return spec.flops(rows, cols, hp.get(route, {}))
-
-
-def _loads(
-    params: Sequence[PlannedParam],
-    layout: OptimizerLayout,
-    expert: bool,
-    *,
-    bf16: bool,
-    hp: dict[str, Any],
-    tp: int,
-    tp_mode: str,
-    param_bytes: int,
-) -> RankLoads | None:
-    plan = layout.expert if expert else layout.dense
-    if plan is None:
-        return None
-    world = plan.world
-    out = RankLoads([0] * world, [0] * world, [0.0] * world, [0] * world)
-    for p in params:
-        if p.is_expert != expert or p.name in layout.sharded:
-            continue  # element-sharded AdamW's ranges: not the layer-wise plan's
-        rank = plan.owner[p.name]
-        if rank == plan.REPLICATED:
-            continue
-        route = layout.routes[p.name]
-        out.state_bytes[rank] += state_bytes(p, route, tp=tp, tp_mode=tp_mode)
-        out.master_bytes[rank] += FP32 * p.numel if bf16 else 0
-        out.flops[rank] += _matrix_flops(p, route, hp, tp, tp_mode)
-    for domain_plan, buckets in domain_buckets(params, layout):
-        if domain_plan is not plan:
-            continue
-        for b in buckets:
-            for r in range(world):
-                out.gather_bytes[r] += b.gather_bytes(r, param_bytes)[1]
-    return out
-
-
-def _stage(
-    recipe: Recipe,
-    lay: RunLayout,
-    stage: int,
-    vocab: int,
-    hp: dict[str, Any],
-) -> StagePlan:
-    m, opt = planned_model(recipe), recipe.optimizer
-    bf16 = precision_spec(recipe.training.precision).half
-    param_bytes = 2 if bf16 else FP32
-    params = gpt_parameters(m, recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq)
-    layout = optimizer_layout(
-        params, opt.name, hp, dp=lay.dp, edp=lay.edp, bf16=bf16, rules=opt.matrix_routing
-    )
-    kw = {"bf16": bf16, "hp": hp, "tp": lay.tp, "tp_mode": opt.tp_mode, "param_bytes": param_bytes}
-    dense, expert = _loads(params, layout, False, **kw), _loads(params, layout, True, **kw)
-    # the physical rank at (dense rank d, cp rank 0) is expert-data-parallel rank (d·cp) // ep
-    has_expert = any(p.is_expert for p in params)
-    # element-sharded AdamW: fp32 master (bf16 models) and two moments per element held
-    shard_element_bytes = optimizer_spec("adamw").state_bytes(1, 1) + (FP32 if bf16 else 0)
-
-    def shard_bytes(buckets: list[Any], rank: int) -> int:
-        return shard_element_bytes * sum(b.counts[rank] for b in buckets)
-
-    def load(d: int) -> int:
-        total = shard_bytes(layout.dense_shards, d)
-        if dense is not None:
-            total += dense.state_bytes[d] + dense.master_bytes[d]
-        e = d * lay.cp // lay.ep
-        total += shard_bytes(layout.expert_shards, e) if has_expert else 0
-        if expert is not None:
-            total += expert.state_bytes[e] + expert.master_bytes[e]
-        return total
-
-    dense_rank = max(range(lay.dp), key=load)
-    expert_rank = dense_rank * lay.cp // lay.ep if has_expert else 0
-    kept, rebuild = stage_activations(recipe, lay, stage, vocab)
-    in_flight = min(lay.pp - stage, lay.micro_batches)
-    memory = rank_memory(
-        params,
-        layout,
-        dense_rank=dense_rank,
-        expert_rank=expert_rank,
-        bf16=bf16,
-        activations=kept * in_flight + rebuild,
-        tp=lay.tp,
-        tp_mode=opt.tp_mode,
-    )
-    mean_static = float(memory.static)
-    for loads, rank in ((dense, dense_rank), (expert, expert_rank)):
-        if loads is not None:  # swap the chosen rank's owned share for the mean share
-            own = loads.state_bytes[rank] + loads.master_bytes[rank]
-            mean = (sum(loads.state_bytes) + sum(loads.master_bytes)) / loads.ranks
-            mean_static += mean - own
-    for buckets, rank in ((layout.dense_shards, dense_rank), (layout.expert_shards, expert_rank)):
-        if buckets:  # and its element-sharded range for the mean range
-            mean = shard_element_bytes * sum(b.numel for b in buckets) / len(buckets[0].counts)
-            mean_static += mean - shard_bytes(buckets, rank)
-    comm = data_parallel_bytes(
-        params,
-        layout,
-        dense_rank=dense_rank,
-        expert_rank=expert_rank,
-        dp=lay.dp,
-        edp=lay.edp,
-        param_bytes=param_bytes,
-    )
-    _model_parallel_bytes(comm, m, lay, stage, param_bytes)
-    held = layout.held(params, dense_rank, expert_rank)
-    shard = layout.shard_elements(params, dense_rank, expert_rank)
-    optimizer_flops = sum(
-        _matrix_flops(p, layout.routes[p.name], hp, lay.tp, opt.tp_mode) for p in held
-    ) + optimizer_spec("adamw").flops(1, sum(shard.values()), hp.get("adamw", {}))
-    return StagePlan(
-        stage=stage,
-        params=sum(p.numel for p in params),
-        memory=memory,
-        mean_static=mean_static,
-        comm=comm,
-        dense=dense,
-        expert=expert,
-        optimizer_flops=optimizer_flops,
-        in_flight=in_flight,
-        dense_rank=dense_rank,
-        expert_rank=expert_rank,
-    )
-
-
-def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) -> tuple[int, int]:
-    """(bytes one micro-batch keeps for backward on ``stage``, bytes recomputation rebuilds at
-    a time), :func:`~.activations.activation_bytes` at the run's sizes."""
-    m = planned_model(recipe)
-    shape = ActivationShape(
-        seq=lay.seq,
-        micro_batch=lay.micro_batch,
-        tp=lay.tp,
-        cp=lay.cp,
-        ep=lay.ep,
-        sequence_parallel=lay.sequence_parallel,
-        element_bytes=2 if precision_spec(recipe.training.precision).half else FP32,
-        fused_attention=fused_attention(recipe),
-        recompute=lay.recompute,
-    )
-    return activation_bytes(
-        m,
-        shape,
-        stage_layers(m.num_layers, lay.pp, stage),
-        first_stage=stage == 0,
-        last_stage=stage == lay.pp - 1,
-        vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
-    )
-
-
-def _model_parallel_bytes(
-    comm: CommFigures, m: Any, lay: RunLayout, stage: int, element_bytes: int
-) -> None:
-    """TP/SP, EP and PP bytes one rank sends per step (the same amount is received).
-
-    TP: per layer and micro-batch, forward and backward, two collectives over a
-    ``tokens × hidden`` tensor (all-gather + reduce-scatter with SP, all-reduce without: the same
-    ring bytes, ``2·(tp−1)/tp`` of it per all-reduce), so ``4 · 2·(tp−1)/tp · t·h·e`` per layer
-    and micro-batch (full recomputation repeats the forward's two). EP: dispatch and combine
-    all-to-alls, forward and backward, of ``t·topk`` token copies of which ``(ep−1)/ep`` leave
-    the rank (uniform routing). PP: one activation out and one gradient back per micro-batch at
-    each boundary the stage touches."""
-    t = lay.seq * lay.micro_batch // lay.cp
-    h = m.hidden_size
-    layers = stage_layers(m.num_layers, lay.pp, stage)
-    micro = lay.micro_batches
-    if lay.tp > 1:
-        per_collective = 2 * (lay.tp - 1) * t * h * element_bytes // lay.tp
-        collectives = 4 + (2 if lay.recompute == "full" else 0)
-        tp_bytes = collectives * per_collective * len(layers) * micro
-        comm.tensor_parallel = (tp_bytes, tp_bytes)
-    if m.num_moe_experts and lay.ep > 1:
-        pattern = moe_layer_pattern(m)
-        moe_layers = sum(1 for i in layers if pattern[i])
-        copies = t * m.moe_router_topk * (lay.ep - 1) // lay.ep
-        ep_bytes = 4 * copies * h * element_bytes * moe_layers * micro
-        comm.expert_all_to_all = (ep_bytes, ep_bytes)
-    if lay.pp > 1:
-        boundaries = (stage > 0) + (stage < lay.pp - 1)
-        shard = lay.tp if lay.sequence_parallel else 1
-        pp_bytes = boundaries * t * h * element_bytes // shard * micro
-        comm.pipeline = (pp_bytes, pp_bytes)
-
-
-# --------------------------------------------------------------------------- the plan
 
 
 def _links(cluster: Cluster, lay: RunLayout) -> dict[str, float]:
@@ -530,7 +87,7 @@ def plan_run(
     """The plan of ``recipe`` (a GPT recipe, overrides applied) on ``cluster``, without
     :func:`first_fix` (see :func:`plan_recipe`); ``baselines``: also megatron-core's layer-wise
     and ZeRO-1 assignments (:func:`layerwise_baselines`)."""
-    if recipe.trainer != "gpt":
+    if get_trainer(recipe.trainer).plan != "memory":
         raise ConfigError(
             f"megatron-ext plan plans GPT runs; {name or 'this recipe'} is trainer="
             f"{recipe.trainer} (its outer-step bytes: `megatron-ext dipaco` / `soma` reports)"
@@ -540,7 +97,7 @@ def plan_run(
     lay = run_layout(recipe, cluster.world)
     vocab = plan_vocab_size(recipe)
     hp = recipe_hyperparameters(recipe.optimizer)
-    stages = [_stage(recipe, lay, s, vocab, hp) for s in range(lay.pp)]
+    stages = [plan_stage(recipe, lay, s, vocab, hp) for s in range(lay.pp)]
     m = recipe.model
     total = _total_params(recipe, vocab, lay)
     kv = m.kv_channels or m.hidden_size // m.num_attention_heads

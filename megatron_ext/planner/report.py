@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_ext.planner.plan import Plan, StagePlan
+from megatron_ext.planner.figures import Plan, StagePlan
 
 __all__ = ["format_plan"]
 

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def soma_main(args: argparse.Namespace) -> int:
     from megatron_ext.config import load_recipe
     from megatron_ext.errors import ConfigError
-    from megatron_ext.soma.recipe import SomaConfig
+    from megatron_ext.soma.recipe import TRAINER, SomaConfig
 
     if args.soma_command == "variance":
         from megatron_ext.soma.variance import measure_paper_claims
@@ -68,8 +68,8 @@ def soma_main(args: argparse.Namespace) -> int:
         return 0
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.trainer != "soma":
-        raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not soma")
+    if recipe.trainer != TRAINER.name:  # `megatron-ext soma` serves its own trainer only
+        raise ConfigError(f"{args.recipe} is a trainer={recipe.trainer} recipe, not {TRAINER.name}")
     s = recipe.section(SomaConfig)
     k = args.k if args.k is not None else s.topk()
     if not 1 <= k <= s.num_experts:

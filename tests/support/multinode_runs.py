@@ -178,7 +178,8 @@ def check_bytes_as_planned(recipe: Path, sent: int, steps: int) -> None:
     all-gathers and the gradient reduce-scatters; at most 1.25x the planned total (the rest:
     TCP/IP and gloo headers, the loss and stop all-reduces, start-up and the resume)."""
     from megatron_ext.planner.gpus import gpu_spec
-    from megatron_ext.planner.plan import Cluster, plan_recipe
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.plan import plan_recipe
 
     comm = plan_recipe(str(recipe), [], Cluster(gpu_spec("h100"), 2, 1)).stages[0].comm
     layerwise = comm.param_all_gather[0] + comm.grad_reduce_scatter[0]
