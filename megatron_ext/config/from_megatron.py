@@ -127,12 +127,13 @@ def convert(args: MegatronArgs, world_size: int | None = None, gpu: str = "H100"
             continue  # the same value each time
         shown = ", ".join(repr(" ".join(f.values)) for f in repeats)
         out.notes.append(f"--{key} is given {len(repeats)} times ({shown}): the last is used")
+    plain = plain_flags()
     for key, flag in flags.items():  # one field each first: the special ones read them
-        if key in PLAIN and flag is not None:
-            _plain(out, flag, *PLAIN[key])
+        if key in plain and flag is not None:
+            _plain(out, flag, *plain[key])
     special = _special_flags(out, flags)
     for key, flag in flags.items():
-        if key in special or key in PLAIN or flag is None:
+        if key in special or key in plain or flag is None:
             continue
         if key in TORCHRUN:
             out.launcher.append(flag.text)
@@ -235,6 +236,17 @@ def _field_metadata(path: str) -> Any:
     return {**meta, "choices": options} if options is not None else meta
 
 
+def plain_flags() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
+    """Flag -> (recipe field, how its value is read) for the flags that set one field each:
+    :data:`PLAIN`, and each optimizer spec's flags that are not a choice to translate."""
+    own = {
+        flag: (path, _flag_kind(path))
+        for flag, (_, path, table) in optimizer_flags().items()
+        if table is None
+    }
+    return {**PLAIN, **own}
+
+
 def _flag_kind(path: str) -> Callable[[str], Any] | None:
     """How a flag's value is read for the recipe field ``path``: None for a switch (bool)."""
     from megatron_ext.config.optimizer import section_fields
@@ -306,15 +318,12 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
             "optimizer.match_update_rms: false keeps Megatron-LM's update scale (megatron-ext's "
             "default scales every update to AdamW's RMS, one LR for all: set it true for that)"
         )
-    for key, (_, path, table) in optimizer_flags().items():  # each optimizer spec's flags
+    for key, (_, path, table) in optimizer_flags().items():  # the specs' choice flags
         flag = flags.get(key)
-        if flag is None:
+        if flag is None or table is None:  # table None: a plain flag (plain_flags)
             continue
         given = flag_value(flag)
-        if table is None:  # one field: read as the plain flags are (_plain records it)
-            handled.add(key)
-            _plain(out, flag, path, _flag_kind(path))
-        elif given is not None and given in table:
+        if given is not None and given in table:
             take(key)
             out.set(path, table[given])
         elif given is not None:
