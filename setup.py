@@ -98,45 +98,10 @@ setup(
         # megatron-ext convert: Hugging Face <-> megatron-core checkpoints
         "convert": ["transformers>=5,<6", "safetensors>=0.4"],
     },
-    # What the project is extended by (megatron_ext/registry.py): another distribution adds a
-    # trainer, an optimizer, a command or a benchmark by declaring an entry point in these groups.
+    # The shipped trainers, optimizers, commands and benchmarks register in code
+    # (megatron_ext/registry.py); another distribution adds its own through the entry-point
+    # groups megatron_ext.trainers, .optimizers, .commands and .benchmarks.
     entry_points={
         "console_scripts": ["megatron-ext=megatron_ext.launch.cli:main"],
-        "megatron_ext.trainers": [
-            f"{name} = megatron_ext.{name}.recipe:TRAINER" for name in ("gpt", "soma", "dipaco")
-        ],
-        "megatron_ext.optimizers": [
-            f"{name} = megatron_ext.optimizers.{name}_spec:SPEC"
-            for name in ("adamw", "lion", "muon", "mop", "kl_soap")
-        ],
-        # in the order of `megatron-ext --help`
-        "megatron_ext.commands": [
-            "launch = megatron_ext.launch.cli:COMMAND",
-            "train = megatron_ext.run.cli:COMMAND",
-            "recipe = megatron_ext.config.cli:COMMAND",
-            "plan = megatron_ext.planner.cli:COMMAND",
-            "ckpt = megatron_ext.ckpt.cli:COMMAND",
-            "data = megatron_ext.data.cli:COMMAND",
-            "convert = megatron_ext.convert.cli:CONVERT",
-            "tools = megatron_ext.convert.cli:TOOLS",
-            "bench = megatron_ext.bench.cli:COMMAND",
-            "soma = megatron_ext.soma.cli:COMMAND",
-            "dipaco = megatron_ext.dipaco.cli:COMMAND",
-            "docs = megatron_ext.docs.cli:COMMAND",
-        ],
-        "megatron_ext.benchmarks": [
-            f"{name} = megatron_ext.bench.{name}"
-            for name in (
-                "convergence",
-                "dipaco",
-                "layerwise",
-                "optimizers",
-                "paper",
-                "plan",
-                "precision",
-                "ramp",
-                "soma",
-            )
-        ],
     },
 )

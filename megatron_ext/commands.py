@@ -52,7 +52,25 @@ class Command:
 
 
 #: ``megatron-ext NAME`` -> its command; the group ``megatron_ext.commands``.
-COMMANDS: Registry[Command] = Registry("command", "megatron_ext.commands", of=Command)
+COMMANDS: Registry[Command] = Registry(
+    "command",
+    "megatron_ext.commands",
+    of=Command,
+    shipped={  # in the order of `megatron-ext --help`
+        "launch": "megatron_ext.launch.cli:COMMAND",
+        "train": "megatron_ext.run.cli:COMMAND",
+        "recipe": "megatron_ext.config.cli:COMMAND",
+        "plan": "megatron_ext.planner.cli:COMMAND",
+        "ckpt": "megatron_ext.ckpt.cli:COMMAND",
+        "data": "megatron_ext.data.cli:COMMAND",
+        "convert": "megatron_ext.convert.cli:CONVERT",
+        "tools": "megatron_ext.convert.cli:TOOLS",
+        "bench": "megatron_ext.bench.cli:COMMAND",
+        "soma": "megatron_ext.soma.cli:COMMAND",
+        "dipaco": "megatron_ext.dipaco.cli:COMMAND",
+        "docs": "megatron_ext.docs.cli:COMMAND",
+    },
+)
 
 
 def register_command(command: Command) -> Command:

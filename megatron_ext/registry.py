@@ -1,23 +1,24 @@
 """One registry for everything the project is extended by: trainers, sub-commands, benchmarks,
 optimizers.
 
-Each kind is a :class:`Registry` fed from one ``importlib.metadata`` entry-point group. The
-shipped ones are declared in ``setup.py`` like any other package's::
+Each kind is a :class:`Registry`. The shipped entries register in code, where the registry is
+declared (``shipped``: name -> ``"module:attribute"``, e.g. ``"muon":
+"megatron_ext.optimizers.muon_spec:SPEC"``), so a source checkout sees a new one without a
+reinstall; other distributions add theirs through one ``importlib.metadata`` entry-point group
+per kind, in their own metadata::
 
     entry_points={
-        "megatron_ext.trainers": ["soma = megatron_ext.soma.recipe:TRAINER"],
-        "megatron_ext.optimizers": ["muon = megatron_ext.optimizers.muon_spec:SPEC"],
-        "megatron_ext.commands": ["data = megatron_ext.data.cli:COMMAND"],
-        "megatron_ext.benchmarks": ["soma = megatron_ext.bench.soma"],
+        "megatron_ext.trainers": ["countdown = mx_plugin.countdown:TRAINER"],
+        "megatron_ext.optimizers": ["sign_descent = mx_plugin.spec:SPEC"],
+        "megatron_ext.commands": ["mine = mx_plugin.cli:COMMAND"],
+        "megatron_ext.benchmarks": ["mine = mx_plugin.bench"],
     }
 
-so another installed distribution adds a trainer or an optimizer by declaring its own entry
-point in the same group, without an edit here. An entry's name is the name it is registered
-under (and must equal the object's own ``name``, where it has one). Entries are loaded on first
-use, all of a group at once (the schema needs every optimizer's fields, the help every
-command); an entry that fails to import, two entries of one name, or a group without the
-shipped entries (the package run from a source tree that was never installed) is an error that
-says so — nothing is skipped. :meth:`Registry.register` adds one in-process (tests, a script).
+without an edit here. An entry's name is the name it is registered under (and must equal the
+object's own ``name``, where it has one). Entries are loaded on first use, all of a kind at
+once (the schema needs every optimizer's fields, the help every command), the shipped ones
+first; an entry that fails to import, or two entries of one name, is an error that says so —
+nothing is skipped. :meth:`Registry.register` adds one in-process (tests, a script).
 
 Torch-free: the launcher validates recipes against the registries before any rank exists.
 """
@@ -25,6 +26,7 @@ Torch-free: the launcher validates recipes against the registries before any ran
 from __future__ import annotations
 
 import difflib
+import importlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
@@ -34,7 +36,8 @@ from megatron_ext.errors import ConfigError
 
 __all__ = ["DISTRIBUTION", "Registry", "UnknownName"]
 
-#: The distribution whose entry points are the shipped ones.
+#: This project's distribution: its entries are the shipped ones (in code); entry points its
+#: metadata may still declare (an install older than this code) are not read.
 DISTRIBUTION = "megatron-ext"
 
 
@@ -49,10 +52,11 @@ class Registry[T]:
     """Named objects of one kind, from the entry-point group ``group``.
 
     ``kind`` names one entry in messages ("trainer"), ``key`` the recipe key a user gives the
-    name as (``trainer``: "trainer='x' is not a registered trainer"). Every entry must be an
-    ``of``; with ``named`` its ``name`` attribute is its own name, which the entry's must equal.
-    ``check(obj)``: any further rule; raises ``TypeError``. A plugin's mistake is reported with
-    its entry point.
+    name as (``trainer``: "trainer='x' is not a registered trainer"). ``shipped``: this
+    project's entries, name -> ``"module:attribute"`` (a module itself without the colon),
+    loaded before any entry point. Every entry must be an ``of``; with ``named`` its ``name``
+    attribute is its own name, which the entry's must equal. ``check(obj)``: any further rule;
+    raises ``TypeError``. A plugin's mistake is reported with its entry point.
     """
 
     def __init__(
@@ -61,12 +65,14 @@ class Registry[T]:
         group: str,
         *,
         of: type[T],
+        shipped: Mapping[str, str] | None = None,
         key: str = "",
         named: bool = True,
         check: Callable[[T], None] | None = None,
     ) -> None:
         self.kind = kind
         self.group = group
+        self.shipped = dict(shipped or {})
         self.key = key
         self._of = of
         self._named = named
@@ -135,23 +141,32 @@ class Registry[T]:
                 return
             self._in_load = True
             try:
+                self._load_shipped()
                 self._load_entry_points()
             finally:  # loaded once, as far as it got: a failed load is not retried
                 self._in_load = False
                 self._loaded = True
 
+    def _load_shipped(self) -> None:
+        for name, target in self.shipped.items():
+            module, _, attr = target.partition(":")
+            origin = f"{name} = {target} (shipped)"
+            try:
+                loaded = importlib.import_module(module)
+                item = getattr(loaded, attr) if attr else loaded
+            except Exception as err:
+                raise RuntimeError(f"{self.kind} {origin} failed to load: {err!r}") from err
+            try:
+                self.register(item, name, origin=origin)
+            except TypeError as err:
+                raise TypeError(f"{self.kind} {origin}: {err}") from None
+
     def _load_entry_points(self) -> None:
-        entries = sorted(
-            metadata.entry_points(group=self.group),
-            key=lambda ep: ep.dist is None or ep.dist.name != DISTRIBUTION,
-        )
-        if not any(ep.dist is not None and ep.dist.name == DISTRIBUTION for ep in entries):
-            raise RuntimeError(
-                f"no {self.kind}s: the entry-point group {self.group!r} of the {DISTRIBUTION} "
-                "distribution is not installed (this Python runs the package from a source tree "
-                "that was never installed, or from an install older than setup.py); install it: "
-                "pip install -e . (or make venv)"
-            )
+        entries = [
+            ep
+            for ep in metadata.entry_points(group=self.group)
+            if ep.dist is None or ep.dist.name != DISTRIBUTION
+        ]
         for ep in entries:
             origin = f"entry point {ep.name} = {ep.value} ({ep.dist.name if ep.dist else '?'})"
             try:

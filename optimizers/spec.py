@@ -317,7 +317,14 @@ BASE = "adamw"
 
 #: ``optimizer.name`` -> its spec; the group ``megatron_ext.optimizers``.
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(
-    "optimizer", "megatron_ext.optimizers", of=OptimizerSpec, key="optimizer.name"
+    "optimizer",
+    "megatron_ext.optimizers",
+    of=OptimizerSpec,
+    key="optimizer.name",
+    shipped={
+        name: f"megatron_ext.optimizers.{name}_spec:SPEC"
+        for name in ("adamw", "lion", "muon", "mop", "kl_soap")
+    },
 )
 
 

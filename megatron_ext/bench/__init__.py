@@ -33,7 +33,25 @@ def _check_benchmark(module: ModuleType) -> None:
 
 #: ``megatron-ext bench NAME`` -> its module; the group ``megatron_ext.benchmarks``.
 BENCHMARKS: Registry[ModuleType] = Registry(
-    "benchmark", "megatron_ext.benchmarks", of=ModuleType, named=False, check=_check_benchmark
+    "benchmark",
+    "megatron_ext.benchmarks",
+    of=ModuleType,
+    named=False,
+    check=_check_benchmark,
+    shipped={
+        name: f"megatron_ext.bench.{name}"
+        for name in (
+            "convergence",
+            "dipaco",
+            "layerwise",
+            "optimizers",
+            "paper",
+            "plan",
+            "precision",
+            "ramp",
+            "soma",
+        )
+    },
 )
 
 

@@ -135,7 +135,11 @@ class TrainerSpec:
 
 #: ``trainer: NAME`` -> its spec; the group ``megatron_ext.trainers``.
 TRAINERS: Registry[TrainerSpec] = Registry(
-    "trainer", "megatron_ext.trainers", of=TrainerSpec, key="trainer"
+    "trainer",
+    "megatron_ext.trainers",
+    of=TrainerSpec,
+    key="trainer",
+    shipped={name: f"megatron_ext.{name}.recipe:TRAINER" for name in ("gpt", "soma", "dipaco")},
 )
 
 
