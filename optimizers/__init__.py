@@ -13,8 +13,9 @@ first use.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from megatron_ext.exports import load_export
 
 #: public name -> the submodule that defines it
 _EXPORTS = {
@@ -38,7 +39,9 @@ _EXPORTS = {
     "hyperparameter_names": "registry",
     "route_parameter": "routing",
     "weight_decay_groups": "routing",
+    "OPTIMIZERS": "spec",
     "OptimizerSpec": "spec",
+    "recipe_hyperparameters": "spec",
     "Hyperparameter": "spec",
     "optimizer_spec": "spec",
     "register_optimizer": "spec",
@@ -49,11 +52,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return load_export(__name__, _EXPORTS, name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted([*globals(), *_EXPORTS])

@@ -55,7 +55,7 @@ class FaultPlan:
         """Wrap the queue's claim and complete, the lease check and ``torch.save``."""
         import torch
 
-        from megatron_ext.dipaco.queue.task_queue import TaskQueue
+        from megatron_ext.dipaco import TaskQueue
         from megatron_ext.dipaco.run import worker
 
         claim, complete, lost_check, save = (
@@ -122,16 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     FaultPlan(
         faults.pause_before_completing, faults.pause_mid_write, faults.pause_mid_task
     ).install()
-    from megatron_ext.dipaco.cli import add_arguments, dipaco_main
+    from megatron_ext.commands import commands
     from megatron_ext.errors import ConfigError
 
     for stream in (sys.stdout, sys.stderr):  # whole lines, as the command line writes them
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True, write_through=False)
-    worker = argparse.ArgumentParser(prog="megatron-ext dipaco")  # the command's own parser
-    add_arguments(worker)
+    dipaco = commands()["dipaco"]  # the command's own parser and function, from its registry
+    worker = argparse.ArgumentParser(prog="megatron-ext dipaco")
+    dipaco.add_arguments(worker)
     try:
-        return dipaco_main(worker.parse_args(["worker", *rest]))
+        return dipaco.run(worker.parse_args(["worker", *rest]))
     except ConfigError as exc:  # as the command line reports it (launch/cli.py)
         print(f"megatron-ext: error: {exc}", file=sys.stderr)
         return 2

@@ -40,9 +40,7 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.queue.task_queue import TaskQueue
-from megatron_ext.dipaco.recipe import DipacoConfig, queue_url
-from megatron_ext.dipaco.run.store import RunFiles, attempt_dir
+from megatron_ext.dipaco import DipacoConfig, RunFiles, TaskQueue, attempt_dir, queue_url
 
 __all__ = [
     "fault_run",

@@ -32,12 +32,22 @@ from typing import Any
 import torch
 
 from megatron_ext.config.schema import Recipe
-from megatron_ext.dipaco.queue.task_queue import TaskQueue, TaskSpec
-from megatron_ext.dipaco.queue.url import parse_queue_url
-from megatron_ext.dipaco.recipe import DipacoConfig, path_layout, queue_url
-from megatron_ext.dipaco.run.plan import outer_id, train_id
-from megatron_ext.dipaco.run.store import RunFiles, load_tensors, save_tensors
-from megatron_ext.dipaco.steps.outer import OuterConfig, accumulate_delta, apply_outer_step
+from megatron_ext.dipaco import (
+    DipacoConfig,
+    OuterConfig,
+    RunFiles,
+    TaskQueue,
+    TaskSpec,
+    accumulate_delta,
+    apply_outer_step,
+    load_tensors,
+    outer_id,
+    parse_queue_url,
+    path_layout,
+    queue_url,
+    save_tensors,
+    train_id,
+)
 
 __all__ = ["comm_bytes", "outer_timing", "queue_latency", "small_overrides", "small_run"]
 
@@ -75,7 +85,7 @@ def small_overrides(data: Path, run_dir: Path) -> list[str]:
 
 def write_small_corpus(folder: Path, documents: int = 600) -> Path:
     """``documents`` paragraphs of the Python Language Reference as ``folder/docs.txt``."""
-    from megatron_ext.data.corpus import python_docs_documents
+    from megatron_ext.data import python_docs_documents
 
     folder.mkdir(parents=True, exist_ok=True)
     docs = [d for d in python_docs_documents() if len(d) > 80][:documents]

@@ -37,11 +37,10 @@ from megatron.core.optimizer import get_megatron_optimizer as mc_get_megatron_op
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.bench.common import optimizer_state_bytes
-from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
-from megatron_ext.megatron.cpu_compat_layerwise import wrap_fp32_inner_optimizers
-from megatron_ext.megatron.ddp import DistributedDataParallel as ExtDDP
-from megatron_ext.megatron.drop_in import get_megatron_optimizer as ext_get_megatron_optimizer
-from megatron_ext.megatron.model import build_gpt_model, half_precision_module
+from megatron_ext.gpt import ModelConfig, ParallelConfig
+from megatron_ext.megatron import DistributedDataParallel as ExtDDP
+from megatron_ext.megatron import build_gpt_model, half_precision_module, wrap_fp32_inner_optimizers
+from megatron_ext.megatron import get_megatron_optimizer as ext_get_megatron_optimizer
 
 ARMS = ("megatron_core", "megatron_ext")
 WEIGHT_DECAY = 0.01

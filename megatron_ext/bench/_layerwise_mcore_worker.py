@@ -47,9 +47,8 @@ import torch.distributed as dist
 from megatron_ext.bench._collective_bytes import CollectiveBytes
 from megatron_ext.bench._layerwise_mcore_arms import ARMS, build_arms, train_step
 from megatron_ext.bench._trust import Repeat, round_order
-from megatron_ext.gpt.sections import ParallelConfig
-from megatron_ext.megatron.cpu_compat_layerwise import apply_cpu_compat_layerwise
-from megatron_ext.megatron.parallel import init_distributed
+from megatron_ext.gpt import ParallelConfig
+from megatron_ext.megatron import apply_cpu_compat_layerwise, init_distributed
 
 CLOCKS = ("thread", "process", "wall")
 

@@ -36,9 +36,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.common import optimizer_state_bytes
 from megatron_ext.bench.optimizers import Workload, add_workload_arguments
-from megatron_ext.distributed.allgather_v import WireStats, make_allgather_v
-from megatron_ext.distributed.layerwise import LayerwiseOptimizer
-from megatron_ext.distributed.plan import OwnershipPlan
+from megatron_ext.distributed import LayerwiseOptimizer, OwnershipPlan, WireStats, make_allgather_v
 
 DENSE_NAMES = (
     "self_attention.linear_qkv",

@@ -32,7 +32,7 @@ D_EMBED = 32
 def body_numel(d_model: int, blocks: int, d_embed: int | None = D_EMBED) -> int:
     """Parameters of one expert of width ``d_model`` (a wide one's own head included);
     ``d_embed=None``: a narrow expert, d_E = d_model (its shared E not counted)."""
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape
+    from megatron_ext.soma import BodyLayout, ExpertShape
 
     e = d_model if d_embed is None else d_embed
     shape = ExpertShape(d_embed=e, d_model=d_model, num_blocks=blocks)
@@ -67,11 +67,18 @@ def inference_sweeps(args: Any) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from megatron_ext.soma.data import build_windows, window_texts
-    from megatron_ext.soma.evaluate import routed_throughput
-    from megatron_ext.soma.forward import forward_kind
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.router import RouterConfig, fit_router
+    from megatron_ext.soma import (
+        BodyLayout,
+        ExpertShape,
+        RouterConfig,
+        build_windows,
+        fit_router,
+        forward_kind,
+        init_body,
+        init_embedding,
+        routed_throughput,
+        window_texts,
+    )
 
     windows = build_windows(["python-stdlib"], window_bytes=1025).windows
     rng = np.random.default_rng(0)

@@ -12,7 +12,7 @@ def torch_nn_expert(layout: Any, dtype: Any = None) -> Any:
     in ``dtype`` (default float32); :func:`load_body` copies one flat body vector into it."""
     import torch
 
-    from megatron_ext.soma.model import NORM_EPS
+    from megatron_ext.soma import NORM_EPS
 
     shape = layout.shape
     d, e = shape.d_model, shape.d_embed

@@ -119,7 +119,7 @@ def run_length_overrides(
         return list(overrides)
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
-    from megatron_ext.schedules.plan import run_steps
+    from megatron_ext.schedules import run_steps
 
     base = load_recipe(recipe, overrides)
     given = {o.split("=", 1)[0] for o in overrides}
@@ -238,3 +238,56 @@ def run_meta() -> dict[str, Any]:
             "NAME` (bench.common.begin_run stamps its command, date, machine and anchor)"
         )
     return _RUN_META
+
+
+# What a results page says of a run: the benchmarks own ``meta`` (begin_run stamps it), so its
+# reading lives here too; docs/render.py and bench paper's reports both print it.
+#: the ``meta`` keys every results JSON must carry
+META_KEYS = ("benchmark", "command", "date", "machine", "anchor")
+
+
+def fmt(value: Any) -> str:
+    """One figure as the pages print it: ints with thousands commas, floats to 4 significant
+    digits (scientific below 1e-3), booleans and ``None`` as words."""
+    if isinstance(value, bool) or value is None:
+        return {True: "yes", False: "no", None: "–"}[value]
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 1e-3:
+            return f"{value:.3e}"
+        text = f"{value:.4g}"
+        if "e" in text:  # large floats: digits with commas, not 1.2e+06
+            return f"{value:,.0f}"
+        return text
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+def machine_words(machine: dict[str, Any]) -> str:
+    """``CPU, N cores, GPU (or no GPU); torch X, megatron-core Y``."""
+    gpu = f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU"
+    words = f"{machine['cpu']}, {machine['cores']} cores, {gpu}; torch {machine['torch']}"
+    if machine.get("megatron_core"):
+        words += f", megatron-core {machine['megatron_core']}"
+    return words
+
+
+def provenance(meta: dict[str, Any]) -> list[str]:
+    """The lines that head every table: command, date, machine (with the host's load when the
+    run started: a shared machine slows times; same-run ratios survive it) and anchor."""
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ConfigError(f"results meta lacks {', '.join(missing)}")
+    load = meta.get("load_average")
+    loaded = (
+        f" (load average {' / '.join(fmt(x) for x in load)} at the start: a shared machine)"
+        if load
+        else " (load not recorded)"
+    )
+    return [
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- machine: {machine_words(meta['machine'])}{loaded}",
+        f"- anchor: {meta['anchor']}",
+        "",
+    ]

@@ -40,7 +40,7 @@ BALANCE_RECIPE, BALANCE_OPTIMIZER = "gpt_1b", "muon"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", nargs="+", default=RECIPES, help="GPT recipes to plan")
     from megatron_ext.commands import positive_int
-    from megatron_ext.planner.gpus import GPUS
+    from megatron_ext.planner import GPUS
 
     p.add_argument("--gpus", nargs="+", type=positive_int, default=GPU_COUNTS, help="GPU counts")
     p.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, help="optimizer.name values")
@@ -68,9 +68,7 @@ def _overrides(source: str, optimizer: str, world: int, vocab_unset: bool) -> li
 
 def _row(source: str, optimizer: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from megatron_ext.config.load import read_recipe
-    from megatron_ext.planner.gpus import gpu_spec
-    from megatron_ext.planner.inputs import Cluster
-    from megatron_ext.planner.plan import plan_recipe
+    from megatron_ext.planner import Cluster, gpu_spec, plan_recipe
 
     vocab_unset = read_recipe(source).model.vocab_size is None
     overrides = _overrides(source, optimizer, world, vocab_unset)
@@ -135,10 +133,14 @@ def _balance(args: argparse.Namespace) -> list[dict[str, Any]]:
     """gpt_1b's Muon matrices over DP = each GPU count: the three schemes' state imbalance
     and all-gather bytes received per rank."""
     from megatron_ext.config.load import read_recipe
-    from megatron_ext.optimizers.spec import recipe_hyperparameters
-    from megatron_ext.planner.baselines import matrix_routed, routed_specs, scheme_loads
-    from megatron_ext.planner.mcore_layout import default_bucket_size
-    from megatron_ext.planner.params import gpt_parameters
+    from megatron_ext.optimizers import recipe_hyperparameters
+    from megatron_ext.planner import (
+        default_bucket_size,
+        gpt_parameters,
+        matrix_routed,
+        routed_specs,
+        scheme_loads,
+    )
 
     recipe = read_recipe(BALANCE_RECIPE, [f"optimizer.name={BALANCE_OPTIMIZER}"])
     params = gpt_parameters(
@@ -198,7 +200,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
     """Every recipe a GPT recipe and every optimizer a registered one, before any row."""
     from megatron_ext.config.load import read_recipe
     from megatron_ext.config.trainers import get_trainer
-    from megatron_ext.optimizers.spec import OPTIMIZERS
+    from megatron_ext.optimizers import OPTIMIZERS
 
     for source in args.recipes:
         trainer = read_recipe(source).trainer
@@ -213,7 +215,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import write_json
-    from megatron_ext.planner.gpus import gpu_spec
+    from megatron_ext.planner import gpu_spec
 
     spec = gpu_spec(args.gpu)
     _check_inputs(args)

@@ -75,7 +75,7 @@ ANCHOR = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from megatron_ext.run.precision import PRECISIONS
+    from megatron_ext.run import PRECISIONS
 
     p.add_argument("recipe", help="recipe file or shipped recipe name")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_precisions(spec: str) -> list[str]:
     """The precisions named in ``spec``, in order (``ConfigError`` for an unknown or repeated
     one)."""
-    from megatron_ext.run.precision import PRECISIONS
+    from megatron_ext.run import PRECISIONS
 
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in PRECISIONS]
@@ -116,7 +116,7 @@ def parse_precisions(spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import launch_run, run_length_overrides, write_json
     from megatron_ext.config.load import load_recipe
-    from megatron_ext.run.hardware import probe_device, unmet_requirement
+    from megatron_ext.run import probe_device, unmet_requirement
 
     precisions = parse_precisions(args.precisions)
     if args.last < 1:
@@ -191,7 +191,7 @@ def read_run(run_dir: Path, last: int) -> dict[str, Any]:
 def device_peak(device: Any, threads_per_rank: int) -> dict[str, Any]:
     """The MFU denominator per device, and what it is: a GPU's dense BF16 peak; on a CPU host
     the measured fp32 matmul rate at one rank's thread count."""
-    from megatron_ext.run.peaks import dense_bf16_peak_tflops
+    from megatron_ext.run import dense_bf16_peak_tflops
 
     if device.gpus:
         name = device.names[0]

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import run_length_overrides, write_json
     from megatron_ext.config.load import load_recipe
     from megatron_ext.config.trainers import get_trainer
-    from megatron_ext.schedules.plan import training_schedule
+    from megatron_ext.schedules import training_schedule
 
     overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "ramp")
     recipe = load_recipe(args.recipe, overrides)  # a bad recipe fails before any run

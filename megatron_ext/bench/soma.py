@@ -188,12 +188,18 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from megatron_ext.bench.common import matmul_gflops
-    from megatron_ext.soma import scan
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.model import batched_loss, naive_loss_loop
-    from megatron_ext.soma.native import fma_peak_gflops, native_available
-    from megatron_ext.zo.probes import probe_matrix
-    from megatron_ext.zo.spsa import perturb
+    from megatron_ext.soma import (
+        BodyLayout,
+        ExpertShape,
+        batched_loss,
+        fma_peak_gflops,
+        fused_available,
+        init_body,
+        init_embedding,
+        naive_loss_loop,
+        native_available,
+    )
+    from megatron_ext.zo import perturb, probe_matrix
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -208,7 +214,7 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     thetas = perturb(theta, z, 1e-3).to(device)
     pert_tokens = thetas.shape[0] * args.batch * args.seq
     module = torch_nn_expert(layout).to(device)
-    fused_ok, fused_why = scan.fused_available(device)
+    fused_ok, fused_why = fused_available(device)
     if fused_ok and args.skip_compiled:
         fused_ok, fused_why = False, "skipped (--skip-compiled)"
     batched = {"eager": lambda: batched_loss(thetas, emb, tokens, layout, fused="off")}
@@ -224,9 +230,10 @@ def _spsa(args: argparse.Namespace) -> dict[str, Any]:
     with torch.inference_mode():
         for fn in (*batched.values(), *loops.values()):
             fn()  # warm-up (and the fused scan's compile)
-        if fused_ok and scan.COMPILE_FAILURES:  # the compile failed at run time: it ran eager
-            fused_ok, fused_why = False, scan.COMPILE_FAILURES[-1]
-            del batched["fused"]
+        if fused_ok:  # asked again: a compile that failed at run time ran eager, and says why
+            fused_ok, fused_why = fused_available(device)
+            if not fused_ok:
+                del batched["fused"]
         # Peak memory of one more call of what the trainer runs (the allocator reuses what the
         # warm-up allocated).
         peak_of = "native" if native_ok else "eager"

@@ -12,12 +12,13 @@ not pay for importing torch and megatron-core.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from megatron_ext.exports import load_export
 
 if TYPE_CHECKING:
     from megatron_ext.data.build import build_gpt_datasets
-    from megatron_ext.data.corpus import PYTHON_STDLIB, iter_documents
+    from megatron_ext.data.corpus import PYTHON_STDLIB, iter_documents, python_docs_documents
     from megatron_ext.data.indexed import BuildStats, build_indexed_dataset
     from megatron_ext.data.tokenizers import (
         ByteTokenizer,
@@ -33,6 +34,7 @@ _EXPORTS = {
     "build_indexed_dataset": "indexed",
     "PYTHON_STDLIB": "corpus",
     "iter_documents": "corpus",
+    "python_docs_documents": "corpus",
     "ByteTokenizer": "tokenizers",
     "PretrainingTokenizer": "tokenizers",
     "SentencePieceTokenizer": "tokenizers",
@@ -49,11 +51,14 @@ __all__ = [
     "build_indexed_dataset",
     "build_tokenizer",
     "iter_documents",
+    "python_docs_documents",
     "train_sentencepiece",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -13,6 +13,55 @@ modules trained with DiLoCo per module, coarse document routing, a task queue on
 - :mod:`.run`: the plan of tasks, the store, the work of each task, the worker, the evaluation.
 
 Each sub-package imports only those listed before it (:mod:`.recipe` sits between
-:mod:`.model` and :mod:`.data`). Nothing is imported here, so ``import
-megatron_ext.dipaco.recipe`` does not pay for torch.
+:mod:`.model` and :mod:`.data`).
+
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
 """
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "accumulate_delta": "steps.outer",
+    "apply_outer_step": "steps.outer",
+    "assign_params": "model.parts",
+    "attempt_dir": "run.store",
+    "BASE": "run.plan",
+    "build_plan": "run.plan",
+    "DipacoConfig": "recipe",
+    "document_batch": "data.documents",
+    "eval_tokens": "recipe",
+    "final_id": "run.plan",
+    "full_sync_train": "run.full_sync",
+    "load_tensors": "run.store",
+    "open_run_queue": "run.worker",
+    "outer_id": "run.plan",
+    "OuterConfig": "steps.outer",
+    "parse_queue_url": "queue.url",
+    "path_layout": "recipe",
+    "queue_url": "recipe",
+    "routed_loss": "run.evaluate",
+    "Router": "steps.routing",
+    "run_worker": "run.worker",
+    "RunFiles": "run.store",
+    "save_tensors": "run.store",
+    "shard_phase": "run.plan",
+    "TaskQueue": "queue.task_queue",
+    "TaskSpec": "queue.task_queue",
+    "TaskTools": "run.tools",
+    "train": "trainer",
+    "train_id": "run.plan",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -4,10 +4,11 @@
 Every JSON a benchmark writes carries ``meta`` (:func:`megatron_ext.bench.common.begin_run`:
 command, UTC date, machine, load average, anchor). A results folder ``docs/results/<name>/``
 holds one or more such JSON files and the PNGs the benchmark drew; its page is, per JSON, the
-run's provenance (:func:`provenance`) followed by its tables, then the folder's PNGs. The
-tables are drawn from the JSON alone (:func:`tables`), so a page changes only when a JSON does;
-a study of ``bench paper`` keeps its own claims page (:func:`megatron_ext.bench.paper.report.
-markdown`). Numbers are printed by :func:`fmt`, the one formatter a docs page's quote must match.
+run's provenance (:func:`~megatron_ext.bench.common.provenance`) followed by its tables, then
+the folder's PNGs. The tables are drawn from the JSON alone (:func:`tables`), so a page changes
+only when a JSON does; a study of ``bench paper`` keeps its own claims page
+(:func:`megatron_ext.bench.paper.report.markdown`). Numbers are printed by
+:func:`~megatron_ext.bench.common.fmt`, the one formatter a docs page's quote must match.
 Torch-free: the pages render in well under a second.
 """
 
@@ -17,63 +18,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.bench.common import fmt, machine_words, provenance
 from megatron_ext.errors import ConfigError
 
 __all__ = ["INDEX", "fmt", "provenance", "render_all", "render_folder", "tables"]
 
 #: the index page of a results folder tree
 INDEX = "README.md"
-#: the ``meta`` keys every results JSON must carry
-META_KEYS = ("benchmark", "command", "date", "machine", "anchor")
 #: a list of numbers longer than this is a curve: said by its length, shown in the PNG
 LONGEST_INLINE_LIST = 8
-
-
-def fmt(value: Any) -> str:
-    """One figure as the pages print it: ints with thousands commas, floats to 4 significant
-    digits (scientific below 1e-3), booleans and ``None`` as words."""
-    if isinstance(value, bool) or value is None:
-        return {True: "yes", False: "no", None: "–"}[value]
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if value != 0 and abs(value) < 1e-3:
-            return f"{value:.3e}"
-        text = f"{value:.4g}"
-        if "e" in text:  # large floats: digits with commas, not 1.2e+06
-            return f"{value:,.0f}"
-        return text
-    return str(value).replace("|", "/").replace("\n", " ")
-
-
-def machine_words(machine: dict[str, Any]) -> str:
-    """``CPU, N cores, GPU (or no GPU); torch X, megatron-core Y``."""
-    gpu = f"GPU {machine['gpu']}" if machine.get("gpu") else "no GPU"
-    words = f"{machine['cpu']}, {machine['cores']} cores, {gpu}; torch {machine['torch']}"
-    if machine.get("megatron_core"):
-        words += f", megatron-core {machine['megatron_core']}"
-    return words
-
-
-def provenance(meta: dict[str, Any]) -> list[str]:
-    """The lines that head every table: command, date, machine (with the host's load when the
-    run started: a shared machine slows times; same-run ratios survive it) and anchor."""
-    missing = [k for k in META_KEYS if k not in meta]
-    if missing:
-        raise ConfigError(f"results meta lacks {', '.join(missing)}")
-    load = meta.get("load_average")
-    loaded = (
-        f" (load average {' / '.join(fmt(x) for x in load)} at the start: a shared machine)"
-        if load
-        else " (load not recorded)"
-    )
-    return [
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- machine: {machine_words(meta['machine'])}{loaded}",
-        f"- anchor: {meta['anchor']}",
-        "",
-    ]
 
 
 def _nested_rows(value: Any, prefix: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:

@@ -8,5 +8,32 @@
 - :mod:`megatron_ext.gpt.report`: the step record, the log line and ``summary.json``;
 - :mod:`megatron_ext.gpt.flops`: the FLOP model.
 
-Nothing is imported here, so the registration does not pay for torch.
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
 """
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "BatchRampConfig": "sections",
+    "DataConfig": "sections",
+    "gpt_train_flops_per_token": "flops",
+    "load_model_weights": "checkpoint",
+    "ModelConfig": "sections",
+    "ParallelConfig": "sections",
+    "train": "trainer",
+    "TrainingConfig": "sections",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -1,2 +1,33 @@
 """Glue to megatron-core: model builder and layer specs, DDP, optimizer adapter, process groups,
-CPU compatibility."""
+CPU compatibility.
+
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
+"""
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "apply_cpu_compat_layerwise": "cpu_compat_layerwise",
+    "build_gpt_model": "model",
+    "DistributedDataParallel": "ddp",
+    "get_megatron_optimizer": "drop_in",
+    "half_precision_module": "model",
+    "init_distributed": "parallel",
+    "ModelConfig": "sections",
+    "ParallelConfig": "sections",
+    "wrap_fp32_inner_optimizers": "cpu_compat_layerwise",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

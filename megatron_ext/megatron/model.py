@@ -31,8 +31,8 @@ from megatron_ext.megatron.attention import SdpaAttention
 from megatron_ext.megatron.qk_norm import ProjectionKNorm, ProjectionQNorm
 from megatron_ext.run.precision import precision_spec, transformer_config_fields
 
-if TYPE_CHECKING:  # the GPT trainer's sections, read here, never built: no runtime edge
-    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
+if TYPE_CHECKING:  # the recipe sections this module reads (never builds)
+    from megatron_ext.megatron.sections import ModelConfig, ParallelConfig
 
 
 def have_transformer_engine() -> bool:

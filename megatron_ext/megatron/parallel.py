@@ -20,8 +20,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_ext.megatron.cpu_compat import apply_cpu_compat
 from megatron_ext.run.distributed import DistEnv, init_process_group, on_teardown
 
-if TYPE_CHECKING:  # the GPT trainer's sections, read here, never built: no runtime edge
-    from megatron_ext.gpt.sections import ParallelConfig
+if TYPE_CHECKING:  # the recipe sections this module reads (never builds)
+    from megatron_ext.megatron.sections import ParallelConfig
 
 # A slow rank (dataset build, checkpoint write) must not time the others out.
 TIMEOUT = timedelta(minutes=10)

@@ -1,2 +1,33 @@
 """Planning a cluster run before it starts: memory, communication and step time per rank,
-torch-free."""
+torch-free.
+
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
+"""
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "Cluster": "inputs",
+    "default_bucket_size": "mcore_layout",
+    "gpt_parameters": "params",
+    "gpu_spec": "gpus",
+    "GPUS": "gpus",
+    "matrix_routed": "baselines",
+    "plan_recipe": "plan",
+    "routed_specs": "baselines",
+    "scheme_loads": "baselines",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -11,4 +11,29 @@
 
 "Training diverged" is :class:`megatron_ext.errors.TrainingDivergedError`. Nothing is imported
 here, so the torch-free modules stay torch-free.
+
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
 """
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "dense_bf16_peak_tflops": "peaks",
+    "PRECISIONS": "precision",
+    "probe_device": "hardware",
+    "unmet_requirement": "hardware",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -9,5 +9,55 @@
 - :mod:`megatron_ext.soma.variance`: SPSA gradient variance against the exact gradient and the
   small-ε theory (CSV + PNG report).
 
-Nothing is imported here, so ``import megatron_ext.soma.router`` does not pay for torch.
+The public API, what a user's script (and ``megatron-ext bench``) may call, is
+``__all__`` below, loaded on first use (:func:`megatron_ext.exports.load_export`): importing
+the package costs nothing; its modules are internals.
 """
+
+from typing import Any
+
+from megatron_ext.exports import load_export
+
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    "batched_loss": "model",
+    "BodyLayout": "layout",
+    "build_windows": "data",
+    "estimator_samples": "variance",
+    "exact_gradient": "variance",
+    "expert_shards": "data",
+    "ExpertShape": "layout",
+    "ExpertShard": "data",
+    "ExpertState": "state",
+    "fit_router": "router",
+    "fma_peak_gflops": "native",
+    "forward_kind": "forward",
+    "fused_available": "scan",
+    "head_update": "update",
+    "init_body": "layout",
+    "init_embedding": "layout",
+    "naive_loss_loop": "model",
+    "native_available": "native",
+    "NORM_EPS": "model",
+    "predicted_variance": "variance",
+    "routed_eval": "evaluate",
+    "routed_throughput": "evaluate",
+    "RouterConfig": "router",
+    "sample_batch": "data",
+    "SomaConfig": "recipe",
+    "split_documents": "data",
+    "spsa_update": "update",
+    "summed_vs_independent": "variance",
+    "train": "trainer",
+    "UpdateContext": "update",
+    "window_texts": "data",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return load_export(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

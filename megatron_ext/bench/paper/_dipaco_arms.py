@@ -128,8 +128,7 @@ _SIZED = {o.split("=")[0] for o in SIZES["quick"]}
 
 def run_arm(recipe: Any, kinds: tuple[str, ...] | None = None) -> None:
     """The run of ``recipe`` in this process to the end (or only the tasks of ``kinds``)."""
-    from megatron_ext.dipaco.run.plan import build_plan
-    from megatron_ext.dipaco.run.worker import run_worker
+    from megatron_ext.dipaco import build_plan, run_worker
 
     wanted = [t.id for t in build_plan(recipe) if kinds is None or t.kind in kinds]
     report = run_worker(recipe, name="bench", max_tasks=len(wanted))
@@ -142,9 +141,7 @@ def context(recipe: Any) -> tuple[Any, Any]:
     """(:class:`~megatron_ext.dipaco.run.store.RunFiles`,
     :class:`~megatron_ext.dipaco.run.tools.TaskTools`) over a finished run: its files, and a
     model and corpus to score with."""
-    from megatron_ext.dipaco.run.store import RunFiles
-    from megatron_ext.dipaco.run.tools import TaskTools
-    from megatron_ext.dipaco.run.worker import open_run_queue
+    from megatron_ext.dipaco import RunFiles, TaskTools, open_run_queue
 
     files = RunFiles(recipe, open_run_queue(recipe, worker="bench-read"))
     return files, TaskTools(recipe, lambda: False)
@@ -152,7 +149,7 @@ def context(recipe: Any) -> tuple[Any, Any]:
 
 def base_model(files: Any) -> Path:
     """The ``model.pt`` of the run's base task."""
-    from megatron_ext.dipaco.run.plan import BASE
+    from megatron_ext.dipaco import BASE
 
     return files.done(BASE) / "model.pt"
 
@@ -167,11 +164,14 @@ def once_perplexity(
     """Perplexity on the evaluation documents (read to ``dipaco.eval_seq_length``) after the
     prefix, each document scored by one path: the top-1 of the router of ``route_phase`` on
     its prefix features; path p's parameters are ``compositions[p]`` (its modules, its own)."""
-    from megatron_ext.dipaco.data.documents import document_batch
-    from megatron_ext.dipaco.model.parts import assign_params
-    from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
-    from megatron_ext.dipaco.run.evaluate import routed_loss
-    from megatron_ext.dipaco.steps.routing import Router
+    from megatron_ext.dipaco import (
+        DipacoConfig,
+        Router,
+        assign_params,
+        document_batch,
+        eval_tokens,
+        routed_loss,
+    )
 
     dataset = tools.dataset
     split, feats = files.split(), files.features()
@@ -192,8 +192,7 @@ def once_perplexity(
 def early_stopping_perplexities(recipe: Any) -> dict[str, Any]:
     """Once-per-sequence perplexity of a finished run with each path at its early-stopping
     version (``on``: what the ``final`` task chose) and at its last version (``off``)."""
-    from megatron_ext.dipaco.recipe import DipacoConfig
-    from megatron_ext.dipaco.run.plan import final_id, shard_phase
+    from megatron_ext.dipaco import DipacoConfig, final_id, shard_phase
 
     files, tools = context(recipe)
     d, layout = recipe.section(DipacoConfig), files.layout
@@ -212,7 +211,7 @@ def early_stopping_perplexities(recipe: Any) -> dict[str, Any]:
 def full_sync_perplexity(recipe: Any) -> dict[str, Any]:
     """Train ``recipe``'s paths fully synchronously (its prepare/base/route tasks run first)
     and return their once-per-sequence perplexity with the phase-0 router."""
-    from megatron_ext.dipaco.run.full_sync import full_sync_train
+    from megatron_ext.dipaco import full_sync_train
 
     run_arm(recipe, ("prepare", "base", "route"))
     files, tools = context(recipe)
@@ -231,8 +230,7 @@ def unigram_entropy(recipe: Any) -> float:
     """Token-unigram cross-entropy (nats/token) of the scored evaluation targets under the
     training documents' token frequencies (add-one): the loss of a model that learned only the
     token frequencies, the reference of the study's precondition."""
-    from megatron_ext.dipaco.data.documents import document_batch
-    from megatron_ext.dipaco.recipe import DipacoConfig, eval_tokens
+    from megatron_ext.dipaco import DipacoConfig, document_batch, eval_tokens
 
     files, tools = context(recipe)
     split, r = files.split(), recipe.section(DipacoConfig).route_tokens
@@ -253,9 +251,7 @@ def routing_gain(recipe: Any) -> float:
     after the routing prefix (nats/token), each path at its early-stopping version: what the
     best possible router gains over a random one. Zero when the paths have not specialised
     (the discriminative targets are then noise)."""
-    from megatron_ext.dipaco.recipe import DipacoConfig
-    from megatron_ext.dipaco.run.plan import final_id
-    from megatron_ext.dipaco.run.store import load_tensors
+    from megatron_ext.dipaco import DipacoConfig, final_id, load_tensors
 
     files, _ = context(recipe)
     r = recipe.section(DipacoConfig).route_tokens

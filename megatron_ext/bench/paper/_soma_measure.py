@@ -22,10 +22,17 @@ def sharded_variance(
     ``seed``, ε = 1e-5), against the exact gradient; and the small-ε prediction."""
     import torch
 
-    from megatron_ext.soma.data import sample_batch
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.variance import estimator_samples, exact_gradient, predicted_variance
-    from megatron_ext.zo.probes import second_moments
+    from megatron_ext.soma import (
+        BodyLayout,
+        ExpertShape,
+        estimator_samples,
+        exact_gradient,
+        init_body,
+        init_embedding,
+        predicted_variance,
+        sample_batch,
+    )
+    from megatron_ext.zo import second_moments
 
     layout = BodyLayout.from_shape(ExpertShape(256, d, d, blocks))
     gen = torch.Generator().manual_seed(seed)
@@ -57,9 +64,14 @@ def summed_vs_independent_ratio(
     width d at fixed weights and batches (paper Fig. 11 left)."""
     import torch
 
-    from megatron_ext.soma.data import sample_batch
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.variance import summed_vs_independent
+    from megatron_ext.soma import (
+        BodyLayout,
+        ExpertShape,
+        init_body,
+        init_embedding,
+        sample_batch,
+        summed_vs_independent,
+    )
 
     layout = BodyLayout.from_shape(ExpertShape(256, d, d, blocks))
     gen = torch.Generator().manual_seed(seed)
@@ -85,10 +97,16 @@ def throughput(
     ``windows``."""
     import torch
 
-    from megatron_ext.soma.data import window_texts
-    from megatron_ext.soma.evaluate import routed_throughput
-    from megatron_ext.soma.layout import BodyLayout, ExpertShape, init_body, init_embedding
-    from megatron_ext.soma.router import RouterConfig, fit_router
+    from megatron_ext.soma import (
+        BodyLayout,
+        ExpertShape,
+        RouterConfig,
+        fit_router,
+        init_body,
+        init_embedding,
+        routed_throughput,
+        window_texts,
+    )
 
     big = n_values[1]
     total = big * body_numel(D_EMBED, blocks)

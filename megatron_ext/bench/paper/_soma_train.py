@@ -50,7 +50,7 @@ class Scale:
     val_fraction: float = 0.02
 
     def cfg(self, d_model: int, loss_mode: str = "independent") -> Any:
-        from megatron_ext.soma.recipe import SomaConfig
+        from megatron_ext.soma import SomaConfig
 
         return SomaConfig(
             d_embed=self.d_embed, d_model=d_model, num_blocks=self.blocks, n_pert=self.n_pert,
@@ -61,7 +61,7 @@ class Scale:
         )  # fmt: skip
 
     def layout(self, d_model: int) -> Any:
-        from megatron_ext.soma.layout import BodyLayout, ExpertShape
+        from megatron_ext.soma import BodyLayout, ExpertShape
 
         return BodyLayout.from_shape(ExpertShape(256, self.d_embed, d_model, self.blocks))
 
@@ -87,8 +87,7 @@ class Corpus:
     ) -> tuple[Any, list[Any]]:
         """(router, shards) of N experts: the tf-idf router and its clusters, or (``random``) the
         same router with a random disjoint partition of the same cluster sizes."""
-        from megatron_ext.soma.data import expert_shards, window_texts
-        from megatron_ext.soma.router import RouterConfig, fit_router
+        from megatron_ext.soma import RouterConfig, expert_shards, fit_router, window_texts
 
         if (n, "tfidf") not in self.routers:
             cfg = RouterConfig(n, svd_dim=32, seed=self.seed)
@@ -111,7 +110,7 @@ class Corpus:
 def corpus(scale: Scale, seed: int = 0) -> Corpus:
     """The python-stdlib docstrings (first ``corpus_bytes``), split by document with ``seed``
     (each study seed holds out other documents)."""
-    from megatron_ext.soma.data import split_documents
+    from megatron_ext.soma import split_documents
 
     split = split_documents(
         ["python-stdlib"], scale.test_fraction, seed, scale.window_bytes, scale.corpus_bytes
@@ -140,8 +139,8 @@ class Ensemble:
 
 
 def _state(scale: Scale, expert: int, theta: Any, d_model: int, lr: float) -> Any:
-    from megatron_ext.soma.state import ExpertState
-    from megatron_ext.zo.spsa import PlateauHalving, ZOAdam
+    from megatron_ext.soma import ExpertState
+    from megatron_ext.zo import PlateauHalving, ZOAdam
 
     layout = scale.layout(d_model)
     head = ZOAdam(theta.numel() - layout.spsa_numel) if layout.shape.wide else None
@@ -151,8 +150,8 @@ def _state(scale: Scale, expert: int, theta: Any, d_model: int, lr: float) -> An
 
 
 def _ctx(scale: Scale, d_model: int, seed: int, emb: Any, loss_mode: str = "independent") -> Any:
-    from megatron_ext.soma.update import UpdateContext
-    from megatron_ext.zo.directions import DirectionSplit
+    from megatron_ext.soma import UpdateContext
+    from megatron_ext.zo import DirectionSplit
 
     return UpdateContext(
         cfg=scale.cfg(d_model, loss_mode),
@@ -167,7 +166,7 @@ def _ctx(scale: Scale, d_model: int, seed: int, emb: Any, loss_mode: str = "inde
 def advance(ens: Ensemble, updates: int, loss_mode: str = "independent") -> Ensemble:
     """``updates`` more updates of every expert, in place (``summed``: one finite difference of
     the sum of all N losses, the paper's summed-loss arm, App. J)."""
-    from megatron_ext.soma.update import head_update, spsa_update
+    from megatron_ext.soma import head_update, spsa_update
 
     ctx = _ctx(ens.scale, ens.d_model, ens.seed, ens.emb, loss_mode)
     _, shards = corpus(ens.scale, ens.seed).split(ens.n, ens.scale.val_fraction, ens.shards)
@@ -187,10 +186,8 @@ def seed_run(scale: Scale, d_model: int, seed: int) -> tuple[Any, Any]:
     ``scale.seed_updates`` updates at ``seed_lr``; cached, every N at this width starts here."""
     import torch
 
-    from megatron_ext.soma.data import ExpertShard
-    from megatron_ext.soma.layout import init_body, init_embedding
-    from megatron_ext.soma.update import head_update, spsa_update
-    from megatron_ext.zo.spsa import ZOAdam
+    from megatron_ext.soma import ExpertShard, head_update, init_body, init_embedding, spsa_update
+    from megatron_ext.zo import ZOAdam
 
     gen = torch.Generator().manual_seed(seed)
     layout = scale.layout(d_model)
@@ -227,7 +224,7 @@ def test_loss(ens: Ensemble, k: int | None = None) -> float:
     """Routed top-k test loss (nats/byte) on the held-out documents (k default min(4, N))."""
     import torch
 
-    from megatron_ext.soma.evaluate import routed_eval
+    from megatron_ext.soma import routed_eval
 
     sc = ens.scale
     router, _ = corpus(sc, ens.seed).split(ens.n, sc.val_fraction, ens.shards)

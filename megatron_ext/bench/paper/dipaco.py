@@ -89,7 +89,7 @@ def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> S
     from megatron_ext.bench._dipaco_measure import write_small_corpus
     from megatron_ext.bench.paper import _dipaco_arms as A
     from megatron_ext.config import load_recipe
-    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.convert import init_single_process
 
     init_single_process()
     data = write_small_corpus(out / "data", documents=A.CORPUS[size])

@@ -252,7 +252,7 @@ def corpus_unigram_entropy() -> float:
     """The byte-unigram entropy (nats/byte) of the study's corpus: the loss of a model that knows
     only the byte frequencies (:func:`~megatron_ext.bench.paper.claims.byte_unigram_entropy`)."""
     from megatron_ext.bench.paper.claims import byte_unigram_entropy
-    from megatron_ext.data.corpus import python_docs_documents
+    from megatron_ext.data import python_docs_documents
 
     counts = [0] * 256
     for doc in python_docs_documents():

@@ -88,7 +88,7 @@ def _precondition(c: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any], title: str) -> str:
     """The report as a Markdown page: provenance, the claims table, the facts, the notes and the
     plots. A smoke (``quick``) report's page says so first and prints no verdicts."""
-    from megatron_ext.docs.render import provenance
+    from megatron_ext.bench.common import provenance
 
     smoke = report["size"] == "quick"
     lines = [f"# {title}", ""]
