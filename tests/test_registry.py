@@ -1,12 +1,15 @@
 """One registry for trainers, optimizers, commands and benchmarks, fed by entry points
 (megatron_ext/registry.py).
 
-* the registry itself, on distributions made up here (a dist-info folder on ``sys.path`` is what
-  an installed distribution is to ``importlib.metadata``): order, names, every failure named;
-* what ships is what is declared: every trainer, optimizer spec, command and benchmark module in
-  the source is an entry point of the installed megatron-ext, and every entry point is one;
+* the registry itself, its shipped entries in code and plugins' from distributions made up here
+  (a dist-info folder on ``sys.path`` is what an installed distribution is to
+  ``importlib.metadata``): order, names, every failure named;
+* what ships is what registers: every trainer, optimizer spec, command and benchmark module in
+  the source is a shipped entry of its registry, and every shipped entry is one;
 * a throwaway package (tests/plugin), installed with pip into a temporary folder, adds an
-  optimizer and a trainer, and both run from a recipe through ``megatron-ext launch``.
+  optimizer and a trainer with zero edits here: both run from a recipe through ``megatron-ext
+  launch``, and the optimizer is selected by Megatron-LM's ``--megatron-ext-optimizer``, timed by
+  ``bench optimizers --modes`` and counted by ``plan``.
 """
 
 from __future__ import annotations
@@ -40,11 +43,17 @@ class Thing:
 THING_A = Thing("a")
 THING_B = Thing("b")
 ANOTHER_A = Thing("a")
+ANOTHER_B = Thing("b")
 NOT_A_THING = object()
 
 
+PLUGIN = "aaa-plugin"
+
+
 def things() -> Registry[Thing]:
-    return Registry("thing", GROUP, of=Thing, key="thing")
+    return Registry(
+        "thing", GROUP, of=Thing, key="thing", shipped={"a": "tests.test_registry:THING_A"}
+    )
 
 
 def install_fake(folder: Path, name: str, entries: list[str], group: str = GROUP) -> None:
@@ -63,8 +72,9 @@ def site(tmp_path, monkeypatch) -> Path:
 
 
 def test_entries_load_by_their_names_the_shipped_ones_first(site) -> None:
-    install_fake(site / "a", "aaa-plugin", ["b = tests.test_registry:THING_B"])
-    install_fake(site / "b", DISTRIBUTION, ["a = tests.test_registry:THING_A"])
+    install_fake(site / "a", PLUGIN, ["b = tests.test_registry:THING_B"])
+    # an install older than the code: its metadata's own entry points are not read
+    install_fake(site / "b", DISTRIBUTION, ["stale = tests.test_registry:ANOTHER_A"])
     for sub in ("a", "b"):
         sys.path.insert(0, str(site / sub))
     try:
@@ -77,7 +87,9 @@ def test_entries_load_by_their_names_the_shipped_ones_first(site) -> None:
             registry.get("aa")
         # in-process: the same object again is no second registration, another one is refused
         registry.register(THING_A)
-        with pytest.raises(ValueError, match=r"two things are named 'a': entry point a = "):
+        with pytest.raises(
+            ValueError, match=r"two things are named 'a': a = .*THING_A \(shipped\)"
+        ):
             registry.register(Thing("a"))
     finally:
         for sub in ("a", "b"):
@@ -88,6 +100,11 @@ def test_entries_load_by_their_names_the_shipped_ones_first(site) -> None:
     ("entries", "error", "message"),
     [
         (["c = tests.test_registry:THING_A"], ValueError, "registered as 'c' but named 'a'"),
+        (
+            ["a = tests.test_registry:ANOTHER_A"],
+            ValueError,
+            r"two things are named 'a': a = tests.test_registry:THING_A \(shipped\) and entry",
+        ),
         (["a = tests.no_such_module:X"], RuntimeError, "a = tests.no_such_module:X .* failed"),
         (
             ["x = tests.test_registry:NOT_A_THING"],
@@ -95,15 +112,15 @@ def test_entries_load_by_their_names_the_shipped_ones_first(site) -> None:
             "NOT_A_THING .*: a thing must be a Thing, not <class 'object'>",
         ),
         (
-            ["a = tests.test_registry:THING_A", "a = tests.test_registry:ANOTHER_A"],
+            ["b = tests.test_registry:THING_B", "b = tests.test_registry:ANOTHER_B"],
             ValueError,
-            "two things are named 'a'",
+            "two things are named 'b'",
         ),
     ],
-    ids=["name-mismatch", "import-fails", "wrong-type", "two-of-one-name"],
+    ids=["name-mismatch", "shipped-name-taken", "import-fails", "wrong-type", "two-of-one-name"],
 )
 def test_a_bad_entry_is_an_error_naming_it(site, entries, error, message) -> None:
-    install_fake(site, DISTRIBUTION, entries)
+    install_fake(site, PLUGIN, entries)
     with pytest.raises(error, match=message):
         things().items()
 
@@ -121,7 +138,7 @@ def test_a_second_thread_waits_for_the_whole_load(site) -> None:
         "assert t.RELEASE.wait(30)\n"
         "THING = t.Thing('s')\n"
     )
-    install_fake(site, DISTRIBUTION, ["a = tests.test_registry:THING_A", "s = slow_thing:THING"])
+    install_fake(site, PLUGIN, ["s = slow_thing:THING"])
     registry, seen = things(), {}
 
     def read(key: str) -> None:
@@ -139,11 +156,16 @@ def test_a_second_thread_waits_for_the_whole_load(site) -> None:
     assert seen == {"first": ["a", "s"], "second": ["a", "s"]}
 
 
-def test_without_the_shipped_entries_the_error_says_to_install(site) -> None:
-    """What a stale or missing install looks like: the group is not in megatron-ext's metadata."""
-    install_fake(site, DISTRIBUTION, [], group="console_scripts")
-    with pytest.raises(RuntimeError, match=r"group 'megatron_ext.test_things' .* pip install -e"):
-        things().items()
+def test_shipped_entries_need_no_metadata(site, monkeypatch) -> None:
+    """A source checkout whose metadata lists none of the group (never installed, or installed
+    before the entry was added) still sees every shipped entry: they register in code."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    assert list(things().items()) == ["a"]
+    broken = Registry("thing", GROUP, of=Thing, shipped={"z": "tests.no_such_module:Z"})
+    with pytest.raises(RuntimeError, match=r"thing z = tests.no_such_module:Z \(shipped\) failed"):
+        broken.items()
 
 
 # --------------------------------------------------------------------------- shipped = declared
@@ -186,22 +208,20 @@ def _in_source() -> set[tuple[str, str, str]]:
     return found
 
 
-def test_every_shipped_extension_is_an_entry_point_and_every_entry_point_ships() -> None:
-    """A new trainer, optimizer, command or benchmark not declared in setup.py (or an install
-    older than setup.py: ``make`` reinstalls when it changes) fails here."""
-    from importlib.metadata import distribution
+def test_every_shipped_extension_registers_and_every_shipped_entry_exists() -> None:
+    """A new trainer, optimizer, command or benchmark in the source but not in its registry's
+    ``shipped`` (or a shipped entry with no such object) fails here."""
+    from megatron_ext.bench import BENCHMARKS
+    from megatron_ext.commands import COMMANDS
+    from megatron_ext.config.trainers import TRAINERS
+    from megatron_ext.optimizers.spec import OPTIMIZERS
 
-    groups = {"megatron_ext.trainers", "megatron_ext.commands", "megatron_ext.benchmarks"}
-    groups.add("megatron_ext.optimizers")
-    declared = {
-        (ep.group, ep.name, ep.value)
-        for ep in distribution(DISTRIBUTION).entry_points
-        if ep.group in groups
-    }
+    registries = (TRAINERS, OPTIMIZERS, COMMANDS, BENCHMARKS)
+    declared = {(r.group, name, value) for r in registries for name, value in r.shipped.items()}
     found = _in_source()
-    assert declared - found == set(), "declared in setup.py but no such object in the source"
-    assert found - declared == set(), "in the source but not declared in setup.py"
-    assert {g for g, _, _ in found} == groups
+    assert declared - found == set(), "shipped by a registry but no such object in the source"
+    assert found - declared == set(), "in the source but not in its registry's shipped entries"
+    assert {g for g, _, _ in found} == {r.group for r in registries}
 
 
 # --------------------------------------------------------------------------- a real plugin

@@ -33,7 +33,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.schedules.batch import (
@@ -49,7 +49,10 @@ from megatron_ext.schedules.lr import LRSchedule
 
 if TYPE_CHECKING:
     from megatron_ext.config.optimizer import OptimizerConfig
-    from megatron_ext.gpt.sections import TrainingConfig
+
+#: A recipe's ``training`` section (``megatron_ext.gpt.sections.TrainingConfig``, its batch, run
+#: length and LR fields): the trainers that own it sit above this layer, so it is not named here.
+TrainingSection = Any
 
 __all__ = [
     "TrainingSchedule",
@@ -149,7 +152,7 @@ class TrainingSchedule:
         return tuple(s for s in self.stages if s.first_step < self.steps)
 
 
-def batch_rule(t: TrainingConfig) -> BatchRule:
+def batch_rule(t: TrainingSection) -> BatchRule:
     """The ``training`` section's batch rule: its ramp, its step schedule, or its constant
     batch."""
     ramp, text = t.batch_ramp, t.step_batch_size_schedule.strip()
@@ -166,7 +169,7 @@ def batch_rule(t: TrainingConfig) -> BatchRule:
     return ConstantBatch(t.global_batch_size)
 
 
-def run_steps(t: TrainingConfig) -> int:
+def run_steps(t: TrainingSection) -> int:
     """The run's optimizer steps: ``training.steps``, or the first count of steps whose
     consumed tokens reach ``training.train_tokens`` (the last step may pass it; as Megatron-LM
     counts ``--train-samples`` under a step schedule)."""
@@ -175,7 +178,7 @@ def run_steps(t: TrainingConfig) -> int:
     return steps_for_samples(t, -(-t.train_tokens // t.seq_length))[0]
 
 
-def steps_for_samples(t: TrainingConfig, samples: int) -> tuple[int, bool]:
+def steps_for_samples(t: TrainingSection, samples: int) -> tuple[int, bool]:
     """The first step count whose consumed samples reach ``samples`` (sequences) under the
     ``training`` section's batch rule, and whether it consumes exactly ``samples``."""
     rule = batch_rule(t)
@@ -189,7 +192,7 @@ def steps_for_samples(t: TrainingConfig, samples: int) -> tuple[int, bool]:
     return step, consumed == samples
 
 
-def samples_at(t: TrainingConfig, step: int) -> int:
+def samples_at(t: TrainingSection, step: int) -> int:
     """Samples (sequences) consumed by the first ``step`` steps under the ``training``
     section's batch rule."""
     stages = resolve_stages(batch_rule(t), max(step, 1))
@@ -197,7 +200,7 @@ def samples_at(t: TrainingConfig, step: int) -> int:
     return stage.first_sample + (step - stage.first_step) * stage.global_batch
 
 
-def lr_schedule(t: TrainingConfig, o: OptimizerConfig) -> LRSchedule:
+def lr_schedule(t: TrainingSection, o: OptimizerConfig) -> LRSchedule:
     """The learning-rate schedule in optimizer steps that ``training`` and ``optimizer``
     describe (``training.lr_decay_steps`` None: the run's length, :func:`run_steps`); a
     ``ConfigError`` when it is inconsistent. The GPT trainer positions its LR on tokens
@@ -223,7 +226,7 @@ def lr_schedule(t: TrainingConfig, o: OptimizerConfig) -> LRSchedule:
     )
 
 
-def training_schedule(t: TrainingConfig, o: OptimizerConfig) -> TrainingSchedule:
+def training_schedule(t: TrainingSection, o: OptimizerConfig) -> TrainingSchedule:
     """The schedule of a recipe's ``training`` and ``optimizer`` sections, its length from
     :func:`run_steps` (``training.steps``, or the steps that reach ``training.train_tokens``);
     ConfigError when its positions do not fit, named in the recipe's fields."""
@@ -288,7 +291,7 @@ def training_schedule(t: TrainingConfig, o: OptimizerConfig) -> TrainingSchedule
     return TrainingSchedule(stages, steps, t.seq_length, rule.target, lr, sqrt_lr, decoupled)
 
 
-def lr_positions(t: TrainingConfig) -> tuple[int, int]:
+def lr_positions(t: TrainingSection) -> tuple[int, int]:
     """(the step the decay ends at, the step the warmup ends at): the ``training`` section's
     steps, or the first step whose consumed samples reach its sample counts
     (``lr_decay_samples``, ``lr_warmup_samples``); ConfigError when a position is given both
@@ -317,7 +320,7 @@ def lr_positions(t: TrainingConfig) -> tuple[int, int]:
     return decay, warmup
 
 
-def _warmup_step(t: TrainingConfig, rule: BatchRule) -> int:
+def _warmup_step(t: TrainingSection, rule: BatchRule) -> int:
     """Where the warmup ends, in steps: the ``training`` section's, or tied to the ramp."""
     tie = t.batch_ramp.warmup
     if not isinstance(rule, DoublingRamp) or tie == "recipe":

@@ -12,13 +12,12 @@ No torch import (the launcher's dry run).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from megatron_ext.schedules.plan import TrainingSchedule, training_schedule
+from megatron_ext.schedules.plan import TrainingSchedule, TrainingSection, training_schedule
 
 if TYPE_CHECKING:
     from megatron_ext.config.optimizer import OptimizerConfig
-    from megatron_ext.gpt.sections import ParallelConfig, TrainingConfig
 
 __all__ = ["describe_schedule", "format_stage_table", "plot_schedule", "stage_rows"]
 
@@ -123,9 +122,9 @@ def plot_schedule(schedule: TrainingSchedule, path: Path) -> Path:
 
 
 def describe_schedule(
-    training: TrainingConfig,
+    training: TrainingSection,
     optimizer: OptimizerConfig,
-    parallel: ParallelConfig,
+    parallel: Any,  # the recipe's parallel section (megatron_ext.megatron.sections)
     world_size: int,
     png: Path | None = None,
 ) -> str:
