@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -308,3 +309,84 @@ def test_a_plugin_optimizer_trains_the_gpt_with_its_own_recipe_field(plugin, tmp
     for s in steps:
         assert s["shrink"] == 0.5 and s["lr"] == pytest.approx(logged[s["step"]], rel=1e-12)
     assert len({s["n"] for s in steps}) == 1 and steps[0]["n"] > 0  # the same matrices each step
+
+
+def _plugin_env(plugin: Path, log: Path | None = None) -> dict[str, str]:
+    env = {"PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]), "CUDA_VISIBLE_DEVICES": ""}
+    if log is not None:
+        env["MX_PLUGIN_LOG"] = str(log)
+    return env
+
+
+def test_megatron_lms_flag_selects_the_plugin_optimizer(plugin, tmp_path) -> None:
+    """Megatron-LM's own ``pretrain`` (tests/dist/megatron_lm_pretrain.py under the zero-edit
+    runner) with ``--megatron-ext-optimizer sign_descent`` and the option flag the plugin's
+    spec gives it: the plugin's class steps every iteration with Megatron-LM's learning rate."""
+    from tests.conftest import DIST, run_torchrun
+    from tests.test_megatron_lm_pretrain import COMMON
+
+    common = [a if a != "10" else "3" for a in COMMON]  # 3 iterations (the LR schedule too)
+    flags = [
+        "--megatron-ext-optimizer",
+        "sign_descent",
+        "--megatron-ext-sign-descent-shrink",
+        "0.5",
+    ]
+    plan, out, log = tmp_path / "plan.json", tmp_path / "out.json", tmp_path / "steps.jsonl"
+    plan.write_text(json.dumps({"common": common, "runs": {"plugin": flags}}))
+    run_torchrun(
+        "megatron_ext.megatron.run_pretrain",
+        1,
+        str(DIST / "megatron_lm_pretrain.py"),
+        str(plan),
+        str(out),
+        module=True,
+        env=_plugin_env(plugin, log),
+    )
+    run = json.loads(out.read_text())["plugin"]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert run["iterations"] == [1, 2, 3] and all(math.isfinite(x) for x in run["loss"])
+    # the layer-wise optimizer's matrices (AdamW takes the rest): three steps, shrink 0.5
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert {s["shrink"] for s in steps} == {0.5} and steps[0]["n"] > 0
+    # Megatron-LM's scheduler: a linear warmup from 0 over 2 iterations to the peak 1e-3
+    assert [s["lr"] for s in steps] == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+def test_bench_and_plan_take_the_plugin_optimizer(plugin, tmp_path) -> None:
+    """``bench optimizers --modes sign_descent`` times it; ``plan`` counts its state from its
+    spec (4 bytes per element, as Lion's: the same matrices, the same bytes)."""
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from megatron_ext.launch.cli import main\n"
+        "bench = ['bench', 'optimizers', '--quick', '--modes', 'sign_descent', 'lion',\n"
+        "         '--json', sys.argv[1]]\n"
+        "assert main(bench) == 0\n"
+        "plans = {}\n"
+        "for name in ('sign_descent', 'lion'):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        code = main(['plan', 'tiny_cpu_gpt', f'optimizer.name={name}', '--json',\n"
+        "                     '--gpus-per-node', '2'])\n"
+        "    assert code == 0, code\n"
+        "    plans[name] = json.loads(out.getvalue())\n"
+        "json.dump(plans, open(sys.argv[2], 'w'))\n"
+    )
+    bench, plans = tmp_path / "bench.json", tmp_path / "plans.json"
+    env = {**os.environ, **_plugin_env(plugin)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(bench), str(plans)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    timed = json.loads(bench.read_text())["results"]["sign_descent"]
+    assert timed["s_per_step"] > 0
+    ours, lion = (json.loads(plans.read_text())[n] for n in ("sign_descent", "lion"))
+    state = ours["stages"][0]["memory"]["optimizer_state"]
+    reference = lion["stages"][0]["memory"]["optimizer_state"]
+    assert state["sign_descent"] == reference["lion"] > 0
+    assert state["adamw"] == reference["adamw"]

@@ -25,15 +25,18 @@ from megatron_ext.errors import ConfigError
 
 DESCRIPTION = "one recipe, once per optimizer: final losses, step time, optimizer share, curves"
 
-#: name -> extra overrides; ``optimizer.name`` is the part of the name before the first "+".
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "adamw": (),
-    "lion": (),
-    "muon": (),
-    "mop": (),
-    "kl_soap": (),
+#: name -> extra overrides of the variants beyond each registered optimizer at its defaults;
+#: ``optimizer.name`` is the part of the name before the first "+".
+EXTRA_VARIANTS: dict[str, tuple[str, ...]] = {
     "kl_soap+ns": ("optimizer.kl_soap_inverse_root=newton_schulz",),
 }
+
+
+def variants() -> dict[str, tuple[str, ...]]:
+    """Every variant: each registered optimizer (no extra override), then :data:`EXTRA_VARIANTS`."""
+    from megatron_ext.optimizers import registered_optimizers
+
+    return {**dict.fromkeys(registered_optimizers(), ()), **EXTRA_VARIANTS}
 
 
 QUICK = {"optimizers": "adamw,muon", "steps": 12, "last": 4}
@@ -55,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--optimizers",
-        default=",".join(VARIANTS),
+        default=",".join(variants()),
         help="comma-separated variants (default: all; kl_soap+ns = KL-SOAP with Newton–Schulz "
-        f"inverse roots); known: {', '.join(VARIANTS)}",
+        f"inverse roots); known: {', '.join(variants())}",
     )
     p.add_argument("--last", type=int, default=20, help="K: final losses are means of the last K")
     p.add_argument(
@@ -69,12 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_variants(spec: str) -> dict[str, tuple[str, ...]]:
     """The variants named in ``spec`` (``ConfigError`` naming an unknown one)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
+    known = variants()
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ConfigError(
-            f"--optimizers: unknown variant(s) {unknown or spec!r}; known: {', '.join(VARIANTS)}"
+            f"--optimizers: unknown variant(s) {unknown or spec!r}; known: {', '.join(known)}"
         )
-    return {n: VARIANTS[n] for n in names}
+    return {n: known[n] for n in names}
 
 
 def run_variant(

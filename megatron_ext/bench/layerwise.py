@@ -58,6 +58,7 @@ from megatron_ext.bench._trust import (
 )
 from megatron_ext.bench.common import write_json
 from megatron_ext.bench.optimizers import Workload, add_workload_arguments
+from megatron_ext.optimizers import registered_optimizers
 
 DESCRIPTION = (
     "layer-wise distributed optimizer at several DP sizes on the reference workload: step time, "
@@ -114,9 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--optimizer",
-        choices=("muon", "kl_soap", "adamw"),
+        choices=tuple(registered_optimizers()),
         default="muon",
-        help="matrix optimizer (default muon)",
+        help="the optimizer of the matrices (default muon; any registered one)",
     )
     parser.add_argument(
         "--steps",

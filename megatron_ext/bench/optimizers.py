@@ -56,6 +56,25 @@ MODES = (
 DEFAULT_MODES = tuple(m for m in MODES if m != "kl_soap_eigh")
 
 
+def all_modes() -> tuple[str, ...]:
+    """:data:`MODES` (the shipped optimizers' variants and Emerging-Optimizers' peers), then
+    every registered optimizer not among them by its name, built with its recipe defaults
+    (``muon``, ``kl_soap``, a plugin's)."""
+    from megatron_ext.optimizers import registered_optimizers
+
+    return (*MODES, *(name for name in registered_optimizers() if name not in MODES))
+
+
+def _registered_factory(name: str) -> Any:
+    """``params -> optimizer``: the registered optimizer ``name`` with the keyword
+    hyperparameters of a recipe's default ``optimizer:`` section naming it."""
+    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.optimizers import build_optimizer, optimizer_spec
+
+    kwargs = optimizer_spec(name).kwargs(OptimizerConfig(name=name))
+    return lambda ps: build_optimizer(name, ps, kwargs)
+
+
 @dataclass(frozen=True)
 class Workload:
     """The benchmark's matrices: ``layers`` GPT blocks of width ``width`` (d), each a fused QKV
@@ -156,10 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         nargs="+",
-        choices=MODES,
+        choices=all_modes(),
         default=list(DEFAULT_MODES),
         metavar="MODE",
-        help=f"modes to run (default: all but kl_soap_eigh); from {MODES}",
+        help=f"modes to run (default: all but kl_soap_eigh); from {all_modes()}",
     )
 
 
@@ -242,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
         sync()
         return time.perf_counter() - start
 
+    for mode in all_modes():
+        if mode not in MODES:  # a registered optimizer by its name, at its recipe defaults
+            factories[mode] = _registered_factory(mode)
     modes = []
     for mode in args.modes:
         if mode in factories:

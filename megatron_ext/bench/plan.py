@@ -31,7 +31,6 @@ ANCHOR = (
 
 RECIPES = ["gpt_1b", "gpt_8b", "olmoe_1b_7b", "qwen3_30b_a3b"]
 GPU_COUNTS = [8, 64, 512, 4096]
-OPTIMIZERS = ["adamw", "muon", "mop", "kl_soap", "lion"]
 VOCAB_WHEN_UNSET = 128256
 #: the balance figure: gpt_1b's matrices under Muon, DP = GPUs (TP = 1)
 BALANCE_RECIPE, BALANCE_OPTIMIZER = "gpt_1b", "muon"
@@ -43,7 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from megatron_ext.planner import GPUS
 
     p.add_argument("--gpus", nargs="+", type=positive_int, default=GPU_COUNTS, help="GPU counts")
-    p.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, help="optimizer.name values")
+    from megatron_ext.optimizers import registered_optimizers
+
+    p.add_argument(
+        "--optimizers",
+        nargs="+",
+        default=list(registered_optimizers()),
+        help="optimizer.name values (default: every registered optimizer)",
+    )
     p.add_argument(
         "--gpu", default="h100", choices=sorted(GPUS), help="GPU model (megatron-ext plan --gpu)"
     )

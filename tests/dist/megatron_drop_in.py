@@ -18,8 +18,6 @@ import os
 import sys
 
 import torch
-
-from megatron_ext.optimizers.muon_spec import MuonOptions
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -34,6 +32,7 @@ from megatron_ext.gpt.setup import ensure_dataset
 from megatron_ext.megatron.drop_in import get_megatron_optimizer
 from megatron_ext.megatron.model import build_gpt_model
 from megatron_ext.megatron.parallel import init_distributed
+from megatron_ext.optimizers.muon_spec import MuonOptions
 from tests.dist.ending import leave
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from megatron_ext.atomic import save_figure
 from megatron_ext.bench.paper._optimizers_arms import MULTS, OPTIMIZERS, Scale
+from megatron_ext.optimizers import optimizer_spec
 
 __all__ = ["plot_all"]
 
 Results = dict[str, dict[str, dict[str, Any]]]
-LABELS = {"adamw": "AdamW", "muon": "Muon", "mop": "MOP", "kl_soap": "KL-SOAP"}
 
 
 def _sweep_arm(opt: str, k: int, mode: str) -> str:
@@ -45,7 +45,9 @@ def plot_sweep(results: Results, scale: Scale, seeds: list[int], path: Path) -> 
                 [max(v) - m for m, v in zip(mean, vals, strict=True)],
             ]
             xs = [k * scale.base_batch for k in ks]
-            ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=LABELS[opt])
+            ax.errorbar(
+                xs, mean, yerr=err, marker="o", capsize=3, label=optimizer_spec(opt).display
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [f"{k}× ({b})" for k, b in zip(MULTS, batches, strict=True)])
         ax.set_xlabel("global batch (sequences), equal tokens")

@@ -4,10 +4,11 @@ Each rank writes ``<run_dir>/rank<r>.json``: what it was given."""
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_ext.config.fields import spec
+from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
 
@@ -15,6 +16,14 @@ from megatron_ext.errors import ConfigError
 @dataclass
 class CountdownConfig:
     start: int = spec(3, ge=1, help="the number counted down from")
+
+
+@dataclass(kw_only=True)
+class CountdownRecipe(Recipe):
+    """The countdown trainer's typed recipe: the core fields and its own section."""
+
+    trainer: str = "countdown"
+    countdown: CountdownConfig = field(default_factory=CountdownConfig)
 
 
 def check(recipe, world_size):
@@ -33,5 +42,5 @@ TRAINER = TrainerSpec(
     name="countdown",
     train="mx_plugin.countdown:train",
     check=check,
-    sections={"countdown": CountdownConfig},
+    recipe=CountdownRecipe,
 )
