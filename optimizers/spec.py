@@ -323,7 +323,7 @@ OPTIMIZERS: Registry[OptimizerSpec] = Registry(
     key="optimizer.name",
     shipped={
         name: f"megatron_ext.optimizers.{name}_spec:SPEC"
-        for name in ("adamw", "lion", "muon", "mop", "kl_soap")
+        for name in ("adamw", "kl_soap", "lion", "mop", "muon")
     },
 )
 

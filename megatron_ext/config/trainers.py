@@ -139,7 +139,7 @@ TRAINERS: Registry[TrainerSpec] = Registry(
     "megatron_ext.trainers",
     of=TrainerSpec,
     key="trainer",
-    shipped={name: f"megatron_ext.{name}.recipe:TRAINER" for name in ("gpt", "soma", "dipaco")},
+    shipped={name: f"megatron_ext.{name}.recipe:TRAINER" for name in ("dipaco", "gpt", "soma")},
 )
 
 

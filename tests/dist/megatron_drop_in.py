@@ -102,7 +102,7 @@ def main() -> None:
     # megatron-core's: its routing, raw update scale, plain Newton–Schulz)
     opt_config.match_update_rms = o.match_update_rms
     opt_config.matrix_routing = o.matrix_routing
-    opt_config.muon_ns_method = o.muon_ns_method
+    opt_config.muon_ns_method = o.of(MuonOptions).ns_method
     optimizer = get_megatron_optimizer(opt_config, [model])
     gbs = t.global_batch_size
     scheduler = OptimizerParamScheduler(  # Megatron-LM: positions in samples, += gbs per step
