@@ -65,7 +65,7 @@ COMMANDS: Registry[Command] = Registry(
         "docs": "megatron_ext.docs.cli:COMMAND",
         "launch": "megatron_ext.launch.cli:COMMAND",
         "plan": "megatron_ext.planner.cli:COMMAND",
-        "recipe": "megatron_ext.config.cli:COMMAND",
+        "recipe": "megatron_ext.megatron.recipe_cli:COMMAND",
         "soma": "megatron_ext.soma.cli:COMMAND",
         "tools": "megatron_ext.convert.cli:TOOLS",
         "train": "megatron_ext.run.cli:COMMAND",

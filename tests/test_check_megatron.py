@@ -123,8 +123,8 @@ def test_variables_and_a_wrong_recipe(tree: Path, monkeypatch) -> None:
     """``${REPEAT}`` in --seed: refused by Megatron-LM's parser until --var REPEAT=1 sets it;
     a recipe whose LR, dropout and TP are made wrong after conversion is reported as differing
     in those fields (transformer, optimizer, lr, parallel)."""
-    from megatron_ext.config import from_megatron
-    from megatron_ext.config.check_megatron import check_file
+    from megatron_ext.megatron import from_megatron
+    from megatron_ext.megatron.check_megatron import check_file
 
     seed = tree / "tests/functional_tests/test_cases/gpt/tiny_seed/model_config.yaml"
     seed.parent.mkdir(parents=True)
@@ -154,8 +154,8 @@ def test_a_wrong_decoupled_floor_differs(tree: Path, monkeypatch) -> None:
     """The decoupled LR's floor made wrong after conversion: the optimizer field and the
     embedding and output layer's LR at the decay's end differ (megatron-core's param group
     under its scheduler); the run's own LR still agrees."""
-    from megatron_ext.config import from_megatron
-    from megatron_ext.config.check_megatron import check_file
+    from megatron_ext.megatron import from_megatron
+    from megatron_ext.megatron.check_megatron import check_file
 
     case = tree / "tests/functional_tests/test_cases/gpt/tiny_floor/model_config.yaml"
     case.parent.mkdir(parents=True)

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import load_recipe
-from megatron_ext.config.megatron_args import read_megatron_args
-from megatron_ext.config.megatron_flags import MEGATRON_DEFAULTS
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
+from megatron_ext.megatron.megatron_flags import MEGATRON_DEFAULTS
 from megatron_ext.optimizers.muon_spec import MuonOptions
 from megatron_ext.schedules.plan import run_steps
 
@@ -267,7 +267,7 @@ def test_sample_counts_follow_the_stage_table() -> None:
     the samples Megatron-LM's loop has consumed, though 901 samples end inside a step."""
     from megatron.core.num_microbatches_calculator import StepBatchsizeNumMicroBatchesCalculator
 
-    from megatron_ext.config.megatron_compare import compare
+    from megatron_ext.megatron.megatron_compare import compare
 
     flags = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
@@ -396,14 +396,14 @@ def test_moe_fields_that_exist_are_mapped() -> None:
     [("([0]*3+[1]*5)", [0, 0, 0, 1, 1, 1, 1, 1]), ("([1]*2+[0]*1)*2", [1, 1, 0, 1, 1, 0])],
 )
 def test_layer_patterns_are_megatron_lms(text: str, layers: list[int]) -> None:
-    from megatron_ext.config.from_megatron_groups import layer_pattern
+    from megatron_ext.megatron.from_megatron_groups import layer_pattern
 
     assert layer_pattern(text) == layers
 
 
 @pytest.mark.parametrize("bad", ["__import__('os')", "[2]*3", "[0]*x", "([0]*3"])
 def test_a_layer_pattern_is_never_evaluated_as_code(bad: str) -> None:
-    from megatron_ext.config.from_megatron_groups import layer_pattern
+    from megatron_ext.megatron.from_megatron_groups import layer_pattern
 
     with pytest.raises(ValueError):
         layer_pattern(bad)

@@ -51,25 +51,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 
-#: issue 40: config rewrite removes these. Imports inside megatron_ext/config/ that reach up
-#: (importer module, imported module); config/ is being rewritten by another change, so they
-#: are tolerated here, one by one, and nothing else is.
-PENDING = {
-    ("megatron_ext.config.from_megatron_groups", "megatron_ext.run.precision"),
-    ("megatron_ext.config.from_megatron_groups", "megatron_ext.gpt.sections"),
-    ("megatron_ext.config.megatron_compare", "megatron_ext.schedules.plan"),
-    ("megatron_ext.config.megatron_compare", "megatron_ext.megatron.model"),
-    ("megatron_ext.config.megatron_compare", "megatron_ext.megatron.transformer_fields"),
-    ("megatron_ext.config.from_megatron_parsed", "megatron_ext.gpt.sections"),
-    ("megatron_ext.config.from_megatron_parsed", "megatron_ext.megatron.model"),
-    ("megatron_ext.config.from_megatron_parsed", "megatron_ext.megatron.transformer_fields"),
-}
+#: Imports that may reach up or sideways, (importer module, imported module): none. Kept so that
+#: an exception, if one is ever needed, is named here one by one and checked to still exist.
+PENDING: set[tuple[str, str]] = set()
 
 #: What the benchmarks may import below their public names: the trainer-neutral plumbing they
-#: run on (errors, registries, atomic writes, recipes loading), not a trainer's internals.
-#: ``config``'s public names come with its rewrite (issue 40), so its modules are open to
-#: bench until then.
-BENCH_ANY_MODULE = {"megatron_ext", "errors", "registry", "atomic", "commands", "bench", "config"}
+#: run on (errors, registries, atomic writes), not a package's internals (recipes are read
+#: through ``megatron_ext.config``'s public names).
+BENCH_ANY_MODULE = {"megatron_ext", "errors", "registry", "atomic", "commands", "bench"}
 #: The one reach into a trainer's module that bench keeps, by name: DiPaCo's fault scenarios
 #: replace the worker's private lease check to pause a worker at its first check (fault
 #: injection, not a use); a fault-injection hook in dipaco/run/worker.py would remove it.

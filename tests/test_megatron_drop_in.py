@@ -131,9 +131,9 @@ def test_megatron_cores_defaults_and_names_mean_what_the_converter_says() -> Non
     """One table for the drop-in and the converter: megatron-core's default Muon config (its
     'quintic' coefficients, TP mode blockwise) is megatron-ext's quintic_schedule and blockwise,
     as a converted script's recipe is; Megatron-LM's 'soap' (KL-Shampoo by default) is KL-SOAP."""
-    from megatron_ext.config.from_megatron import convert
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.config.megatron_args import read_megatron_args
+    from megatron_ext.megatron.from_megatron import convert
+    from megatron_ext.megatron.megatron_args import read_megatron_args
 
     ext = _flat(OptimizerConfig(optimizer="muon", lr=1e-3))
     script = (

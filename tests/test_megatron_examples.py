@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 from megatron_ext.schedules.plan import run_steps, training_schedule
 
 # examples/mixtral/train_mixtral_8x7b_distributed.sh
@@ -165,7 +165,7 @@ def test_llama3_8b_converts_with_zero_centred_norms() -> None:
     model.transformer_config; --train-samples counted as Megatron-LM counts them (rounded
     down); the warmup's 3,906,252 samples end inside step 30,518 and stay a sample count, as
     Megatron-LM's scheduler counts them; its decoupled LR is the optimizer section's."""
-    from megatron_ext.config.megatron_compare import compare
+    from megatron_ext.megatron.megatron_compare import compare
 
     conversion = convert(read_megatron_args(LLAMA3_8B))
     assert conversion.model_changing == []

@@ -1,6 +1,6 @@
 """fp16 with loss scaling and pipeline layouts through ``recipe from-megatron-args``, each
 compared field by field with what Megatron-LM builds from the same flags
-(:func:`megatron_ext.config.megatron_compare.compare`: TransformerConfig, optimizer, LR at
+(:func:`megatron_ext.megatron.megatron_compare.compare`: TransformerConfig, optimizer, LR at
 chosen steps, batch, parallel sizes).
 
 - ``--fp16``: written as ``training.precision: fp16`` (megatron-core's ``fp16=True`` and
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
-from megatron_ext.config.megatron_compare import compare
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
+from megatron_ext.megatron.megatron_compare import compare
 
 BASE = """export CUDA_DEVICE_MAX_CONNECTIONS=1
 torchrun --nproc_per_node 4 pretrain_gpt.py \\

@@ -20,9 +20,9 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 from tests.test_megatron_examples import LLAMA3_8B, MIXTRAL
 from tests.test_megatron_parser import BASE, CPU_KERNELS
 

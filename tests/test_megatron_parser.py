@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 from megatron_ext.megatron.transformer_fields import HOST_FIELDS
 
 BASE = """
@@ -102,7 +102,7 @@ def test_transformer_config_is_megatron_lms_field_by_field(converted, case: str)
     """Every field of the trainer's TransformerConfig equals Megatron-LM's own
     (core_transformer_config_from_args on the same flags); so do the parallel sizes, the batch
     and the optimizer's fields."""
-    from megatron_ext.config.megatron_parse import megatron_transformer_config
+    from megatron_ext.megatron.megatron_parse import megatron_transformer_config
     from megatron_ext.megatron.model import transformer_config
 
     recipe, conversion = converted[case]
@@ -222,10 +222,10 @@ def test_the_new_models_train_on_cpu_or_are_refused_with_the_reason(converted, c
     """At one rank: megatron-core builds the model without Transformer Engine, its parameters
     count as Megatron-LM's own model's (GPTModelBuilder), and four steps lower the loss on a
     fixed batch; or the build is refused at launch with the reason."""
-    from megatron_ext.config.from_megatron_parsed import megatron_words
-    from megatron_ext.config.megatron_parse import parse_megatron
     from megatron_ext.convert.parity import init_single_process
     from megatron_ext.gpt.sections import ParallelConfig
+    from megatron_ext.megatron.from_megatron_parsed import megatron_words
+    from megatron_ext.megatron.megatron_parse import parse_megatron
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()

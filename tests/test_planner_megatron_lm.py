@@ -27,9 +27,9 @@ from unittest import mock
 
 import pytest
 
-from megatron_ext.config.from_megatron import convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 from megatron_ext.planner.gpus import GPUS
 from megatron_ext.planner.inputs import Cluster
 from megatron_ext.planner.plan import plan_run

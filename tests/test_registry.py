@@ -185,8 +185,10 @@ def _in_source() -> set[tuple[str, str, str]]:
         spec = getattr(importlib.import_module(module), "TRAINER", None)
         if isinstance(spec, TrainerSpec):
             found.add(("megatron_ext.trainers", spec.name, f"{module}:TRAINER"))
-    cli_modules = [
-        f"megatron_ext.{p.parent.name}.cli" for p in (ROOT / "megatron_ext").glob("*/cli.py")
+    cli_modules = [  # a package's command: <package>/cli.py or <package>/<name>_cli.py
+        f"megatron_ext.{p.parent.name}.{p.stem}"
+        for pattern in ("*/cli.py", "*/*_cli.py")
+        for p in (ROOT / "megatron_ext").glob(pattern)
     ]
     for module in [*cli_modules, "megatron_ext.launch.cli"]:
         for attr, value in vars(importlib.import_module(module)).items():

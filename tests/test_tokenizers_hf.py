@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.config.from_megatron import convert
-from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.data.corpus import iter_documents
 from megatron_ext.data.tokenizers import HuggingFaceTokenizer, build_tokenizer
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.config.schema import Recipe
+from megatron_ext.config import Recipe
 from megatron_ext.dipaco import (
     DipacoConfig,
     OuterConfig,

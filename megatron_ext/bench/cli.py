@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
 
     module = benchmarks()[args.bench_name]
     if hasattr(args, "recipe") and hasattr(args, "overrides"):
-        from megatron_ext.config.load import read_recipe
+        from megatron_ext.config import read_recipe
 
         read_recipe(args.recipe, args.overrides)  # a typo stops here, before any run starts
     # every JSON this run writes carries it as meta; argv: what main() was given (in-process)

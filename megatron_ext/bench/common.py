@@ -113,7 +113,7 @@ def run_length_overrides(
     printed.
     ``ConfigError`` when the result still does not fit, with the recipe keys and the smallest run
     that works (the schedule's own message)."""
-    from megatron_ext.config.load import load_recipe
+    from megatron_ext.config import load_recipe
 
     if steps is None:
         return list(overrides)

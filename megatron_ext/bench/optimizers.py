@@ -68,7 +68,7 @@ def all_modes() -> tuple[str, ...]:
 def _registered_factory(name: str) -> Any:
     """``params -> optimizer``: the registered optimizer ``name`` with the keyword
     hyperparameters of a recipe's default ``optimizer:`` section naming it."""
-    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.config import OptimizerConfig
     from megatron_ext.optimizers import build_optimizer, optimizer_spec
 
     kwargs = optimizer_spec(name).kwargs(OptimizerConfig(name=name))

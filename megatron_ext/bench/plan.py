@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(source: str, optimizer: str, world: int, vocab_unset: bool) -> list[str]:
-    from megatron_ext.config.load import read_recipe
+    from megatron_ext.config import read_recipe
 
     recipe = read_recipe(source)
     p, t = recipe.parallel, recipe.training
@@ -73,7 +73,7 @@ def _overrides(source: str, optimizer: str, world: int, vocab_unset: bool) -> li
 
 
 def _row(source: str, optimizer: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    from megatron_ext.config.load import read_recipe
+    from megatron_ext.config import read_recipe
     from megatron_ext.planner import Cluster, gpu_spec, plan_recipe
 
     vocab_unset = read_recipe(source).model.vocab_size is None
@@ -138,7 +138,7 @@ RESULTS_TABLES = {"rows": _table}
 def _balance(args: argparse.Namespace) -> list[dict[str, Any]]:
     """gpt_1b's Muon matrices over DP = each GPU count: the three schemes' state imbalance
     and all-gather bytes received per rank."""
-    from megatron_ext.config.load import read_recipe
+    from megatron_ext.config import read_recipe
     from megatron_ext.optimizers import recipe_hyperparameters
     from megatron_ext.planner import (
         default_bucket_size,
@@ -204,8 +204,7 @@ def _plot(balance: list[dict[str, Any]], path: Path) -> None:
 
 def _check_inputs(args: argparse.Namespace) -> None:
     """Every recipe a GPT recipe and every optimizer a registered one, before any row."""
-    from megatron_ext.config.load import read_recipe
-    from megatron_ext.config.trainers import get_trainer
+    from megatron_ext.config import get_trainer, read_recipe
     from megatron_ext.optimizers import OPTIMIZERS
 
     for source in args.recipes:

@@ -115,7 +115,7 @@ def parse_precisions(spec: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import launch_run, run_length_overrides, write_json
-    from megatron_ext.config.load import load_recipe
+    from megatron_ext.config import load_recipe
     from megatron_ext.run import probe_device, unmet_requirement
 
     precisions = parse_precisions(args.precisions)

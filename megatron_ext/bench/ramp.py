@@ -100,8 +100,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ext.bench.common import run_length_overrides, write_json
-    from megatron_ext.config.load import load_recipe
-    from megatron_ext.config.trainers import get_trainer
+    from megatron_ext.config import get_trainer, load_recipe
     from megatron_ext.schedules import training_schedule
 
     overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "ramp")

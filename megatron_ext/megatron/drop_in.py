@@ -59,12 +59,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import get_model_config
 
-from megatron_ext.config.from_megatron import translate
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_flags import megatron_optimizers
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import translate
 from megatron_ext.megatron.mcore_grad_norm import McoreGradNorm
+from megatron_ext.megatron.megatron_flags import megatron_optimizers
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import inner_factory, model_qkv_layout
 from megatron_ext.optimizers.spec import BASE, optimizer_spec, registered_optimizers
@@ -140,7 +140,7 @@ def mapped_fields() -> set[str]:
 
 def extension_name(optimizer: str) -> str | None:
     """megatron-ext's optimizer for megatron-core's ``config.optimizer`` (the converter's
-    reading, :func:`~megatron_ext.config.megatron_flags.megatron_optimizers`: ``soap`` ->
+    reading, :func:`~megatron_ext.megatron.megatron_flags.megatron_optimizers`: ``soap`` ->
     ``kl_soap``), or None when megatron-core's own serves it (``adam``, ``sgd``)."""
     name = megatron_optimizers().get(optimizer)
     return name if name in extension_optimizers() else None

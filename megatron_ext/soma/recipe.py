@@ -12,7 +12,7 @@ from megatron_ext.config.fields import spec
 from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
-from megatron_ext.gpt.sections import DataConfig, TrainingConfig
+from megatron_ext.megatron.sections import DataConfig, TrainingConfig
 from megatron_ext.run.stopping import check_stop_fields
 
 __all__ = ["SomaConfig", "SomaRecipe", "check_soma"]

@@ -31,7 +31,7 @@ import functools
 from argparse import Namespace
 from typing import Any
 
-from megatron_ext.config.megatron_flags import megatron_optimizers
+from megatron_ext.megatron.megatron_flags import megatron_optimizers
 from megatron_ext.optimizers.spec import BASE, registered_optimizers
 
 __all__ = ["AREAS", "compare"]
@@ -79,7 +79,7 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
 
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    from megatron_ext.config.megatron_parse import megatron_transformer_config
+    from megatron_ext.megatron.megatron_parse import megatron_transformer_config
     from megatron_ext.megatron.model import transformer_config
     from megatron_ext.megatron.transformer_fields import HOST_FIELDS, NOT_BUILT
 

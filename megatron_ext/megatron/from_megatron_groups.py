@@ -1,5 +1,5 @@
 """The converter's flag groups: Megatron-LM flags that are read together into recipe fields
-(:func:`megatron_ext.config.from_megatron.convert` calls each with the script's flags and its
+(:func:`megatron_ext.megatron.from_megatron.convert` calls each with the script's flags and its
 ``take(key, reason=None, changes_model=None)``, which marks a flag mapped, or not mapped with the
 reason): the low-precision format and recipe, the MoE layer pattern, the data path and
 tokenizer, and the sample counts (the run's length, the LR positions).
@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megatron_ext.config.megatron_args import Flag
-from megatron_ext.config.megatron_flags import MODEL_CHANGING
+from megatron_ext.megatron.megatron_args import Flag
+from megatron_ext.megatron.megatron_flags import MODEL_CHANGING
 
 if TYPE_CHECKING:
-    from megatron_ext.config.from_megatron import Conversion
+    from megatron_ext.megatron.from_megatron import Conversion
 
 __all__ = [
     "flag_value",
@@ -172,7 +172,7 @@ def map_samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[.
     """Sample-counted flags: the run in steps (or tokens under a batch schedule), the LR
     positions as sample counts (``training.lr_*_samples``) and the warmup fraction as is."""
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.gpt.sections import TrainingConfig
+    from megatron_ext.megatron.sections import TrainingConfig
 
     seq = int(out.get("training.seq_length"))
     samples = flag_value(flags.get("train-samples"))

@@ -1,15 +1,15 @@
 """``megatron-ext recipe from-megatron-args ARGS_FILE_OR_SCRIPT -o recipe.yaml``: a recipe from a
-Megatron-LM argument list or launch script (:mod:`megatron_ext.config.from_megatron`).
+Megatron-LM argument list or launch script (:mod:`megatron_ext.megatron.from_megatron`).
 
 The flags go through Megatron-LM's own ``parse_args`` + ``validate_args``
-(:mod:`megatron_ext.config.megatron_parse`) at the script's world size (``--world-size``
+(:mod:`megatron_ext.megatron.megatron_parse`) at the script's world size (``--world-size``
 otherwise), its GPU queries answered for ``--gpu`` (default H100). The recipe it writes starts
 with comments naming every flag it could not map (with the reason), the torchrun flags (as
 ``megatron-ext launch`` options) and its notes; the same lists go to stderr. Megatron-LM's
 refusal (an unknown flag, a bad combination), a missing required flag, a recipe that does not
 validate, a flag that builds another model than the recipe can describe (fp16 with loss
 scaling, a tokenizer megatron-ext does not read, ...:
-:data:`~megatron_ext.config.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped``, an
+:data:`~megatron_ext.megatron.megatron_flags.MODEL_CHANGING`) without ``--allow-unmapped``, an
 unreadable source or an unwritable output is one line and exit code 2 (nothing written). Torch
 and Megatron-LM are imported only to convert.
 """
@@ -26,10 +26,10 @@ import yaml
 
 from megatron_ext.atomic import atomic_path, check_output_path
 from megatron_ext.commands import Command
-from megatron_ext.config.from_megatron import Conversion, convert
 from megatron_ext.config.load import recipe_from_dict
-from megatron_ext.config.megatron_args import read_megatron_args
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron import Conversion, convert
+from megatron_ext.megatron.megatron_args import read_megatron_args
 
 __all__ = ["add_arguments", "recipe_main", "render"]
 
@@ -167,7 +167,7 @@ def check_main(args: argparse.Namespace) -> int:
     as it goes."""
     import json
 
-    from megatron_ext.config.check_megatron import as_json, check_file, discover, table
+    from megatron_ext.megatron.check_megatron import as_json, check_file, discover, table
 
     root = Path(args.path)
     if not root.is_dir():

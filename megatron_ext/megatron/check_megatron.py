@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.config.megatron_args import Flag, MegatronArgs, read_megatron_args
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.megatron_args import Flag, MegatronArgs, read_megatron_args
 
 __all__ = ["PLACEHOLDERS", "CaseResult", "check_file", "discover", "table"]
 
@@ -165,10 +165,10 @@ def check_file(
     path: Path, root: Path, variables: dict[str, str], world_size: int | None, gpu: str
 ) -> CaseResult:
     """Convert ``path`` and compare the recipe with Megatron-LM's run (module docstring)."""
-    from megatron_ext.config.from_megatron import convert
-    from megatron_ext.config.from_megatron_parsed import script_world_size
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.config.megatron_compare import compare
+    from megatron_ext.megatron.from_megatron import convert
+    from megatron_ext.megatron.from_megatron_parsed import script_world_size
+    from megatron_ext.megatron.megatron_compare import compare
 
     name = str(path.relative_to(root))
     try:

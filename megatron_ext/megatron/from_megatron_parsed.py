@@ -18,11 +18,11 @@ import dataclasses
 from argparse import Namespace
 from typing import TYPE_CHECKING, Any
 
-from megatron_ext.config.megatron_args import Flag, MegatronArgs
-from megatron_ext.config.megatron_flags import TORCHRUN
+from megatron_ext.megatron.megatron_args import Flag, MegatronArgs
+from megatron_ext.megatron.megatron_flags import TORCHRUN
 
 if TYPE_CHECKING:
-    from megatron_ext.config.from_megatron import Conversion
+    from megatron_ext.megatron.from_megatron import Conversion
 
 __all__ = ["apply_parsed", "megatron_words", "parse_script", "script_world_size"]
 
@@ -75,7 +75,7 @@ def parse_script(
 ) -> tuple[Namespace, int, str]:
     """Megatron-LM's namespace for the script, the world size it was validated at and the
     note that says so."""
-    from megatron_ext.config.megatron_parse import GPU_CAPABILITY, parse_megatron
+    from megatron_ext.megatron.megatron_parse import GPU_CAPABILITY, parse_megatron
 
     size, source = script_world_size(args, world_size)
     parsed = parse_megatron(megatron_words(args), size, gpu, args.variables)
@@ -92,7 +92,7 @@ def apply_parsed(
     out: Conversion, args: MegatronArgs, parsed: Namespace, size: int, gpu: str
 ) -> None:
     """Megatron-LM's derived values into the recipe ``out`` (see the module docstring)."""
-    from megatron_ext.config.megatron_parse import transformer_fields
+    from megatron_ext.megatron.megatron_parse import transformer_fields
 
     if parsed.sequence_parallel != bool(out.get("parallel.sequence_parallel", False)):
         out.notes.append(
@@ -163,8 +163,8 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     import torch
 
     from megatron_ext.config.load import recipe_from_dict
-    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig, TrainingConfig
     from megatron_ext.megatron.model import transformer_kwargs
+    from megatron_ext.megatron.sections import ModelConfig, ParallelConfig, TrainingConfig
     from megatron_ext.megatron.transformer_fields import HOST_FIELDS, SECTION_FIELDS
     from megatron_ext.megatron.transformer_fields import activation_function as activation
 
@@ -217,8 +217,8 @@ def _carried_flags(
 ) -> None:
     """An unmapped flag whose effect the recipe now carries -- leaving it out changes Megatron-LM's
     ``TransformerConfig`` in a field the recipe took -- becomes mapped."""
-    from megatron_ext.config.megatron_parse import parse_megatron, transformer_fields
     from megatron_ext.errors import ConfigError
+    from megatron_ext.megatron.megatron_parse import parse_megatron, transformer_fields
 
     carried = set(changed) | {"rotary_percent"}
     for text, reason in list(out.unmapped):

@@ -30,15 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ext.config.from_megatron_groups import (
+from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.from_megatron_groups import (
     flag_value,
     map_data,
     map_low_precision,
     map_moe_layer_freq,
     map_samples,
 )
-from megatron_ext.config.megatron_args import Flag, MegatronArgs
-from megatron_ext.config.megatron_flags import (
+from megatron_ext.megatron.megatron_args import Flag, MegatronArgs
+from megatron_ext.megatron.megatron_flags import (
     CONSUMED,
     ENTRY_SCRIPTS,
     MEGATRON_DEFAULTS,
@@ -51,7 +52,6 @@ from megatron_ext.config.megatron_flags import (
     optimizer_flag_defaults,
     optimizer_flags,
 )
-from megatron_ext.errors import ConfigError
 from megatron_ext.optimizers.spec import registered_optimizers
 
 __all__ = ["Conversion", "convert", "translate"]
@@ -108,7 +108,7 @@ def convert(args: MegatronArgs, world_size: int | None = None, gpu: str = "H100"
     """The recipe for Megatron-LM flags ``args`` (see the module docstring), validated by
     Megatron-LM's own parser at the script's world size (else ``world_size``, else the
     smallest its parallel sizes allow) on a CPU host answering for ``gpu``."""
-    from megatron_ext.config.from_megatron_parsed import apply_parsed, parse_script
+    from megatron_ext.megatron.from_megatron_parsed import apply_parsed, parse_script
 
     _check_entry_script(args)
     out = Conversion(recipe={"trainer": "gpt"})
