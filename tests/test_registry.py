@@ -258,7 +258,23 @@ def _launch(plugin: Path, *args: str, log: Path | None = None) -> subprocess.Com
     )
 
 
-def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(plugin, tmp_path) -> None:
+@pytest.fixture
+def plugin_here(plugin, monkeypatch) -> None:
+    """The plugin's entries in this process's registries for one test: its folder on
+    ``sys.path`` and the trainer and optimizer registries loaded afresh (restored after)."""
+    from megatron_ext.config.trainers import TRAINERS
+    from megatron_ext.optimizers.spec import OPTIMIZERS
+
+    monkeypatch.syspath_prepend(str(plugin))
+    for registry in (TRAINERS, OPTIMIZERS):
+        monkeypatch.setattr(registry, "_items", {})
+        monkeypatch.setattr(registry, "_origin", {})
+        monkeypatch.setattr(registry, "_loaded", False)
+
+
+def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(
+    plugin, plugin_here, tmp_path, capsys
+) -> None:
     recipe = tmp_path / "countdown.yaml"
     run_dir = tmp_path / "run"
     recipe.write_text(
@@ -279,9 +295,12 @@ def test_a_plugin_trainer_runs_from_a_recipe_with_its_own_section(plugin, tmp_pa
         "optimizer.lr=1": "trainer=countdown does not read optimizer; it reads countdown, "
         "and run_dir, seed",
     }
-    for override, message in refused.items():
-        proc = _launch(plugin, str(recipe), override, "--nproc-per-node", "2", "--dry-run")
-        assert proc.returncode == 2 and message in proc.stderr, (override, proc.stderr)
+    from megatron_ext.launch.cli import main
+
+    for override, message in refused.items():  # the dry run, in this process
+        code = main(["launch", str(recipe), override, "--nproc-per-node", "2", "--dry-run"])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (override, err)
 
 
 def test_a_plugin_optimizer_trains_the_gpt_with_its_own_recipe_field(plugin, tmp_path) -> None:
