@@ -137,8 +137,13 @@ class Registry[T]:
         if self._loaded:
             return
         with self._lock:
-            if self._loaded or self._in_load:  # in_load: an entry point reading this registry
+            if self._loaded:
                 return
+            if self._in_load:  # an entry, while it is imported, reads the registry it is in
+                raise RuntimeError(
+                    f"a {self.kind} read the {self.kind} registry while it was loading (an "
+                    "import-time read of the registry in a registered module): read it later"
+                )
             self._in_load = True
             try:
                 self._load_shipped()
