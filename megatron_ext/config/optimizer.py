@@ -53,7 +53,7 @@ class OptimizerConfig:
     its spec's :attr:`~megatron_ext.optimizers.spec.OptimizerSpec.options` dataclass; a recipe
     writes them flat, ``muon_momentum: 0.9``, :func:`split_options`)."""
 
-    name: str = spec("adamw", help="a registered optimizer (megatron-ext recipe fields)")
+    name: str = spec("adamw", help="a registered optimizer (megatron_ext.optimizers.spec)")
     lr: float = spec(3e-4, gt=0.0)
     min_lr: float = spec(0.0, ge=0.0)
     weight_decay: float = spec(0.1, ge=0.0)
