@@ -1,6 +1,6 @@
 """Progress of a command's slow work, on a terminal only.
 
-Two forms, both on stderr and both transient (erased when done, so the terminal keeps only the
+Three forms, all on stderr and all transient (erased when done, so the terminal keeps only the
 command's result):
 
 - :func:`step`: one status line for a step of unknown length (``convert`` importing torch,
