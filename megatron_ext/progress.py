@@ -113,13 +113,14 @@ class Tally:
         finally:
             with self._lock:
                 del self._now[k]
+                self._show(refresh=not ok)
                 if ok:
                     self._shown.update(1)
-                self._show()
+                    self._shown.refresh()  # the count and the names now running, at once
 
-    def _show(self) -> None:
+    def _show(self, *, refresh: bool = True) -> None:
         assert self._shown is not None
-        self._shown.set_postfix_str(", ".join(self._now.values()))
+        self._shown.set_postfix_str(", ".join(self._now.values()), refresh=refresh)
 
 
 @contextmanager

@@ -89,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     stages = 5 if args.faults else 4  # the runs, outer timing, queue latency, faults
-    with tempfile.TemporaryDirectory() as tmp, progress("dipaco", "stages", stages) as shown:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        progress("dipaco", "stages", stages, unit="stage") as shown,
+    ):
         work = Path(args.workdir or tmp)
         report = _measure(args, work, shown)
     print(json.dumps(report, indent=2))

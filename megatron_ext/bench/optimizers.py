@@ -279,17 +279,18 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             params = [torch.nn.Parameter(w.clone()) for w in weights]
             running[mode] = (factories[mode](params), params)
-        # the repeat rule decides the rounds: the bar counts them, no total; it is drawn
+        # the repeat rule decides the rounds: the bar counts steps, no total; it is drawn
         # between steps, never inside the clock of one
-        with progress("optimizers", f"rounds of {len(modes)} modes", None, unit="round") as shown:
-            with shown.running(f"warm-up, {args.warmup} steps"):
-                for _ in range(args.warmup):
-                    for opt, params in running.values():
+        what = f"steps, a round of {len(modes)} modes"
+        with progress("optimizers", what, None, unit="step") as shown:
+            for i in range(args.warmup):
+                for mode, (opt, params) in running.items():
+                    with shown.running(f"warm-up {i + 1}: {mode}"):
                         timed_step(opt, params)
             rounds = 0
             while True:  # rounds until every pair's ratio is tight enough (bench._trust)
-                with shown.running(f"round {rounds + 1}"):
-                    for mode in round_order(list(running), rounds):
+                for mode in round_order(list(running), rounds):
+                    with shown.running(f"round {rounds + 1}: {mode}"):
                         times[mode].append(timed_step(*running[mode]))
                 rounds += 1
                 if repeat.done(rounds, list(pair_ratios(times).values())):
