@@ -56,9 +56,9 @@ RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 PENDING: set[tuple[str, str]] = set()
 
 #: What the benchmarks may import below their public names: the trainer-neutral plumbing they
-#: run on (errors, registries, atomic writes), not a package's internals (recipes are read
-#: through ``megatron_ext.config``'s public names).
-BENCH_ANY_MODULE = {"megatron_ext", "errors", "registry", "atomic", "commands", "bench"}
+#: run on (errors, registries, atomic writes, progress on a terminal), not a package's internals
+#: (recipes are read through ``megatron_ext.config``'s public names).
+BENCH_ANY_MODULE = {"megatron_ext", "errors", "registry", "atomic", "progress", "commands", "bench"}
 #: The one reach into a trainer's module that bench keeps, by name: DiPaCo's fault scenarios
 #: replace the worker's private lease check to pause a worker at its first check (fault
 #: injection, not a use); a fault-injection hook in dipaco/run/worker.py would remove it.

@@ -3,6 +3,8 @@
 The commands run in process through ``main(argv)`` with stderr replaced by a stream that says
 it is a terminal (tqdm writes to it as to one): ``data build`` (documents tokenized) and
 ``ckpt verify`` (bytes checksummed, on a checkpoint folder whose manifest lists its files).
+The benchmarks' one bar (``bench.common.progress``) is checked here on its own; a real
+benchmark shows it in ``test_smoke.py::test_benchmark_quick_run[ramp]`` (its two runs).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.bench.common import progress
 from megatron_ext.ckpt.manifest import build_manifest, hash_files, write_manifest
 from megatron_ext.launch.cli import main
-from megatron_ext.progress import QUIET_VAR
+from megatron_ext.progress import QUIET_VAR, on_terminal
 from megatron_ext.verbosity import VERBOSE_VAR
 
 
@@ -78,3 +81,62 @@ def test_ckpt_verify_shows_the_bytes_checked(
     assert "megatron-ext: ckpt verify: checking 1 checkpoint(s)" in shown
     assert "0.00/1.05M [" in shown, shown  # the manifest lists 1 MiB + 2 bytes
     assert _stderr_of(["ckpt", "verify", str(ckpt), "--quiet"], monkeypatch, terminal=True) == ""
+
+
+def _arms(names: tuple[str, ...], total: int | None = None) -> None:
+    """A benchmark's loop as the benchmarks write it: a line per arm, each arm in ``running``."""
+    with progress("demo", "runs", len(names) if total is None else total) as shown:
+        for name in names:
+            print(f"[demo] {name}: running")
+            with shown.running(name):
+                assert not on_terminal() and not sys.stdout.isatty()  # no second bar inside
+            print(f"[demo] {name}: done", end="")  # a partial line: written when it ends
+            print()
+
+
+def test_a_benchmark_bar_names_each_run_and_keeps_the_figures_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(QUIET_VAR, "0")
+    term, out = _Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setattr(sys, "stdout", out)
+    _arms(("adamw", "muon"))
+    shown = term.getvalue()
+    assert "megatron-ext: bench demo: runs:" in shown and "2/2 [" in shown, shown
+    assert "adamw (1/2)" in shown and "muon (2/2)" in shown
+    assert shown.endswith("\r")  # erased
+    lines = "[demo] adamw: running\n[demo] adamw: done\n[demo] muon: running\n[demo] muon: done\n"
+    assert out.getvalue() == lines  # stdout: the same bytes as without a bar
+    assert sys.stdout is out and sys.stderr is term  # restored
+    # stdout and stderr one terminal: each line lands whole, the bar cleared before it
+    monkeypatch.setattr(sys, "stdout", term)
+    term.seek(0), term.truncate()
+    _arms(("adamw",))
+    both = term.getvalue()
+    assert "\r[demo] adamw: running\n\rmegatron-ext: bench demo" in both  # cleared, redrawn
+    assert "\r[demo] adamw: done\n" in both
+
+
+def test_a_benchmark_bar_is_off_on_a_pipe_and_with_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    for quiet, err in (("0", io.StringIO()), ("1", _Terminal())):
+        monkeypatch.setenv(QUIET_VAR, quiet)
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", err)
+        monkeypatch.setattr(sys, "stdout", out)
+        with progress("demo", "runs", 1) as shown, shown.running("adamw"):
+            assert sys.stdout is out  # the streams untouched
+        assert err.getvalue() == ""
+
+
+def test_side_by_side_runs_and_a_failed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(QUIET_VAR, "0")
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with pytest.raises(RuntimeError), progress("demo", "runs", None) as shown:
+        with shown.running("a"), shown.running("b"):  # a pool's runs (bench paper)
+            assert "a (1), b (2)" in term.getvalue()
+        with shown.running("c"):
+            raise RuntimeError("the c run failed")
+    assert sys.stderr is term  # restored after the error
+    assert "2run [" in term.getvalue() and "3run [" not in term.getvalue()  # c not counted

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import math
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.bench import benchmarks
+from megatron_ext.progress import QUIET_VAR
 from tests.conftest import run_cli
 
 # ---------------------------------------------------------------------------------------------
@@ -256,6 +259,11 @@ def _quick_argv(name: str, tmp: Path) -> list[str]:
     return argv
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 #: the benchmarks whose runs go through the launcher (``bench.common.launch_run``); their smoke
 #: runs call ``megatron-ext bench`` in this process with the runs' ranks forked warm
 #: (:func:`tests.conftest.warm_launch_run`): ~9 CPU-s of interpreter and imports saved per run
@@ -278,7 +286,12 @@ def test_benchmark_quick_run(
         from megatron_ext.launch.cli import main
 
         runs = request.getfixturevalue("warm_benchmark_runs")
-        request.getfixturevalue("monkeypatch").chdir(tmp_path)
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.chdir(tmp_path)
+        bar = _Terminal()
+        if name == "ramp":  # one real benchmark on a terminal: its bar (tests/test_progress.py)
+            monkeypatch.setenv(QUIET_VAR, "0")
+            monkeypatch.setattr(sys, "stderr", bar)
         threads = torch.get_num_threads()
         try:
             code = main(argv)
@@ -286,6 +299,10 @@ def test_benchmark_quick_run(
             torch.set_num_threads(threads)
         stdout, stderr = capfd.readouterr()
         assert code == 0, stdout[-3000:] + stderr[-3000:]
+        if name == "ramp":  # each run named while it runs, the bar erased at the end
+            shown = bar.getvalue()
+            assert "megatron-ext: bench ramp: runs:" in shown and "2/2 [" in shown, shown
+            assert "constant (1/2)" in shown and "ramp (2/2)" in shown and shown.endswith("\r")
         assert runs["calls"] == len(list(tmp_path.glob("out/**/metrics.jsonl"))) > 0
     else:
         stdout = run_cli(argv, tmp_path).stdout

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.bench._trust import load_check, ratio_spread
-from megatron_ext.bench.common import set_anchor, write_json
+from megatron_ext.bench.common import progress, set_anchor, write_json
 
 ARMS = ("megatron_core", "megatron_ext")
 ANCHOR = (
@@ -122,15 +122,18 @@ def run_against(args: argparse.Namespace) -> int:
     )
     runs: dict[str, dict[str, Any]] = {}
     trajectories: dict[str, dict[str, list[float]]] = {}
-    for depth in args.depths:
-        for n in sizes:
-            ranks = _launch(n, depth, args)
-            if ranks is None:
-                return 1
-            key = f"L{depth}_DP{n}"
-            runs[key] = summarise(ranks, args.steps)
-            trajectories[key] = {a: [r["loss"] for r in ranks[0]["rows"][a]] for a in ARMS}
-            print(f"  layers={depth} DP={n}: {runs[key]['steps_run']} steps")
+    launches = len(args.depths) * len(sizes)
+    with progress("layerwise", "torchrun launches", launches, unit="launch") as shown:
+        for depth in args.depths:
+            for n in sizes:
+                with shown.running(f"layers={depth} DP={n}"):
+                    ranks = _launch(n, depth, args)
+                if ranks is None:
+                    return 1
+                key = f"L{depth}_DP{n}"
+                runs[key] = summarise(ranks, args.steps)
+                trajectories[key] = {a: [r["loss"] for r in ranks[0]["rows"][a]] for a in ARMS}
+                print(f"  layers={depth} DP={n}: {runs[key]['steps_run']} steps")
     report = {
         "against": "megatron-core",
         "model": {"hidden": args.hidden, "vocab": args.vocab, "depths": args.depths},

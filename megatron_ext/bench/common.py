@@ -6,11 +6,13 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.progress import Tally, tally
 
 
 def matmul_gflops(size: int = 1024, repeats: int = 12, device: str = "cpu") -> float:
@@ -54,6 +56,22 @@ def write_json(report: dict[str, Any], path: str | None) -> None:
 
         write_json_atomic(path, {**report, "meta": run_meta()})
         print(f"wrote {path}")
+
+
+@contextmanager
+def progress(benchmark: str, what: str, total: int | None, *, unit: str = "run") -> Iterator[Tally]:
+    """The one progress of every benchmark: a bar ``megatron-ext: bench BENCHMARK: WHAT`` over
+    its ``total`` units (runs, arms, modes, DP sizes, rounds; ``None`` where a repeat rule
+    decides how many), each wrapped in ``with tally.running(name):`` so the bar names what runs
+    now, ``k/n``. On a terminal only and off with ``--quiet`` (:func:`megatron_ext.progress.tally`);
+    the benchmark's stdout and JSON are the same with or without it.
+
+    Training runs a benchmark starts through :func:`launch_run` write their output, and so
+    their own progress, to ``run_dir/run.log`` (not a terminal: the trainer's bar is off there,
+    as before); work run in this process sees stdout as no terminal while the bar is shown.
+    Either way this bar is the only one on the terminal."""
+    with tally(f"bench {benchmark}", what, total=total, unit=unit) as shown:
+        yield shown
 
 
 def launch_run(recipe: str, overrides: list[str], run_dir: Path, label: str) -> Path:

@@ -174,7 +174,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import run_length_overrides, write_json
+    from megatron_ext.bench.common import progress, run_length_overrides, write_json
 
     variants = parse_variants(args.optimizers)
     if args.last < 1:
@@ -183,10 +183,13 @@ def run(args: argparse.Namespace) -> int:
     overrides = run_length_overrides(args.recipe, args.overrides, args.steps, "convergence")
     out = Path(args.out)
     results = {}
-    for name, extra in variants.items():
-        print(f"[convergence] {name}: running", flush=True)
-        results[name] = summarize(run_variant(args.recipe, overrides, name, extra, out), args.last)
-        print(f"[convergence] {name}: train loss {results[name]['train_loss']:.4f}", flush=True)
+    with progress("convergence", "runs", len(variants)) as shown:
+        for name, extra in variants.items():
+            print(f"[convergence] {name}: running", flush=True)
+            with shown.running(name):
+                run_dir = run_variant(args.recipe, overrides, name, extra, out)
+            results[name] = summarize(run_dir, args.last)
+            print(f"[convergence] {name}: train loss {results[name]['train_loss']:.4f}", flush=True)
     print(report(results, args.last))
     title = f"{args.recipe} {' '.join(overrides)}".strip()
     plot(results, out / "convergence.png", title)

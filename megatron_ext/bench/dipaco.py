@@ -36,8 +36,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.bench.common import write_json
+from megatron_ext.bench.common import progress, write_json
 from megatron_ext.commands import positive_int
+from megatron_ext.progress import Tally
 
 DESCRIPTION = (
     "DiPaCo: bytes per outer step vs DDP, outer-step time split, queue latency on SQLite and "
@@ -87,15 +88,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
+    stages = 5 if args.faults else 4  # the runs, outer timing, queue latency, faults
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        progress("dipaco", "stages", stages, unit="stage") as shown,
+    ):
         work = Path(args.workdir or tmp)
-        report = _measure(args, work)
+        report = _measure(args, work, shown)
     print(json.dumps(report, indent=2))
     write_json(report, args.json)
     return 0
 
 
-def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _measure(args: argparse.Namespace, work: Path, shown: Tally) -> dict[str, Any]:
     from megatron_ext.bench._dipaco_measure import (
         comm_bytes,
         outer_timing,
@@ -107,7 +112,8 @@ def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     data = write_small_corpus(work / "data")
     clean = small_overrides(data, work / "clean")
-    wall = small_run(RECIPE, clean)
+    with shown.running("clean run"):
+        wall = small_run(RECIPE, clean)
     recipe = load_recipe(RECIPE, clean)
     comm = comm_bytes(recipe)
     report: dict[str, Any] = {
@@ -119,20 +125,24 @@ def _measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     _print_comm(comm)
     # the same run with the embedding kept per path: it never moves, the ratio drops below 1/tau
     own = [*small_overrides(data, work / "own_embedding"), *OWN_EMBEDDING]
-    small_run(RECIPE, own)
+    with shown.running("run with a path-specific embedding"):
+        small_run(RECIPE, own)
     report["comm_path_specific_embedding"] = comm_bytes(load_recipe(RECIPE, own))
     print("with the embedding path-specific (" + " ".join(OWN_EMBEDDING) + "):")
     _print_comm(report["comm_path_specific_embedding"])
-    report["outer"] = outer_timing(args.sizes, args.paths)
+    with shown.running("outer step timing"):
+        report["outer"] = outer_timing(args.sizes, args.paths)
     for row in report["outer"]:
         print(
             f"outer step {row['params']:>9,} params x {row['paths']:>2} paths: load "
             f"{row['load_ms']:.1f} ms, reduce {row['reduce_ms']:.1f}, step {row['step_ms']:.1f}, "
             f"write {row['write_ms']:.1f}"
         )
-    report["queue"] = _queue(args, work)
+    with shown.running("queue latency"):
+        report["queue"] = _queue(args, work)
     if args.faults:
-        report["faults"] = _faults(data, work, recipe, wall)
+        with shown.running("fault runs"):
+            report["faults"] = _faults(data, work, recipe, wall)
     return report
 
 

@@ -56,7 +56,7 @@ from megatron_ext.bench._trust import (
     ratio_spread,
     round_order,
 )
-from megatron_ext.bench.common import write_json
+from megatron_ext.bench.common import progress, write_json
 from megatron_ext.bench.optimizers import Workload, add_workload_arguments
 from megatron_ext.optimizers import registered_optimizers
 
@@ -191,20 +191,27 @@ def run(args: argparse.Namespace) -> int:
     slowest: dict[int, list[float]] = {n: [] for n in sizes}
     repeat = Repeat(args.spread, args.budget, min_rounds=args.rounds, max_rounds=args.max_rounds)
     rounds = 0
-    while True:  # rounds of one launch per DP size, alternating order (bench._trust)
-        for n in round_order(sizes, rounds):
-            started = time.perf_counter()
-            ranks = _launch(n, args)
-            if ranks is None:
-                return 1
-            per_dp[str(n)] = _summarise(ranks)
-            slowest[n].append(per_dp[str(n)]["slowest_step_s"])
-            fingerprints[n] = ranks[0]["fingerprint"]
-            print(f"  round {rounds + 1}, DP={n}: done in {time.perf_counter() - started:.1f} s")
-        rounds += 1
-        per_round = [[a / b for a, b in zip(slowest[n], slowest[1], strict=True)] for n in sizes]
-        if 1 not in slowest or repeat.done(rounds, per_round):
-            break
+    # the repeat rule decides the rounds: the bar counts launches, no total
+    with progress("layerwise", "torchrun launches", None, unit="launch") as shown:
+        while True:  # rounds of one launch per DP size, alternating order (bench._trust)
+            for n in round_order(sizes, rounds):
+                started = time.perf_counter()
+                with shown.running(f"round {rounds + 1}, DP={n}"):
+                    ranks = _launch(n, args)
+                if ranks is None:
+                    return 1
+                per_dp[str(n)] = _summarise(ranks)
+                slowest[n].append(per_dp[str(n)]["slowest_step_s"])
+                fingerprints[n] = ranks[0]["fingerprint"]
+                print(
+                    f"  round {rounds + 1}, DP={n}: done in {time.perf_counter() - started:.1f} s"
+                )
+            rounds += 1
+            per_round = [
+                [a / b for a, b in zip(slowest[n], slowest[1], strict=True)] for n in sizes
+            ]
+            if 1 not in slowest or repeat.done(rounds, per_round):
+                break
     repeat.reason = repeat.reason or "no DP=1 run: no ratio to repeat for"
     base = per_dp.get("1")
     speedup: dict[str, Any] = {}

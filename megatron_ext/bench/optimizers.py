@@ -32,7 +32,7 @@ from megatron_ext.bench._optimizers_report import (
 )
 from megatron_ext.bench._trust import Repeat, add_trust_arguments, load_check, round_order
 from megatron_ext.bench.common import matmul_gflops as measured_matmul_gflops
-from megatron_ext.bench.common import optimizer_state_bytes, write_json
+from megatron_ext.bench.common import optimizer_state_bytes, progress, write_json
 from megatron_ext.commands import positive_int
 from megatron_ext.errors import ConfigError
 
@@ -279,28 +279,36 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             params = [torch.nn.Parameter(w.clone()) for w in weights]
             running[mode] = (factories[mode](params), params)
-        for _ in range(args.warmup):
-            for opt, params in running.values():
-                timed_step(opt, params)
-        rounds = 0
-        while True:  # rounds until every pair's ratio is tight enough (bench._trust)
-            for mode in round_order(list(running), rounds):
-                times[mode].append(timed_step(*running[mode]))
-            rounds += 1
-            if repeat.done(rounds, list(pair_ratios(times).values())):
-                break
+        # the repeat rule decides the rounds: the bar counts steps, no total; it is drawn
+        # between steps, never inside the clock of one
+        what = f"steps, a round of {len(modes)} modes"
+        with progress("optimizers", what, None, unit="step") as shown:
+            for i in range(args.warmup):
+                for mode, (opt, params) in running.items():
+                    with shown.running(f"warm-up {i + 1}: {mode}"):
+                        timed_step(opt, params)
+            rounds = 0
+            while True:  # rounds until every pair's ratio is tight enough (bench._trust)
+                for mode in round_order(list(running), rounds):
+                    with shown.running(f"round {rounds + 1}: {mode}"):
+                        times[mode].append(timed_step(*running[mode]))
+                rounds += 1
+                if repeat.done(rounds, list(pair_ratios(times).values())):
+                    break
         states = {mode: optimizer_state_bytes(opt) for mode, (opt, _) in running.items()}
         del running
     else:
-        for mode in modes:
-            params = [torch.nn.Parameter(w.clone()) for w in weights]
-            opt = factories[mode](params)
-            for i in range(args.warmup + args.steps):
-                elapsed = timed_step(opt, params)
-                if i >= args.warmup:
-                    times[mode].append(elapsed)
-            states[mode] = optimizer_state_bytes(opt)
-            del opt, params
+        with progress("optimizers", "modes", len(modes), unit="mode") as shown:
+            for mode in modes:
+                params = [torch.nn.Parameter(w.clone()) for w in weights]
+                opt = factories[mode](params)
+                with shown.running(mode):
+                    for i in range(args.warmup + args.steps):
+                        elapsed = timed_step(opt, params)
+                        if i >= args.warmup:
+                            times[mode].append(elapsed)
+                states[mode] = optimizer_state_bytes(opt)
+                del opt, params
         repeat.reason = f"--no-interleave: {args.steps} steps per mode, not repeated"
 
     results: dict[str, dict[str, Any]] = {}

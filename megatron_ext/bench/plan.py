@@ -219,18 +219,24 @@ def _check_inputs(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import write_json
+    from megatron_ext.bench.common import progress, write_json
     from megatron_ext.planner import gpu_spec
 
     spec = gpu_spec(args.gpu)
     _check_inputs(args)
-    rows = [
-        _row(source, optimizer, world, args)
+    cells = [
+        (source, optimizer, world)
         for source in args.recipes
         for world in args.gpus
         for optimizer in args.optimizers
     ]
-    balance = _balance(args)
+    rows = []
+    with progress("plan", "plans", len(cells) + 1, unit="plan") as shown:
+        for source, optimizer, world in cells:
+            with shown.running(f"{source} {optimizer} {world} GPUs"):
+                rows.append(_row(source, optimizer, world, args))
+        with shown.running(f"{BALANCE_RECIPE} balance over DP"):
+            balance = _balance(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = _table(rows)

@@ -114,7 +114,7 @@ def parse_precisions(spec: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.bench.common import launch_run, run_length_overrides, write_json
+    from megatron_ext.bench.common import launch_run, progress, run_length_overrides, write_json
     from megatron_ext.config import load_recipe
     from megatron_ext.run import probe_device, unmet_requirement
 
@@ -140,12 +140,17 @@ def run(args: argparse.Namespace) -> int:
     if args.noise:
         seed = f"seed={recipe.seed + 1}"
         plan.append((noise_name, reference, ["checkpoint.load=none", seed]))
-    for name, precision, extra in plan:
-        print(f"[precision] {name}: running", flush=True)
-        shutil.rmtree(out / name, ignore_errors=True)
-        launch_run(
-            args.recipe, [*common, f"training.precision={precision}", *extra], out / name, name
-        )
+    with progress("precision", "runs", len(plan)) as shown:
+        for name, precision, extra in plan:
+            print(f"[precision] {name}: running", flush=True)
+            shutil.rmtree(out / name, ignore_errors=True)
+            with shown.running(name):
+                launch_run(
+                    args.recipe,
+                    [*common, f"training.precision={precision}", *extra],
+                    out / name,
+                    name,
+                )
     runs = {name: read_run(out / name, args.last) for name, _, _ in plan}
     noise = (
         abs(runs[noise_name]["final_loss"] - runs[reference]["final_loss"]) if args.noise else None

@@ -119,10 +119,14 @@ def run(args: argparse.Namespace) -> int:
     load_recipe(args.recipe, [*overrides, *ramp])
     out = Path(args.out)
     results = {}
-    for name, extra in (("constant", []), ("ramp", ramp)):
-        print(f"[ramp] {name}: running", flush=True)
-        run_dir = common.launch_run(args.recipe, [*overrides, *RUN, *extra], out / name, name)
-        results[name] = summarize(run_dir, args.last)
+    with common.progress("ramp", "runs", 2) as shown:
+        for name, extra in (("constant", []), ("ramp", ramp)):
+            print(f"[ramp] {name}: running", flush=True)
+            with shown.running(name):
+                run_dir = common.launch_run(
+                    args.recipe, [*overrides, *RUN, *extra], out / name, name
+                )
+            results[name] = summarize(run_dir, args.last)
     for name, r in results.items():
         val = "–" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
         print(

@@ -53,7 +53,7 @@ from megatron_ext.bench._trust import (
     ratio_spread,
     timed_rounds,
 )
-from megatron_ext.bench.common import write_json
+from megatron_ext.bench.common import progress, write_json
 from megatron_ext.commands import positive_int
 
 DESCRIPTION = (
@@ -365,12 +365,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     report: dict[str, Any] = {}
-    if not args.inference_sweep:
-        report["spsa"] = _spsa(args)
-        print_spsa(report["spsa"], args.threads)
-    if not args.spsa_only:
-        report["inference"] = inference_sweeps(args)
-        print_sweeps(report["inference"])
+    parts = (not args.inference_sweep) + (not args.spsa_only)
+    with progress("soma", "parts", parts, unit="part") as shown:
+        if not args.inference_sweep:
+            with shown.running("SPSA update: batched vs per-probe forwards"):
+                report["spsa"] = _spsa(args)
+            print_spsa(report["spsa"], args.threads)
+        if not args.spsa_only:
+            with shown.running("inference sweeps"):
+                report["inference"] = inference_sweeps(args)
+            print_sweeps(report["inference"])
     print(json.dumps(report, indent=2))
     write_json(report, args.json)
     return 0

@@ -87,6 +87,7 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> St
 
 def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
     from megatron_ext.bench._dipaco_measure import write_small_corpus
+    from megatron_ext.bench.common import progress
     from megatron_ext.bench.paper import _dipaco_arms as A
     from megatron_ext.config import load_recipe
     from megatron_ext.convert import init_single_process
@@ -95,31 +96,36 @@ def _run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> S
     data = write_small_corpus(out / "data", documents=A.CORPUS[size])
     arms: dict[str, dict[str, Any]] = {arm: {} for arm in (*ORDER, "early_stopping", "corpus")}
     started = time.perf_counter()
-    for seed in seeds:
-        base: Path | None = None
-        for arm in ORDER:
-            t0 = time.perf_counter()
-            run_dir = out / "runs" / f"{arm}_s{seed}"
-            recipe = load_recipe(A.RECIPE, A.arm_overrides(arm, size, seed, data, run_dir, base))
-            if arm == "full_sync":
-                figures = A.full_sync_perplexity(recipe)
-            else:
-                A.run_arm(recipe)
-                figures = dict(A.summary(recipe)["perplexity"])
-            if base is None:
-                base = A.base_model(A.context(recipe)[0])
-                arms["corpus"][str(seed)] = {"unigram_entropy": A.unigram_entropy(recipe)}
-            if arm in ROUTED:
-                figures["routing_gain"] = A.routing_gain(recipe)
-            figures["wall_s"] = time.perf_counter() - t0
-            arms[arm][str(seed)] = figures
-            print(f"[dipaco] seed {seed} {arm}: " + _line(figures), flush=True)
-            if arm == "dipaco_2x2":
-                es = A.early_stopping_perplexities(recipe)
-                arms["early_stopping"][str(seed)] = es
-                print(
-                    f"[dipaco] seed {seed} early stopping: on {es['on']:.3f}, off {es['off']:.3f}"
+    with progress("paper", "dipaco arms", len(seeds) * len(ORDER), unit="arm") as shown:
+        for seed in seeds:
+            base: Path | None = None
+            for arm in ORDER:
+                t0 = time.perf_counter()
+                run_dir = out / "runs" / f"{arm}_s{seed}"
+                recipe = load_recipe(
+                    A.RECIPE, A.arm_overrides(arm, size, seed, data, run_dir, base)
                 )
+                with shown.running(f"seed {seed} {arm}"):
+                    if arm == "full_sync":
+                        figures = A.full_sync_perplexity(recipe)
+                    else:
+                        A.run_arm(recipe)
+                        figures = dict(A.summary(recipe)["perplexity"])
+                if base is None:
+                    base = A.base_model(A.context(recipe)[0])
+                    arms["corpus"][str(seed)] = {"unigram_entropy": A.unigram_entropy(recipe)}
+                if arm in ROUTED:
+                    figures["routing_gain"] = A.routing_gain(recipe)
+                figures["wall_s"] = time.perf_counter() - t0
+                arms[arm][str(seed)] = figures
+                print(f"[dipaco] seed {seed} {arm}: " + _line(figures), flush=True)
+                if arm == "dipaco_2x2":
+                    es = A.early_stopping_perplexities(recipe)
+                    arms["early_stopping"][str(seed)] = es
+                    print(
+                        f"[dipaco] seed {seed} early stopping: on {es['on']:.3f}, "
+                        f"off {es['off']:.3f}"
+                    )
     settings = {
         "size": size,
         "recipe": A.RECIPE,

@@ -117,14 +117,14 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
 
 
 def _run_arms(
-    scale: Scale, arm_list: list[Arm], seeds: list[int], out: Path
+    scale: Scale, arm_list: list[Arm], seeds: list[int], out: Path, stage: str
 ) -> dict[str, dict[str, Any]]:
     """Every arm × seed of ``arm_list`` through the launcher, ``scale.jobs`` at a time; the
     results by arm and seed, in the order of ``arm_list``. Arms whose overrides are identical
     (e.g. KL-SOAP at 4× in the stability and the batch sweep) are one run, reported under each
     name. A seed's stability arms are queued side by side, so the QR and eigh step times are
-    taken under similar load."""
-    from megatron_ext.bench.common import launch_run
+    taken under similar load. ``stage`` names them on the progress bar."""
+    from megatron_ext.bench.common import launch_run, progress
 
     runs: dict[tuple[str, ...], tuple[Arm, int]] = {}  # overrides -> the first arm that has them
     names: dict[tuple[str, ...], list[tuple[str, int]]] = {}
@@ -137,7 +137,8 @@ def _run_arms(
     def one(key: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, Any]]:
         arm, seed = runs[key]
         run_dir = out / "runs" / arm.name / f"seed{seed}"
-        launch_run(RECIPE, list(key), run_dir, f"{arm.name} seed {seed}")
+        with shown.running(f"{arm.name} seed {seed}"):  # side by side with the pool's others
+            launch_run(RECIPE, list(key), run_dir, f"{arm.name} seed {seed}")
         result = summarize_run(run_dir, scale)
         also = [n for n, _ in names[key] if n != arm.name]
         print(
@@ -150,7 +151,10 @@ def _run_arms(
         return key, result
 
     results: dict[str, dict[str, Any]] = {}
-    with ThreadPoolExecutor(max_workers=scale.jobs) as pool:
+    with (
+        progress("paper", f"optimizers, {stage}", len(runs)) as shown,
+        ThreadPoolExecutor(max_workers=scale.jobs) as pool,
+    ):
         for key, result in pool.map(one, list(runs)):
             for name, seed in names[key]:
                 results.setdefault(name, {})[str(seed)] = result
@@ -174,14 +178,16 @@ def _run_all(
     """Stage 1 (the LR sweep at 1× and the stability arms), the choice of each optimizer's LR,
     stage 2 (the batch sweep at it); every result by arm, the 1× run of the chosen LR also as
     ``sweep.<opt>.1x``; and the chosen LR multiples."""
-    first = _run_arms(scale, [*lr_arms(scale), *stability_arms(scale)], seeds, out)
+    first = _run_arms(
+        scale, [*lr_arms(scale), *stability_arms(scale)], seeds, out, "LR sweep and stability"
+    )
     best = choose_lr(scale, first)
     print(
         "[optimizers] LR chosen on validation loss (× the reference "
         f"{scale.lr:g}): " + ", ".join(f"{o} {m:.3g}" for o, m in best.items()),
         flush=True,
     )
-    second = _run_arms(scale, sweep_arms(scale, best), seeds, out)
+    second = _run_arms(scale, sweep_arms(scale, best), seeds, out, "batch sweep")
     chosen = {f"sweep.{o}.1x": first[lr_name(o, m)] for o, m in best.items()}
     return {**first, **chosen, **second}, best
 

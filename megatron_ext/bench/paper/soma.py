@@ -356,12 +356,17 @@ def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> An
 
     import torch
 
+    from megatron_ext.bench.common import progress
     from megatron_ext.bench.paper.report import StudyResult
 
     cfg = SCALES[size]
     torch.set_num_threads(min(2, torch.get_num_threads()))
     t0 = time.perf_counter()
-    arms = {str(s): _run_seed(cfg, s) for s in seeds}
+    arms = {}
+    with progress("paper", "soma seeds", len(seeds), unit="seed") as shown:
+        for s in seeds:
+            with shown.running(f"seed {s}: every comparison"):
+                arms[str(s)] = _run_seed(cfg, s)
     plot = _plot(cfg, arms, out)
     settings = {k: (v.__dict__ if isinstance(v, Scale) else v) for k, v in cfg.items()}
     settings["wall_s"] = round(time.perf_counter() - t0, 1)
