@@ -77,7 +77,7 @@ def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
         build_tokenizer("null_ids", "")
     recipe = recipe_from_dict(convert(read_megatron_args(FLAGS.format(data="d", vocab=8))).recipe)
     recipe.model.vocab_size = None
-    with pytest.raises(ConfigError, match="data.tokenizer=null_ids needs model.vocab_size"):
+    with pytest.raises(ConfigError, match=r"data\.tokenizer=null_ids needs model\.vocab_size"):
         recipe.check()
     base = FLAGS.format(data="d", vocab=8)
     other = convert(read_megatron_args(base + "--null-tokenizer-eod-id 0"))

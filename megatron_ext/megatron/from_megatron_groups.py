@@ -190,11 +190,9 @@ def map_null_tokenizer(
         if value is None or int(value) == default:
             take(key)  # absent flags are skipped by take
         else:
-            take(
-                key,
-                f"the null_ids tokenizer's {key.split('-')[2]} id is {default} (Megatron-LM's default)",
-                changes_model=True,
-            )
+            role = key.split("-")[2]  # eod or pad
+            reason = f"the null_ids tokenizer's {role} id is {default} (Megatron-LM's default)"
+            take(key, reason, changes_model=True)
 
 
 def map_samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:
