@@ -204,8 +204,8 @@ MODEL_CHANGING = {
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
     # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens
-    "tokenizer-type": "megatron-ext reads byte or SentencePiece tokenizers; the dataset's ids are "
-    "this tokenizer's",
+    "tokenizer-type": "megatron-ext reads SentencePiece, Hugging Face (GPT-2 BPE too) and "
+    "NullTokenizer ids; the dataset's ids are this tokenizer's",
     "tokenizer-model": "the model of a tokenizer megatron-ext does not read",
     "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece); the "
     "dataset's ids are its",
