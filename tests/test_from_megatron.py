@@ -300,20 +300,31 @@ def load_recipe_dict(raw: dict):
 
 def test_megatron_defaults_are_megatron_cores() -> None:
     """The defaults the converter writes for absent flags, against megatron-core's dataclasses
-    (Megatron-LM's argparse defaults for the rest are not importable here)."""
+    (Megatron-LM's argparse defaults for the rest are not importable here); the model fields
+    named as in TransformerConfig and the optimizer's named as in OptimizerConfig are Megatron-LM's
+    parsed values, with no table."""
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     oc = OptimizerConfig()
-    assert MEGATRON_DEFAULTS["model.normalization"] == tc.normalization
-    assert MEGATRON_DEFAULTS["model.add_bias_linear"] == tc.add_bias_linear
-    assert MEGATRON_DEFAULTS["model.hidden_dropout"] == tc.hidden_dropout
-    assert MEGATRON_DEFAULTS["model.attention_dropout"] == tc.attention_dropout
     assert (MEGATRON_DEFAULTS["model.activation"] == "gelu") == (not tc.gated_linear_unit)
-    assert MEGATRON_DEFAULTS["model.moe_token_dispatcher_type"] == tc.moe_token_dispatcher_type
-    assert MEGATRON_DEFAULTS["optimizer.adam_beta2"] == oc.adam_beta2
-    assert MEGATRON_DEFAULTS["optimizer.weight_decay"] == oc.weight_decay
+    # TransformerConfig's own fields come from Megatron-LM's config, not from the table
+    model = convert(read_megatron_args(BASE + "--global-batch-size 8 --train-iters 10"))
+    model_section = model.recipe["model"]
+    for name in ("normalization", "add_bias_linear", "hidden_dropout", "attention_dropout"):
+        assert f"model.{name}" not in MEGATRON_DEFAULTS
+        assert model_section[name] == getattr(tc, name), name
+    assert model_section["moe_token_dispatcher_type"] == tc.moe_token_dispatcher_type
+    # so are the optimizer fields named as in OptimizerConfig: Megatron-LM's parsed values
+    for name in ("adam_beta2", "weight_decay", "adam_beta1", "adam_eps", "clip_grad"):
+        assert f"optimizer.{name}" not in MEGATRON_DEFAULTS
+        assert load_recipe_dict(model.recipe).optimizer.__dict__[name] == getattr(oc, name), name
+    assert (model.recipe["optimizer"]["adam_beta2"], model.recipe["optimizer"]["lr"]) == (
+        0.999,
+        1e-3,
+    )
+    assert "--lr 1e-3" in model.mapped and model.unmapped == []
     assert yaml.safe_load(yaml.safe_dump(MEGATRON_DEFAULTS)) == MEGATRON_DEFAULTS
 
 

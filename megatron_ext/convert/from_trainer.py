@@ -146,7 +146,9 @@ def load_trainer_model(ckpt: Path, recipe: Recipe) -> tuple[Any, dict[str, Any]]
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()
-    tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
+    tokenizer = build_tokenizer(
+        recipe.data.tokenizer, recipe.data.tokenizer_model, recipe.model.vocab_size
+    )
     gpt = build_gpt_model(
         recipe.model,
         ParallelConfig(),

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from megatron_ext.data.build import build_gpt_datasets
     from megatron_ext.data.corpus import PYTHON_STDLIB, iter_documents, python_docs_documents
     from megatron_ext.data.indexed import BuildStats, build_indexed_dataset
+    from megatron_ext.data.null_ids import NullIdsTokenizer
     from megatron_ext.data.tokenizers import (
         ByteTokenizer,
         PretrainingTokenizer,
@@ -36,6 +37,7 @@ _EXPORTS = {
     "iter_documents": "corpus",
     "python_docs_documents": "corpus",
     "ByteTokenizer": "tokenizers",
+    "NullIdsTokenizer": "null_ids",
     "PretrainingTokenizer": "tokenizers",
     "SentencePieceTokenizer": "tokenizers",
     "build_tokenizer": "tokenizers",
@@ -45,6 +47,7 @@ __all__ = [
     "PYTHON_STDLIB",
     "BuildStats",
     "ByteTokenizer",
+    "NullIdsTokenizer",
     "PretrainingTokenizer",
     "SentencePieceTokenizer",
     "build_gpt_datasets",

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="SentencePiece .model file, or the folder of a Hugging Face tokenizer",
     )
+    b.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        help="the null_ids tokenizer's vocabulary (Megatron-LM's NullTokenizer --vocab-size)",
+    )
     b.add_argument("--json-key", default="text", help="field holding the text in .jsonl")
     t = dsub.add_parser("tokenizer", help="train a SentencePiece model on local text")
     t.add_argument("inputs", nargs="+", help=".txt/.jsonl files or folders, or 'python-stdlib'")
@@ -59,11 +65,16 @@ def data_main(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     resolve_inputs(args.inputs)  # a typo fails now, not after the tokenizer's import
+    if args.vocab_size is not None and args.tokenizer != "null_ids":
+        raise ConfigError(
+            f"--vocab-size is the null_ids tokenizer's; the {args.tokenizer} tokenizer's "
+            "vocabulary is its own: drop --vocab-size"
+        )
     check_output_path(args.output + ".bin", "--output")
     from megatron_ext.data.indexed import build_indexed_dataset
     from megatron_ext.data.tokenizers import build_tokenizer
 
-    tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_model)
+    tokenizer = build_tokenizer(args.tokenizer, args.tokenizer_model, args.vocab_size)
     with new_parents(args.output + ".bin"), bar("data build", "tokenizing", unit="doc") as done:
         stats = build_indexed_dataset(
             args.inputs, args.output, tokenizer, json_key=args.json_key, progress=done

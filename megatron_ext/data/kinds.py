@@ -5,8 +5,10 @@ from pathlib import PurePath
 from typing import Literal
 
 #: ``byte``: UTF-8 bytes; ``sentencepiece``: a ``.model`` file; ``huggingface``: a folder saved
-#: by ``save_pretrained`` (its ``tokenizer.json``), read offline with the ``tokenizers`` library.
-TokenizerKind = Literal["byte", "sentencepiece", "huggingface"]
+#: by ``save_pretrained`` (its ``tokenizer.json``), read offline with the ``tokenizers`` library;
+#: ``null_ids``: Megatron-LM's ``NullTokenizer`` (the text is its ids, space-separated; the
+#: vocabulary is ``model.vocab_size``; not named ``null``, which YAML reads as None).
+TokenizerKind = Literal["byte", "sentencepiece", "huggingface", "null_ids"]
 
 
 def gpt2_files[P: PurePath](path: P) -> tuple[P, P]:

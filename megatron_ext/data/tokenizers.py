@@ -1,5 +1,6 @@
-"""Tokenizers for pretraining: UTF-8 bytes, a SentencePiece model trained on local text, or a
-Hugging Face tokenizer saved in a local folder (a converted model's own).
+"""Tokenizers for pretraining: UTF-8 bytes, a SentencePiece model trained on local text, a
+Hugging Face tokenizer saved in a local folder (a converted model's own), or Megatron-LM's
+``NullTokenizer`` (text that is already ids).
 
 All implement megatron-core's tokenizer interface (``MegatronTokenizerBase``, the type
 ``GPTDatasetConfig.tokenizer`` is declared with: ``path``, ``tokenize``, ``detokenize``,
@@ -282,9 +283,12 @@ def _gpt2_bpe(vocab: Path, merges: Path) -> Any:
     return tokenizer
 
 
-def build_tokenizer(kind: TokenizerKind, model_path: str | Path = "") -> PretrainingTokenizer:
+def build_tokenizer(
+    kind: TokenizerKind, model_path: str | Path = "", vocab_size: int | None = None
+) -> PretrainingTokenizer:
     """The tokenizer a recipe or the CLI names: ``byte``, ``sentencepiece`` with its model
-    file, or ``huggingface`` with its folder."""
+    file, ``huggingface`` with its folder, or ``null_ids`` with its ``vocab_size`` (the recipe's
+    ``model.vocab_size``; the other kinds take their vocabulary from their files and ignore it)."""
     if kind == "byte":
         if model_path:
             raise ConfigError(
@@ -306,6 +310,20 @@ def build_tokenizer(kind: TokenizerKind, model_path: str | Path = "") -> Pretrai
                 "data.tokenizer_model: the folder save_pretrained wrote)"
             )
         return HuggingFaceTokenizer(model_path)
+    if kind == "null_ids":
+        if model_path:
+            raise ConfigError(
+                "the null_ids tokenizer takes no model file; drop --tokenizer-model "
+                "(data.tokenizer_model)"
+            )
+        if vocab_size is None:
+            raise ConfigError(
+                "the null_ids tokenizer needs its vocabulary size: set model.vocab_size "
+                "(--vocab-size for `data build`; Megatron-LM's --vocab-size)"
+            )
+        from megatron_ext.data.null_ids import NullIdsTokenizer
+
+        return NullIdsTokenizer(vocab_size)
     raise ConfigError(f"unknown tokenizer {kind!r}; choose {' or '.join(get_args(TokenizerKind))}")
 
 

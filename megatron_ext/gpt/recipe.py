@@ -97,6 +97,11 @@ def check_gpt_sections(recipe: GPTRecipe) -> None:
             "data.tokenizer=sentencepiece needs data.tokenizer_model "
             "(train one with `megatron-ext data tokenizer`)"
         )
+    if recipe.data.tokenizer == "null_ids" and not m.vocab_size:
+        raise ConfigError(
+            "data.tokenizer=null_ids needs model.vocab_size: its ids are in [0, vocab_size) and "
+            "vocab_size - 1 ends documents (Megatron-LM's NullTokenizer --vocab-size)"
+        )
     check_precision_fields(t, m, p.pipeline_model_parallel_size)
     recipe.optimizer.check()
     check_stop_fields(t)

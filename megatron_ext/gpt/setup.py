@@ -70,7 +70,9 @@ def setup(recipe: GPTRecipe) -> GPTRun:
     dp_size = parallel_state.get_data_parallel_world_size()
     schedule = training_schedule(recipe.training, recipe.optimizer)
 
-    tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
+    tokenizer = build_tokenizer(
+        recipe.data.tokenizer, recipe.data.tokenizer_model, recipe.model.vocab_size
+    )
     ensure_dataset(recipe, tokenizer, env)
     train_data, valid_data = build_data(recipe, tokenizer, schedule)
 

@@ -22,6 +22,7 @@ __all__ = [
     "map_data",
     "map_low_precision",
     "map_moe_layer_freq",
+    "map_null_tokenizer",
     "map_samples",
 ]
 
@@ -157,6 +158,8 @@ def map_data(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
                 take(key)
             out.set("data.tokenizer", "huggingface")
             out.set("data.tokenizer_model", vocab)
+    elif kind == "NullTokenizer":
+        map_null_tokenizer(out, flags, take)
     elif kind is not None:
         take("tokenizer-type", MODEL_CHANGING["tokenizer-type"])
         take("tokenizer-model", f"the model of --tokenizer-type {kind}")
@@ -166,6 +169,30 @@ def map_data(out: Conversion, flags: dict[str, Flag | None], take: Callable[...,
         take("load", reason)
         if reason is None:
             out.set("checkpoint.load", "auto")
+
+
+def map_null_tokenizer(
+    out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]
+) -> None:
+    """``--tokenizer-type NullTokenizer`` as ``data.tokenizer: null_ids``: its vocabulary is
+    ``--vocab-size`` (already ``model.vocab_size``), its end of document the last id and no pad
+    id, as megatron-core's NullTokenizer; ``--null-tokenizer-eod-id``/``-pad-id`` at other ids
+    are refused (the null_ids tokenizer has Megatron-LM's defaults only)."""
+    vocab = flag_value(flags.get("vocab-size"))
+    if vocab is None:
+        take("tokenizer-type", "NullTokenizer needs --vocab-size (its ids are [0, vocab-size))")
+        return
+    take("tokenizer-type")
+    out.set("data.tokenizer", "null_ids")
+    defaults = {"null-tokenizer-eod-id": int(vocab) - 1, "null-tokenizer-pad-id": -1}
+    for key, default in defaults.items():
+        value = flag_value(flags.get(key))
+        if value is None or int(value) == default:
+            take(key)  # absent flags are skipped by take
+        else:
+            role = key.split("-")[2]  # eod or pad
+            reason = f"the null_ids tokenizer's {role} id is {default} (Megatron-LM's default)"
+            take(key, reason, changes_model=True)
 
 
 def map_samples(out: Conversion, flags: dict[str, Flag | None], take: Callable[..., Any]) -> None:

@@ -105,6 +105,7 @@ def apply_parsed(
         out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
     _recompute(out, parsed)
     _decoupled_lr(out, parsed)
+    _optimizer_fields(out, args, parsed)
     if parsed.rotary_percent != 1.0:
         out.set("model.rotary_percent", float(parsed.rotary_percent))
     fields = transformer_fields(parsed)
@@ -151,6 +152,33 @@ def _decoupled_lr(out: Conversion, parsed: Namespace) -> None:
         out.set("optimizer.decoupled_min_lr", float(parsed.decoupled_min_lr))
     for text, reason in list(out.unmapped):
         if text[2:].split(" ", 1)[0].replace("_", "-") in ("decoupled-lr", "decoupled-min-lr"):
+            out.unmapped.remove((text, reason))
+            out.mapped.append(text)
+
+
+def _optimizer_fields(out: Conversion, args: MegatronArgs, parsed: Namespace) -> None:
+    """The optimizer section's fields named as megatron-core's ``OptimizerConfig`` names them
+    (lr, min_lr, weight_decay, Adam's betas and eps, clip_grad), as Megatron-LM's parser read
+    them: written where the script gives the flag or Megatron-LM's value (its default) differs
+    from the recipe's; the flags (``--lr`` for ``lr``) are mapped. The decoupled pair is
+    :func:`_decoupled_lr`'s (``--decoupled-min-lr`` alone stays unmapped)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    from megatron_ext.config.optimizer import OptimizerConfig
+
+    theirs = {f.name for f in dataclasses.fields(MegatronOptimizerConfig)}
+    given = {f.name.replace("-", "_") for f in args.flags}
+    names: set[str] = set()
+    for f in dataclasses.fields(OptimizerConfig):
+        if f.name not in theirs or f.name.startswith("decoupled_"):
+            continue
+        names.add(f.name)
+        value = getattr(parsed, f.name)
+        if f.name in given or value != f.default:
+            out.set(f"optimizer.{f.name}", value)
+    texts = {f.text for f in args.flags if f.name.replace("-", "_") in names}
+    for text, reason in list(out.unmapped):
+        if text in texts:
             out.unmapped.remove((text, reason))
             out.mapped.append(text)
 

@@ -56,20 +56,18 @@ def optimizer_flag_defaults(name: str) -> dict[str, Any]:
     return {f"optimizer.{key}": value for key, value in defaults.items()}
 
 
-# Megatron-LM 0.19's defaults where the recipe's differ (arguments.py, TransformerConfig,
-# OptimizerConfig, SchedulerConfig).
+# Megatron-LM 0.19's defaults where the recipe's differ (arguments.py, OptimizerConfig,
+# SchedulerConfig). Not here: a model field of the same name in megatron-core's
+# TransformerConfig (normalization, add_bias_linear, the dropouts, the MoE dispatcher), which
+# the converter takes from Megatron-LM's own config (from_megatron_parsed._model_fields), or in
+# its OptimizerConfig (adam_beta2, weight_decay: _optimizer_fields). Still
+# here: GPTModel's arguments (positions, tied embeddings) and the activation, which
+# TransformerConfig spells as a function and a GLU switch.
 MEGATRON_DEFAULTS: dict[str, Any] = {
-    "model.normalization": "LayerNorm",
     "model.position_embedding_type": "learned_absolute",
     "model.activation": "gelu",
-    "model.add_bias_linear": True,
     "model.untie_embeddings_and_output_weights": False,
-    "model.hidden_dropout": 0.1,
-    "model.attention_dropout": 0.1,
-    "model.moe_token_dispatcher_type": "allgather",
     "optimizer.name": "adamw",
-    "optimizer.adam_beta2": 0.999,
-    "optimizer.weight_decay": 0.01,
     "training.lr_decay_style": "linear",
     "training.batch_lr_scaling": "none",  # Megatron-LM never scales the LR with the batch
     "training.lr_wsd_decay_style": "exponential",
@@ -89,7 +87,10 @@ TORCHRUN = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port
 TORCHRUN |= {"rdzv-endpoint", "rdzv-backend", "standalone"}
 
 _I, _F, _S = int, float, str
-# flag -> (recipe field, converter); converter None = a switch that sets True
+# flag -> (recipe field, converter); converter None = a switch that sets True. Not here: the
+# optimizer fields named as in megatron-core's OptimizerConfig (--lr, --min-lr, --weight-decay,
+# --adam-beta1/2, --adam-eps, --clip-grad), read from Megatron-LM's parsed flags
+# (from_megatron_parsed._optimizer_fields).
 PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "num-layers": ("model.num_layers", _I),
     "hidden-size": ("model.hidden_size", _I),
@@ -142,13 +143,6 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "eval-iters": ("training.eval_iters", _I),
     "exit-interval": ("training.exit_interval", _I),
     "exit-duration-in-mins": ("training.exit_duration_in_mins", _F),
-    "lr": ("optimizer.lr", _F),
-    "min-lr": ("optimizer.min_lr", _F),
-    "weight-decay": ("optimizer.weight_decay", _F),
-    "adam-beta1": ("optimizer.adam_beta1", _F),
-    "adam-beta2": ("optimizer.adam_beta2", _F),
-    "adam-eps": ("optimizer.adam_eps", _F),
-    "clip-grad": ("optimizer.clip_grad", _F),
     "tensor-model-parallel-size": ("parallel.tensor_model_parallel_size", _I),
     "pipeline-model-parallel-size": ("parallel.pipeline_model_parallel_size", _I),
     "context-parallel-size": ("parallel.context_parallel_size", _I),
@@ -204,8 +198,8 @@ MODEL_CHANGING = {
     "heterogeneous-layers-config-path": "heterogeneous layers are not built by megatron-ext",
     "hybrid-override-pattern": "hybrid (Mamba) models are not built by megatron-ext",
     # a dataset of another tokenizer's ids, read with megatron-ext's would be other tokens
-    "tokenizer-type": "megatron-ext reads byte or SentencePiece tokenizers; the dataset's ids are "
-    "this tokenizer's",
+    "tokenizer-type": "megatron-ext reads SentencePiece, Hugging Face (GPT-2 BPE too) and "
+    "NullTokenizer ids; the dataset's ids are this tokenizer's",
     "tokenizer-model": "the model of a tokenizer megatron-ext does not read",
     "vocab-file": "GPT-2 BPE is not one of megatron-ext's tokenizers (byte, SentencePiece); the "
     "dataset's ids are its",

@@ -58,7 +58,7 @@ def ensure_corpus(recipe: Recipe) -> PretrainingTokenizer:
             )
         prefix = data.tokenizer_model.removesuffix(".model")
         train_sentencepiece(iter_documents(data.source), prefix, d.tokenizer_vocab_size)
-    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model)
+    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model, recipe.model.vocab_size)
     if not IndexedDataset.exists(data.path):
         if not data.source:
             raise ConfigError(f"no indexed dataset at data.path={data.path!r} and no data.source")
@@ -69,7 +69,9 @@ def ensure_corpus(recipe: Recipe) -> PretrainingTokenizer:
 
 def open_corpus(recipe: Recipe) -> tuple[PretrainingTokenizer, IndexedDataset]:
     """The tokenizer and the dataset, both existing (:func:`ensure_corpus` made them)."""
-    tokenizer = build_tokenizer(recipe.data.tokenizer, recipe.data.tokenizer_model)
+    tokenizer = build_tokenizer(
+        recipe.data.tokenizer, recipe.data.tokenizer_model, recipe.model.vocab_size
+    )
     return tokenizer, IndexedDataset(recipe.data.path)
 
 

@@ -292,6 +292,6 @@ def _check_before_writing(recipe: Recipe) -> None:
             f"dipaco.base_checkpoint is set but its tokenizer data.tokenizer_model="
             f"{data.tokenizer_model!r} does not exist: give the tokenizer the base was trained with"
         )
-    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model)
+    tokenizer = build_tokenizer(data.tokenizer, data.tokenizer_model, recipe.model.vocab_size)
     path_model = PathModel(recipe, tokenizer.vocab_size)
     load_base_checkpoint(d.base_checkpoint, path_model.init_state, path_model.model)
