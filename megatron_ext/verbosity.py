@@ -6,6 +6,12 @@ What is hidden (each seen on every rank of every CPU run, none actionable there)
   warnings (one per module that falls back, five per rank), its "full scope is deprecated"
   warning, its "GPTModel IS DEPRECATED" and "MCore's async save is deprecated" log lines (the
   checkpoint writer is megatron-core's own, chosen here);
+* torch.distributed.checkpoint's warnings on every checkpoint load, each twice per rank:
+  "Please use DTensor instead and we are deprecating ShardedTensor" (a FutureWarning:
+  megatron-core's dist_checkpointing reads through it; nothing here builds ShardedTensors), "The
+  argument order of load has been changed" and "torch.distributed is disabled, unavailable or
+  uninitialized, assuming the intent is to load in a single process" (megatron-core's reads of a
+  checkpoint's common state);
 * torch's "No CUDA runtime is found, using CUDA_HOME=..." log line (``torch.utils.cpp_extension``
   on a host with a CUDA toolkit but no GPU): it was the first stderr line of a failing
   ``data``/``convert``/``ckpt`` command, above the error itself;
@@ -38,7 +44,12 @@ _LIBRARY_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
     r"full scope is deprecated",
+    r"The argument order of load has been changed",
+    r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+    r"load in a single process",
 )
+#: torch.distributed.checkpoint's deprecation warning on every load (a FutureWarning)
+_SHARDED_TENSOR = r"Please use DTensor instead and we are deprecating ShardedTensor"
 _GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. .*\n")
 _END = b"\x00megatron-ext: end of stdout\n"
 _QUIETED = False
@@ -67,6 +78,7 @@ def quiet_libraries() -> None:
     _QUIETED = True  # once per process (the logging filters would pile up)
     for message in _LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    warnings.filterwarnings("ignore", message=_SHARDED_TENSOR, category=FutureWarning)
     # torch's CUDA_HOME line: a WARNING of this logger, about a toolkit nothing here compiles with
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
