@@ -1,9 +1,9 @@
 """A package's public names, loaded on first use (PEP 562).
 
-A package lists what a user's script may call as ``_EXPORTS = {name: submodule}`` and defines
-its module ``__getattr__`` with :func:`load_export`; ``from megatron_ext.soma import
-fit_router`` then imports ``megatron_ext.soma.router`` and nothing else, so a torch-free module
-stays torch-free to import and the launcher and CLI pay for no trainer.
+A package lists what a user's script may call as ``_EXPORTS = {name: submodule}`` and takes
+its module ``__getattr__`` and ``__dir__`` from :func:`lazy_exports`; ``from megatron_ext.soma
+import fit_router`` then imports ``megatron_ext.soma.router`` and nothing else, so a torch-free
+module stays torch-free to import and the launcher and CLI pay for no trainer.
 
 An exported name must not equal a submodule's name (``tests/test_exports.py``): once that
 submodule is imported, ``pkg.<name>`` is the module.
@@ -12,7 +12,7 @@ submodule is imported, ``pkg.<name>`` is the module.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -23,3 +23,19 @@ def load_export(package: str, exports: Mapping[str, str], name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{package}.{module}"), name)
+
+
+def lazy_exports(
+    package: str, exports: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The module ``__getattr__`` and ``__dir__`` of ``package`` (its ``__name__``) for its
+    ``_EXPORTS``: ``__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)``."""
+    import sys
+
+    def getattr_(name: str) -> Any:
+        return load_export(package, exports, name)
+
+    def dir_() -> list[str]:
+        return sorted([*vars(sys.modules[package]), *exports])
+
+    return getattr_, dir_

@@ -12,9 +12,9 @@ not pay for importing torch and megatron-core.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from megatron_ext.exports import load_export
+from megatron_ext.exports import lazy_exports
 
 if TYPE_CHECKING:
     from megatron_ext.data.build import build_gpt_datasets
@@ -58,10 +58,4 @@ __all__ = [
     "train_sentencepiece",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    return load_export(__name__, _EXPORTS, name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,9 +17,7 @@ The public API, what a user's script (and ``megatron-ext bench``) may call, is
 the package costs nothing; its modules are internals.
 """
 
-from typing import Any
-
-from megatron_ext.exports import load_export
+from megatron_ext.exports import lazy_exports
 
 #: public name -> the submodule that defines it
 _EXPORTS = {
@@ -30,10 +28,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    return load_export(__name__, _EXPORTS, name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,9 +6,7 @@ below, loaded on first use (:func:`megatron_ext.exports.load_export`); its modul
 internals.
 """
 
-from typing import Any
-
-from megatron_ext.exports import load_export
+from megatron_ext.exports import lazy_exports
 
 #: public name -> the submodule that defines it
 _EXPORTS = {
@@ -20,10 +18,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    return load_export(__name__, _EXPORTS, name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
