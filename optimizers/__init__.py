@@ -13,8 +13,6 @@ first use.
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatron_ext.exports import lazy_exports
 
 #: public name -> the submodule that defines it
