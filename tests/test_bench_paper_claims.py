@@ -167,3 +167,22 @@ def test_a_smoke_report_states_no_verdict() -> None:
     assert SMOKE in page
     for word in VERDICTS:
         assert word not in page, word
+
+
+def test_an_unreached_target_is_reported_not_testable_without_an_interval() -> None:
+    """A tokens-to-target claim whose run never reached its target in a seed (inf) or in both
+    arms (nan): no t-interval, "not testable here", and the page renders (the full optimizers
+    study of 2026-12-05 crashed here, in its report step, after all 84 runs)."""
+    meta = fake_meta("paper", "megatron-ext bench paper toy", "each claim's baseline arm")
+    result = _result()
+    result.claims[:] = [
+        Claim("t.inf", "A needs more tokens", "Fig. 7", "curves", "ln T(A) − ln T(B)",
+              (math.inf, math.inf, 0.5)),
+        Claim("t.nan", "A needs more tokens", "Fig. 7", "curves", "ln T(A) − ln T(C)",
+              (math.nan, math.nan, math.nan)),
+    ]  # fmt: skip
+    report = payload("toy", "toy.txt", result, [1, 2, 3], "full", meta)
+    assert [c["t_interval"] for c in report["claims"]] == [None, None]
+    assert [c["verdict"] for c in report["claims"]] == ["not testable here"] * 2
+    page = markdown(report, "Toy")
+    assert page.count("**not testable here**") == 2 and "| inf |" in page

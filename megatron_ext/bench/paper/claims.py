@@ -263,7 +263,11 @@ class Claim:
             "values": list(self.values),
             "mean": self.mean,
             "spread": self.spread,
-            "t_interval": list(t_interval(self.values)) if n >= 2 else None,
+            # none for one seed, or a seed's value not finite (a diverged run, an unreached
+            # target: the verdict is then "not testable here")
+            "t_interval": list(t_interval(self.values))
+            if n >= 2 and all(math.isfinite(v) for v in self.values)
+            else None,
             "precondition": self.precondition.to_json() if self.precondition else None,
             "verdict": None if smoke else self.verdict,
         }

@@ -4,6 +4,7 @@ study's plots, all under the run folder."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ def _num(x: float) -> str:
 
 def _interval(c: dict[str, Any]) -> str:
     ti = c.get("t_interval")
-    if ti is None and len(c["values"]) >= 2:  # a report written before the interval was stored
+    finite = all(math.isfinite(v) for v in c["values"])
+    if "t_interval" not in c and len(c["values"]) >= 2 and finite:  # an older report's
         from megatron_ext.bench.paper.claims import t_interval
 
         ti = t_interval(c["values"])
