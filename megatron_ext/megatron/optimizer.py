@@ -43,6 +43,7 @@ from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_ext.megatron.loss_scale import LossScale
 from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
 from megatron_ext.megatron.range_state import join_blocks, range_entries
 
@@ -84,6 +85,10 @@ class MegatronExtOptimizer(MegatronOptimizer):
         #: set (the drop-in: megatron-core's arithmetic, :mod:`.mcore_grad_norm`); it reads
         #: whole gradients on every rank, so the layer-wise gradient sync drops it
         self.grad_norm_fn: Callable[[], float] | None = None
+        #: fp16's loss scale (:mod:`.loss_scale`): the loss is multiplied by it before backward
+        #: (the model config's ``grad_scale_func`` is :meth:`scale_loss`) and the gradients by
+        #: its inverse before the step, which is skipped when one is not finite; None: no scaling
+        self.loss_scale: LossScale | None = None
 
     # -- gradients ------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,9 +179,33 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return True
 
     @torch.no_grad()
+    def unscale_and_check(self) -> bool:
+        """fp16: the held gradients times 1/scale; whether any gradient of any rank is not
+        finite (max over the ranks holding other parts, as megatron-core's
+        ``_unscale_main_grads_and_check_for_nan``); the scale updated by the outcome."""
+        assert self.loss_scale is not None
+        grads = [p.grad for p in self.master_params if p.grad is not None]
+        found = self.loss_scale.unscale_and_check(grads)
+        if parallel_state.model_parallel_is_initialized():
+            dist.all_reduce(
+                found, op=dist.ReduceOp.MAX, group=parallel_state.get_model_parallel_group()
+            )
+            if self._layerwise():  # each rank checked the gradients it owns
+                dist.all_reduce(
+                    found, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
+                )
+        found_inf = bool(found.item() > 0)
+        self.loss_scale.update(found_inf)
+        return found_inf
+
+    @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
-        """Clip, count zeros, update. Returns (success, grad_norm, num_zeros_in_grad)."""
+        """Unscale (fp16), clip, count zeros, update. Returns (success, grad_norm,
+        num_zeros_in_grad); a step skipped for a non-finite fp16 gradient returns
+        (False, None, None), as megatron-core's."""
         self.prepare_grads()
+        if self.loss_scale is not None and self.unscale_and_check():
+            return False, None, None
         grad_norm = self.clip_grad_norm(self.config.clip_grad)
         if not math.isfinite(grad_norm):
             return False, grad_norm, None
@@ -188,7 +217,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             p.grad = None
 
     def get_loss_scale(self) -> torch.Tensor:
-        return self._scale
+        return self._scale if self.loss_scale is None else self.loss_scale.scale
 
     def reload_model_params(self, state_dict: dict | None = None) -> None:
         """Refresh fp32 masters from the model parameters (after the model was loaded)."""
