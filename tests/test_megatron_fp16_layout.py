@@ -4,9 +4,10 @@ compared field by field with what Megatron-LM builds from the same flags
 chosen steps, batch, parallel sizes).
 
 - ``--fp16``: written as ``training.precision: fp16`` (megatron-core's ``fp16=True`` and
-  float16 dtypes, as Megatron-LM's), refused at launch with the reason: megatron-core's loss
-  scaler is CUDA-only (``DynamicGradScaler`` allocates on ``cuda``) and megatron-ext's loop
-  scales no loss. Its loss-scaler flags are listed as not mapped, with that reason.
+  float16 dtypes, as Megatron-LM's) and its loss-scale flags into the optimizer section
+  (megatron-core's ``OptimizerConfig`` fields, compared with Megatron-LM's); it launches on
+  every machine (the GPT trainer's fp16 run: tests/test_training.py). Without ``--fp16`` the
+  loss-scale flags are not mapped: Megatron-LM ignores them.
 - ``--num-layers-per-virtual-pipeline-stage`` and ``--pipeline-model-parallel-layout``: carried
   in ``model.transformer_config`` as Megatron-LM's ``TransformerConfig`` has them; the GPT
   trainer builds one chunk per stage, so virtual stages are refused when the model is built.
@@ -31,6 +32,9 @@ torchrun --nproc_per_node 4 pretrain_gpt.py \\
 """
 CASES = {
     "fp16": BASE + "--fp16 --loss-scale 1024 --hysteresis 2",
+    "fp16_dynamic": BASE + "--fp16 --initial-loss-scale 65536 --min-loss-scale 4 "
+    "--loss-scale-window 500 --hysteresis 3",
+    "bf16_scale": BASE + "--bf16 --loss-scale-window 500",
     "virtual_pipeline": BASE + "--pipeline-model-parallel-size 2 "
     "--num-layers-per-virtual-pipeline-stage 1 --bf16",
     "pipeline_layout": BASE + "--pipeline-model-parallel-size 2 "
@@ -59,7 +63,7 @@ def test_the_recipe_is_megatron_lms_run(converted, case: str) -> None:
     assert recipe.training.lr_warmup_fraction == 0.15
 
 
-def test_fp16_is_written_and_refused_at_launch(converted) -> None:
+def test_fp16_and_its_loss_scale_are_written_and_launch(converted) -> None:
     from megatron_ext.megatron.model import transformer_config
     from megatron_ext.run.hardware import DeviceDescription, check_precision_before_launch
 
@@ -67,10 +71,22 @@ def test_fp16_is_written_and_refused_at_launch(converted) -> None:
     assert recipe.training.precision == "fp16"
     config = transformer_config(recipe.model, recipe.parallel, "fp16")
     assert (config.fp16, config.bf16, str(config.params_dtype)) == (True, False, "torch.float16")
-    unmapped = dict(conversion.unmapped)
-    assert "refused at launch" in unmapped["--loss-scale 1024"]
-    with pytest.raises(ConfigError, match=r"loss scaler .*CUDA only"):
-        check_precision_before_launch(recipe.training.precision, DeviceDescription())
+    assert {"--loss-scale 1024", "--hysteresis 2"} <= set(conversion.mapped)
+    assert (recipe.optimizer.loss_scale, recipe.optimizer.hysteresis) == (1024.0, 2)
+    check_precision_before_launch(recipe.training.precision, DeviceDescription())  # no GPU
+    dynamic = converted["fp16_dynamic"][0].optimizer
+    assert (dynamic.loss_scale, dynamic.initial_loss_scale, dynamic.min_loss_scale) == (
+        None, 65536.0, 4.0
+    )  # fmt: skip
+    assert (dynamic.loss_scale_window, dynamic.hysteresis) == (500, 3)
+
+
+def test_the_loss_scale_without_fp16_is_not_mapped(converted) -> None:
+    """Megatron-LM reads --loss-scale-window only with --fp16: the bf16 recipe keeps the
+    default and says why the flag was left."""
+    recipe, conversion = converted["bf16_scale"]
+    assert recipe.optimizer.loss_scale_window == 1000
+    assert "only with --fp16" in dict(conversion.unmapped)["--loss-scale-window 500"]
 
 
 def test_pipeline_layouts_are_carried(converted) -> None:

@@ -69,6 +69,8 @@ def test_the_recipe_section_has_one_field_per_option_and_no_other() -> None:
     shared = {"name", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"}
     shared |= {"clip_grad", "tp_mode", "match_update_rms", "update_rms", "matrix_routing"}
     shared |= {"split_qkv", "decoupled_lr", "decoupled_min_lr"}
+    shared |= {"loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window"}
+    shared |= {"hysteresis"}  # fp16's loss scale, megatron-core's OptimizerConfig names
     assert fields == options | shared
 
 

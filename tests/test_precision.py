@@ -92,7 +92,8 @@ def test_each_precision_maps_to_megatron_core_fields(precision, expected):
 # --------------------------------------------------------------------------- the table
 
 
-#: fp16 (loss scaling) is written by the converter and refused on every machine
+#: every precision but fp16, which every machine runs (torch's float16 kernels, CPU included):
+#: the test adds it to each row
 TRAINED = [p for p in PRECISIONS if p != "fp16"]
 
 
@@ -122,7 +123,8 @@ TRAINED = [p for p in PRECISIONS if p != "fp16"]
     ],
 )
 def test_the_table_accepts_and_refuses(dev, runs):
-    assert supported_precisions(dev) == list(runs)
+    runs = [*runs, "fp16"]
+    assert supported_precisions(dev) == runs
     for p in PRECISIONS:
         assert (unmet_requirement(p, dev) is None) == (p in runs), p
 
@@ -147,7 +149,7 @@ def test_a_refusal_is_one_line_with_requirement_source_and_machine():
     assert "_compute_mxfp8_support" in reason  # the rule's source
     assert "1 x NVIDIA H200 (compute capability 9.0), CUDA 12.8 (torch)" in reason
     assert "Transformer Engine 2.5.0" in reason
-    assert reason.endswith("it can run: fp32, bf16, fp8_tensorwise, fp8_delayed")
+    assert reason.endswith("it can run: fp32, bf16, fp8_tensorwise, fp8_delayed, fp16")
 
 
 @ON_CPU_HOST
@@ -155,7 +157,7 @@ def test_a_refusal_is_one_line_with_requirement_source_and_machine():
 def test_this_cpu_host_refuses_every_fp8_and_fp4_precision(precision):
     reason = unmet_requirement(precision, CPU_HOST)
     assert reason is not None and reason.startswith(f"training.precision={precision} needs ")
-    assert "this machine has no GPU" in reason and reason.endswith("it can run: fp32, bf16")
+    assert "this machine has no GPU" in reason and reason.endswith("it can run: fp32, bf16, fp16")
     assert REQUIREMENTS[precision].describe() in reason
 
 
@@ -199,7 +201,7 @@ def test_a_driver_without_compute_cap_fails_closed(tmp_path):
     dev = probe_device({}, nvidia_smi=smi)
     assert dev.gpus == 1 and dev.compute_capability is None
     assert "does not report compute_cap" in dev.describe()
-    assert supported_precisions(dev) == ["fp32", "bf16"]
+    assert supported_precisions(dev) == ["fp32", "bf16", "fp16"]
 
 
 def test_the_cuda_version_is_read_from_torch_without_importing_it():
@@ -235,6 +237,19 @@ def test_the_cuda_version_is_read_from_torch_without_importing_it():
         (
             ["training.precision=nvfp4", "model.transformer_impl=local"],
             "model.transformer_impl=local would train in BF16",
+        ),
+        (  # Megatron-LM ignores the loss scale without --fp16: a recipe must not promise one
+            ["training.precision=bf16", "optimizer.hysteresis=4"],
+            "optimizer.hysteresis=4 is fp16's loss scale, read only with training.precision=fp16",
+        ),
+        (
+            ["training.precision=fp16", "optimizer.initial_loss_scale=1",
+             "optimizer.min_loss_scale=2"],
+            "optimizer.min_loss_scale=2 exceeds optimizer.initial_loss_scale=1",
+        ),
+        (
+            ["trainer=dipaco", "training.precision=fp16"],
+            "training.precision=fp16 needs loss scaling, which trainer=gpt does",
         ),
     ],
 )  # fmt: skip

@@ -354,3 +354,47 @@ def test_muon_with_expert_parallelism_plans_experts_over_expert_dp(recipe_file, 
     first = _losses(resumed)
     _train(recipe_file, resumed, *moe)
     assert first + _losses(resumed) == losses
+
+
+def test_fp16_scales_skips_and_resumes_exactly(recipe_file, tmp_path):
+    """Megatron-LM's ``--fp16`` on CPU: float16 parameters (Muon's fp32 masters), the loss
+    scaled before backward, a step whose gradients overflow skipped without moving the LR
+    schedule (Megatron-LM advances its scheduler on successful steps only), the scale after
+    each step megatron-core's ``DynamicGradScaler`` fed the same overflows; 4 + resume + 4
+    steps equal 8 straight bit for bit (the scale travels in the checkpoint)."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    from megatron_ext.config import load_recipe
+    from megatron_ext.schedules.plan import training_schedule
+    from tests.test_loss_scale import _megatron_core
+
+    fp16 = (
+        "optimizer.name=muon",
+        "training.precision=fp16",
+        "checkpoint.save_interval=0",
+        "optimizer.initial_loss_scale=524288",  # 2**19: overflows at first, then it trains
+        "optimizer.loss_scale_window=2",  # the scale also grows inside 8 steps
+    )
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _train(recipe_file, straight, *fp16)
+    losses, scales = _losses(straight), _metric(straight, "loss_scale")
+    skipped = [g is None for g in _metric(straight, "grad_norm")]
+    assert 0 < sum(skipped) < 6 and losses[-1] < losses[0] - 0.3, (skipped, losses)
+    assert _metric(straight, "skipped_steps") == [sum(skipped[: i + 1]) for i in range(8)]
+    theirs = _megatron_core(pytest.MonkeyPatch(), DynamicGradScaler, 2.0**19, 1.0, 2.0, 0.5, 2, 2)
+    for flag, scale in zip(skipped, scales, strict=True):
+        theirs.update(flag)
+        assert scale == float(theirs.scale), (skipped, scales)
+    assert max(scales) > min(scales[skipped.index(True) :])  # it fell and grew again
+    schedule = training_schedule(*_sections(load_recipe(str(recipe_file), list(fp16))))
+    lrs = [schedule.lr_at(i - sum(skipped[:i])) for i in range(8)]
+    assert _metric(straight, "lr") == pytest.approx(lrs, rel=1e-12)
+    _train(recipe_file, resumed, *fp16, "training.steps=4")
+    first = _losses(resumed), _metric(resumed, "loss_scale")
+    _train(recipe_file, resumed, *fp16)
+    assert first[0] + _losses(resumed) == losses
+    assert _metric(resumed, "loss_scale") == scales  # metrics.jsonl holds both launches
+
+
+def _sections(recipe):
+    return recipe.training, recipe.optimizer

@@ -109,7 +109,7 @@ def summarize(run_dir: Path, last: int) -> dict[str, Any]:
         "val_loss": evals[-1]["val_loss"] if evals else None,  # after the last step
         "step_time_s": step_time,
         "optimizer_share": statistics.median(opt_times) / step_time if opt_times else None,
-        "max_grad_norm": max(r["grad_norm"] for r in train),
+        "max_grad_norm": max(r["grad_norm"] for r in train if r["grad_norm"] is not None),
         "curve": {
             "step": [r["step"] for r in train],
             "tokens": [r["consumed_tokens"] for r in train],

@@ -31,6 +31,7 @@ from megatron_ext.optimizers.options import MatrixRouting, TPMode
 from megatron_ext.optimizers.spec import OptimizerSpec, optimizer_spec, registered_optimizers
 
 __all__ = [
+    "LOSS_SCALE_FIELDS",
     "OptimizerConfig",
     "option_field",
     "option_keys",
@@ -39,6 +40,15 @@ __all__ = [
     "split_options",
     "update_rms_note",
 ]
+
+#: fp16's loss-scale fields of the section (read with training.precision=fp16 only)
+LOSS_SCALE_FIELDS = (
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
 
 
 def _registered_options() -> dict[str, Any]:
@@ -97,6 +107,22 @@ class OptimizerConfig:
         False,
         help="Muon/MOP: orthogonalise Q, K and V of a fused linear_qkv.weight separately "
         "(megatron-core's muon_split_qkv, its default there)",
+    )
+    # fp16's loss scale (megatron-core OptimizerConfig's fields, Megatron-LM's --loss-scale,
+    # --initial-loss-scale, ...; megatron_ext.megatron.loss_scale): read with
+    # training.precision=fp16 only
+    loss_scale: float | None = spec(
+        None, gt=0.0, help="fp16: a constant loss scale; none = the dynamic scale below"
+    )
+    initial_loss_scale: float = spec(
+        2.0**32, gt=0.0, help="fp16: the dynamic loss scale's start (megatron-core: 2**32)"
+    )
+    min_loss_scale: float = spec(1.0, gt=0.0, help="fp16: the dynamic loss scale's floor")
+    loss_scale_window: int = spec(
+        1000, ge=1, help="fp16: steps without an overflow before the scale doubles"
+    )
+    hysteresis: int = spec(
+        2, ge=1, help="fp16: overflowing steps before the scale halves (megatron-core's rule)"
     )
     options: dict[str, Any] = field(
         default_factory=_registered_options, metadata={"optimizer_options": True}
@@ -211,6 +237,11 @@ def _check(cfg: Any) -> None:
     """Cross-field rules of the section (the chosen optimizer's, and its TP modes)."""
     opt = optimizer_spec(cfg.name)
     _check_decoupled(cfg)
+    if cfg.loss_scale is None and cfg.min_loss_scale > cfg.initial_loss_scale:
+        raise ConfigError(
+            f"optimizer.min_loss_scale={cfg.min_loss_scale:g} exceeds optimizer."
+            f"initial_loss_scale={cfg.initial_loss_scale:g}: lower the floor"
+        )
     if cfg.split_qkv and cfg.name not in ("muon", "mop"):
         raise ConfigError(
             f"optimizer.split_qkv=true orthogonalises Q, K and V separately, which only Muon "

@@ -155,6 +155,11 @@ def check_dipaco(recipe: DipacoRecipe, world_size: int | None) -> None:
     is one worker, and workers cycle through the paths), after the GPT sections' own rules."""
     check_gpt_sections(recipe)
     d, m, t, p = recipe.section(DipacoConfig), recipe.model, recipe.training, recipe.parallel
+    if t.precision == "fp16":
+        raise ConfigError(
+            "training.precision=fp16 needs loss scaling, which trainer=gpt does and DiPaCo's "
+            "inner steps do not: use training.precision=bf16 or fp32"
+        )
     if recipe.optimizer.decoupled_lr is not None:
         raise ConfigError(
             "optimizer.decoupled_lr is read by trainer=gpt only (DiPaCo's inner steps have one "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from megatron_ext.config.fields import spec
 from megatron_ext.config.moe_presets import check_moe_fields
-from megatron_ext.config.optimizer import OptimizerConfig
+from megatron_ext.config.optimizer import LOSS_SCALE_FIELDS, OptimizerConfig
 from megatron_ext.config.schema import Recipe
 from megatron_ext.config.trainers import TrainerSpec
 from megatron_ext.errors import ConfigError
@@ -104,7 +104,22 @@ def check_gpt_sections(recipe: GPTRecipe) -> None:
         )
     check_precision_fields(t, m, p.pipeline_model_parallel_size)
     recipe.optimizer.check()
+    _check_loss_scale(recipe.optimizer, t.precision)
     check_stop_fields(t)
+
+
+def _check_loss_scale(cfg: OptimizerConfig, precision: str) -> None:
+    """fp16's loss-scale fields are set only for fp16 (Megatron-LM ignores them otherwise: a
+    recipe saying them elsewhere would promise a scaling that does not happen)."""
+    if precision == "fp16":
+        return
+    default = OptimizerConfig()
+    given = [f for f in LOSS_SCALE_FIELDS if getattr(cfg, f) != getattr(default, f)]
+    if given:
+        raise ConfigError(
+            f"optimizer.{given[0]}={getattr(cfg, given[0])} is fp16's loss scale, read only with "
+            f"training.precision=fp16 (this recipe trains {precision}, unscaled): remove it"
+        )
 
 
 def check_gpt(recipe: GPTRecipe, world_size: int | None) -> None:

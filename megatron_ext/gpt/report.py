@@ -43,7 +43,7 @@ class StepRecord:
     tokens_per_step: int  # global_batch x seq_length
     lr: float
     loss: float  # nats/token, mean over the global batch
-    grad_norm: float  # before clipping
+    grad_norm: float | None  # before clipping; None: fp16 skipped the step (an overflow)
     tokens_per_s: float
     tokens_per_s_per_rank: float
     tflops_per_rank: float
@@ -54,9 +54,17 @@ class StepRecord:
 
 
 def record_step(
-    log: MetricsLogger, run: GPTRun, step: int, result: StepResult, step_time_s: float
+    log: MetricsLogger,
+    run: GPTRun,
+    step: int,
+    result: StepResult,
+    step_time_s: float,
+    skipped: int = 0,
 ) -> StepRecord:
-    """Build completed step ``step``'s record (``step_time_s``: its wall time) and log it."""
+    """Build completed step ``step``'s record (``step_time_s``: its wall time; ``skipped``:
+    fp16's skipped steps so far, this one included) and log it. fp16 adds ``loss_scale`` and
+    ``skipped_steps`` to the record and the line (Megatron-LM's "loss scale" and "number of
+    skipped iterations")."""
     t, schedule = run.recipe.training, run.schedule
     batch = schedule.global_batch(step - 1)
     step_tokens = batch * t.seq_length
@@ -69,7 +77,7 @@ def record_step(
         consumed_tokens=schedule.tokens_before(step),
         global_batch=batch,
         tokens_per_step=step_tokens,
-        lr=schedule.lr_at(step - 1),
+        lr=schedule.lr_at(step - 1 - skipped + result.skipped),  # the LR this step used
         loss=result.loss,
         grad_norm=result.grad_norm,
         tokens_per_s=tps,
@@ -81,9 +89,16 @@ def record_step(
         optimizer_s=result.optimizer_s,
     )
     line, scalars = format_line(rec, schedule.steps), SCALARS
+    extra: dict[str, Any] = dict(result.moe)
     if result.moe:  # MoE models: per-layer figures go to TensorBoard as <name>/layer_<n>
         line, scalars = line + format_moe(result.moe), SCALARS + tuple(result.moe)
-    log.record(step, {**asdict(rec), **result.moe}, line=line, scalars=scalars)
+    if result.loss_scale is not None:
+        extra.update(loss_scale=result.loss_scale, skipped_steps=skipped)
+        line += f" | loss scale {result.loss_scale:g} | skipped {skipped}"
+        scalars += ("loss_scale", "skipped_steps")
+    if rec.grad_norm is None:  # a skipped step has no norm to plot
+        scalars = tuple(n for n in scalars if n != "grad_norm")
+    log.record(step, {**asdict(rec), **extra}, line=line, scalars=scalars)
     return rec
 
 
@@ -120,7 +135,8 @@ def format_line(r: StepRecord, total_steps: int) -> str:
         f"step {r.step:>{width}}/{total_steps} | tokens {_fmt_count(r.consumed_tokens)}"
         f" | gbs {r.global_batch} ({_fmt_count(r.tokens_per_step)} tok)"
         f" | lr {r.lr:.3e} | loss {r.loss:.4f}"
-        f" | gnorm {r.grad_norm:.3f} | tok/s {_fmt_count(r.tokens_per_s)}"
+        f" | gnorm {'skipped' if r.grad_norm is None else format(r.grad_norm, '.3f')}"
+        f" | tok/s {_fmt_count(r.tokens_per_s)}"
         f" ({_fmt_count(r.tokens_per_s_per_rank)}/rank)"
         f" | TFLOP/s/rank {r.tflops_per_rank:.4f}"
         f" | elapsed {_fmt_time(r.elapsed_s)} | eta {_fmt_time(r.eta_s)}"

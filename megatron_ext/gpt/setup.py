@@ -90,7 +90,7 @@ def setup(recipe: GPTRecipe) -> GPTRun:
         DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         ),
-        half_precision_module(module),  # bf16 and FP8/FP4: megatron-core's Float16Module
+        half_precision_module(module),  # bf16, fp16, FP8/FP4: megatron-core's Float16Module
     )
     # megatron-core's schedule finalises grads (DP all-reduce, MoE expert-bias update) via this.
     config.finalize_model_grads_func = finalize_model_grads
@@ -99,8 +99,10 @@ def setup(recipe: GPTRecipe) -> GPTRun:
     optimizer = MegatronExtOptimizer(
         list(module.named_parameters()),  # the GPTModel's names, inside any wrapper
         inner_factory(recipe.optimizer, model_qkv_layout(config)),
-        megatron_optimizer_config(recipe.optimizer, config.bf16),
+        megatron_optimizer_config(recipe.optimizer, config.bf16, config.fp16),
     )
+    if optimizer.loss_scale is not None:  # fp16: the schedule scales each loss before backward
+        config.grad_scale_func = optimizer.scale_loss
     optimizer.overlap_param_sync_with_forward(module)
     optimizer.take_over_grad_sync(model)  # layer-wise: reduce-scatter-v instead of all-reduce
 

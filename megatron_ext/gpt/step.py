@@ -25,10 +25,18 @@ class StepResult:
     """What one optimizer step reports."""
 
     loss: float  # mean over the global batch, nats/token
-    grad_norm: float  # global, before clipping
+    grad_norm: float | None  # global, before clipping; None when fp16 skipped the step
     success: bool
     optimizer_s: float  # wall time of the optimizer step on this rank (clip, update, sync)
     moe: dict[str, Any] = field(default_factory=dict)  # MoE models: gpt.moe_load's figures
+    #: fp16: the loss scale after the step (megatron_ext.megatron.loss_scale); else None
+    loss_scale: float | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """fp16 skipped the update: a gradient overflowed at the loss scale (the scale then
+        drops, as Megatron-LM's ``--fp16`` does; not a divergence)."""
+        return self.loss_scale is not None and not self.success and self.grad_norm is None
 
 
 def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str, torch.Tensor]]:
@@ -70,8 +78,10 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     return losses, loss_func
 
 
-def train_step(run: GPTRun, step: int) -> StepResult:
-    """One optimizer step (``step``: completed steps before it)."""
+def train_step(run: GPTRun, step: int, skipped: int = 0) -> StepResult:
+    """One optimizer step (``step``: completed steps before it; ``skipped``: how many of them
+    fp16 skipped, which the LR schedule does not count, as Megatron-LM advances its scheduler
+    on successful steps only)."""
     run.model.zero_grad_buffer()
     run.optimizer.zero_grad()
     t = run.recipe.training
@@ -93,7 +103,7 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     # on consumed tokens, times the stage's sqrt(B) factor; the embedding and output layer's
     # group (is_decoupled_lr) on optimizer.decoupled_lr's schedule where one is set
     for group in run.optimizer.param_groups:
-        group["lr"] = run.schedule.lr_at(step, group.get("is_decoupled_lr", False))
+        group["lr"] = run.schedule.lr_at(step - skipped, group.get("is_decoupled_lr", False))
     start = time.perf_counter()
     success, grad_norm, _ = run.optimizer.step()
     optimizer_s = time.perf_counter() - start
@@ -104,6 +114,15 @@ def train_step(run: GPTRun, step: int) -> StepResult:
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     loss /= run.dp_size
     dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
-    if grad_norm is None:  # megatron-core's step returns one whenever it clips or logs it
+    scale = run.optimizer.loss_scale
+    if grad_norm is None and (scale is None or success):
+        # megatron-core's step returns one whenever it clips or logs it, unless fp16 skipped it
         raise RuntimeError("the optimizer step returned no gradient norm")
-    return StepResult(float(loss), float(grad_norm), success, optimizer_s, moe)
+    return StepResult(
+        float(loss),
+        None if grad_norm is None else float(grad_norm),
+        success,
+        optimizer_s,
+        moe,
+        loss_scale=None if scale is None else float(scale.scale),
+    )

@@ -31,6 +31,26 @@ from megatron_ext.run.stopping import RunStopped, StopPolicy
 __all__ = ["train"]
 
 
+def resume_loss_scale(run: Any, loop_state: dict[str, Any] | None) -> int:
+    """fp16: the loss scale a checkpoint's loop state holds (megatron-core keeps its grad
+    scaler's state with the optimizer's), back into the optimizer; the steps skipped before
+    it (0 for a new run, or without fp16)."""
+    scale = run.optimizer.loss_scale
+    if scale is None or not loop_state:
+        return 0
+    saved = loop_state.get("loss_scale")
+    if saved is None:  # written by a run of another precision: megatron-core's choice too
+        if run.env.rank == 0:
+            print(
+                f"the checkpoint holds no fp16 loss scale (another training.precision wrote "
+                f"it): the scale starts at {float(scale.scale):g}",
+                flush=True,
+            )
+        return 0
+    scale.load_state_dict(saved)
+    return int(saved["skipped"])
+
+
 def train(recipe: GPTRecipe) -> dict[str, Any]:
     """Per-rank entry point: train ``recipe`` to ``training.steps``, resuming from the newest
     checkpoint (``checkpoint.load``). Returns the run summary (rank 0 also writes
@@ -47,6 +67,7 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
     loop_state = checkpointer.resume(run.model, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
+    skipped = resume_loss_scale(run, loop_state)  # fp16: the scale and its skipped steps
     if loop_state:  # the batch stages must reproduce the samples the checkpoint consumed
         run.schedule.check_resume(run.start_step, int(loop_state["consumed_samples"]))
     if run.start_step >= steps:
@@ -81,9 +102,10 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
     try:
         for step in range(run.start_step, steps):
             t0 = time.perf_counter()
-            result = train_step(run, step)
+            result = train_step(run, step, skipped)
             step_time, done = time.perf_counter() - t0, step + 1
-            if not math.isfinite(result.loss) or not result.success:
+            skipped += result.skipped
+            if not math.isfinite(result.loss) or not (result.success or result.skipped):
                 raise TrainingDivergedError(
                     f"step {done}: training loss is {result.loss} (grad norm {result.grad_norm}); "
                     f"stopping without checkpointing this state. Lower optimizer.lr, enable "
@@ -93,10 +115,15 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
                 clock.mark("first_step")
                 run.startup_s = clock.phases()
                 log.info(clock.report())
-            record_step(log, run, done, result, step_time)
+            record_step(log, run, done, result, step_time, skipped)
             if evaluator.should_evaluate(done, steps):
                 record_validation(log, run, done, evaluator.evaluate(run))
-            loop = {"step": done, "consumed_samples": run.schedule.samples_before(done)}
+            loop: dict[str, Any] = {
+                "step": done,
+                "consumed_samples": run.schedule.samples_before(done),
+            }
+            if run.optimizer.loss_scale is not None:
+                loop["loss_scale"] = {**run.optimizer.loss_scale.state_dict(), "skipped": skipped}
             saved = None
             if checkpointer.should_save(done, steps):
                 saved = checkpointer.save(done, run.model, run.optimizer, loop)

@@ -288,7 +288,7 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
         if take(key):
             out.set("training.precision", value)
     precision = out.get("training.precision", "fp32")
-    if take("fp16"):  # written; the launcher refuses it (run/precision.py's FP16_REFUSAL)
+    if take("fp16"):  # its loss-scale flags: from_megatron_parsed._optimizer_fields
         out.set("training.precision", "fp16")
         precision = "fp16"
     map_low_precision(out, flags, take, precision)

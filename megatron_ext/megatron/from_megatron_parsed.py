@@ -161,10 +161,12 @@ def _optimizer_fields(out: Conversion, args: MegatronArgs, parsed: Namespace) ->
     (lr, min_lr, weight_decay, Adam's betas and eps, clip_grad), as Megatron-LM's parser read
     them: written where the script gives the flag or Megatron-LM's value (its default) differs
     from the recipe's; the flags (``--lr`` for ``lr``) are mapped. The decoupled pair is
-    :func:`_decoupled_lr`'s (``--decoupled-min-lr`` alone stays unmapped)."""
+    :func:`_decoupled_lr`'s (``--decoupled-min-lr`` alone stays unmapped); fp16's loss-scale
+    flags are read with ``--fp16`` only (without it Megatron-LM ignores them: they stay
+    unmapped, with that reason)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
-    from megatron_ext.config.optimizer import OptimizerConfig
+    from megatron_ext.config.optimizer import LOSS_SCALE_FIELDS, OptimizerConfig
 
     theirs = {f.name for f in dataclasses.fields(MegatronOptimizerConfig)}
     given = {f.name.replace("-", "_") for f in args.flags}
@@ -172,8 +174,12 @@ def _optimizer_fields(out: Conversion, args: MegatronArgs, parsed: Namespace) ->
     for f in dataclasses.fields(OptimizerConfig):
         if f.name not in theirs or f.name.startswith("decoupled_"):
             continue
+        if f.name in LOSS_SCALE_FIELDS and not parsed.fp16:
+            continue
         names.add(f.name)
         value = getattr(parsed, f.name)
+        if f.type == "int" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # Megatron-LM parses --loss-scale-window as a float
         if f.name in given or value != f.default:
             out.set(f"optimizer.{f.name}", value)
     texts = {f.text for f in args.flags if f.name.replace("-", "_") in names}

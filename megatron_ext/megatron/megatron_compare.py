@@ -130,6 +130,7 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
         ("weight_decay_incr_style", "constant", parsed.weight_decay_incr_style),
         ("lr_warmup_init", 0.0, parsed.lr_warmup_init),
     ]
+    pairs += _loss_scale(recipe, parsed)
     if name == BASE:
         pairs += [
             ("adam_beta1", o.adam_beta1, parsed.adam_beta1),
@@ -145,6 +146,21 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
             value = getattr(parsed, field)
             pairs.append((field, ours[key], value if table is None else table.get(value)))
     return _differ(pairs)
+
+
+def _loss_scale(recipe: Any, parsed: Namespace) -> list[tuple[str, Any, Any]]:
+    """The precision flags of megatron-core's ``OptimizerConfig`` as the GPT trainer builds it
+    (:func:`~megatron_ext.megatron.optimizer_factories.megatron_optimizer_config`), and with
+    fp16 its loss scale, against Megatron-LM's parsed flags."""
+    from megatron_ext.config.optimizer import LOSS_SCALE_FIELDS
+    from megatron_ext.megatron.optimizer_factories import megatron_optimizer_config
+
+    precision = recipe.training.precision
+    ours = megatron_optimizer_config(
+        recipe.optimizer, precision != "fp32" and precision != "fp16", precision == "fp16"
+    )
+    names = ("fp16", "bf16", *(LOSS_SCALE_FIELDS if parsed.fp16 else ()))
+    return [(n, getattr(ours, n), getattr(parsed, n)) for n in names]
 
 
 class _Groups:

@@ -175,12 +175,11 @@ REASONS = {
     "rampup-batch-size": "refused by megatron-ext (and ignored by megatron-core 0.19): use "
     "--step-batch-size-schedule",
     "mock-data": "megatron-ext trains on an indexed dataset (data.path)",
-    # fp16's loss scaler: training.precision=fp16 is written and refused at launch
-    "loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
-    "initial-loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
-    "min-loss-scale": "fp16's loss scaler: training.precision=fp16 is refused at launch",
-    "loss-scale-window": "fp16's loss scaler: training.precision=fp16 is refused at launch",
-    "hysteresis": "fp16's loss scaler: training.precision=fp16 is refused at launch",
+    # fp16's loss scale: mapped into the optimizer section with --fp16 (from_megatron_parsed)
+    **dict.fromkeys(
+        ("loss-scale", "initial-loss-scale", "min-loss-scale", "loss-scale-window", "hysteresis"),
+        "fp16's loss scale: Megatron-LM reads it only with --fp16",
+    ),
     "attention-backend": "megatron-ext picks SDPA or Transformer Engine (model.transformer_impl)",
     "no-masked-softmax-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",
     "no-rope-fusion": "a kernel choice, not the model's: megatron-ext picks its kernels",

@@ -5,9 +5,10 @@ runs on CUDA (``transformer_impl: auto``), else the local spec with :class:`Sdpa
 core attention, which runs on CPU and GPU alike.
 
 Precision (:mod:`megatron_ext.run.precision`) as Megatron-LM runs it: the config's dtypes and
-FP8/FP4 fields come from the one mapping, and a bf16 model (every precision but fp32) is
+FP8/FP4 fields come from the one mapping, and a half model (every precision but fp32) is
 wrapped in megatron-core's ``Float16Module`` (:func:`half_precision_module`), which casts every
-parameter to bf16, norms included. FP8/FP4 build only on Transformer Engine's layers.
+parameter to bf16 (fp16 for ``fp16``), norms included. FP8/FP4 build only on Transformer
+Engine's layers.
 """
 
 from __future__ import annotations
@@ -275,12 +276,13 @@ def mtp_spec(model: ModelConfig, config: TransformerConfig, decoder: Any) -> Mod
 
 def half_precision_module(gpt: GPTModel) -> torch.nn.Module:
     """``gpt`` as Megatron-LM trains it: in megatron-core's ``Float16Module`` when its config is
-    bf16 (every parameter cast to bf16, norms included; inputs cast on the first pipeline
-    stage, outputs back to fp32 on the last), else ``gpt`` itself. Its state dict and sharded
-    state dict are ``gpt``'s, so checkpoint keys do not change."""
+    bf16 or fp16 (every parameter cast to that dtype, norms included; inputs cast on the first
+    pipeline stage, outputs back to fp32 on the last), else ``gpt`` itself. Its state dict and
+    sharded state dict are ``gpt``'s, so checkpoint keys do not change."""
     from megatron.core.transformer.module import Float16Module
 
-    return Float16Module(gpt.config, gpt) if gpt.config.bf16 else gpt
+    half = gpt.config.bf16 or gpt.config.fp16
+    return Float16Module(gpt.config, gpt) if half else gpt
 
 
 def _require_quantized_layers(model: ModelConfig, precision: str) -> None:

@@ -85,10 +85,23 @@ class MegatronExtOptimizer(MegatronOptimizer):
         #: set (the drop-in: megatron-core's arithmetic, :mod:`.mcore_grad_norm`); it reads
         #: whole gradients on every rank, so the layer-wise gradient sync drops it
         self.grad_norm_fn: Callable[[], float] | None = None
-        #: fp16's loss scale (:mod:`.loss_scale`): the loss is multiplied by it before backward
-        #: (the model config's ``grad_scale_func`` is :meth:`scale_loss`) and the gradients by
-        #: its inverse before the step, which is skipped when one is not finite; None: no scaling
-        self.loss_scale: LossScale | None = None
+        #: fp16's loss scale (:mod:`.loss_scale`), built from ``config`` when ``config.fp16``
+        #: as megatron-core's ``get_megatron_optimizer`` builds its grad scaler: the loss is
+        #: multiplied by it before backward (the model config's ``grad_scale_func`` is
+        #: :meth:`scale_loss`) and the gradients by its inverse before the step, which is
+        #: skipped when one is not finite; None: no scaling (fp32, bf16)
+        self.loss_scale: LossScale | None = (
+            LossScale.from_megatron(
+                config.loss_scale,
+                config.initial_loss_scale,
+                config.min_loss_scale,
+                config.loss_scale_window,
+                config.hysteresis,
+                device,
+            )
+            if config.fp16
+            else None
+        )
 
     # -- gradients ------------------------------------------------------------------------
     @torch.no_grad()

@@ -42,8 +42,13 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 InnerFactory = Callable[[NamedParams], Any]
 
 
-def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerConfig:
-    """The recipe's optimizer section as megatron-core's ``OptimizerConfig``."""
+def megatron_optimizer_config(
+    cfg: OptimizerConfig, bf16: bool, fp16: bool = False
+) -> McOptimizerConfig:
+    """The recipe's optimizer section as megatron-core's ``OptimizerConfig`` (``fp16``: with
+    the section's loss scale, which the adapter then applies)."""
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are exclusive (megatron-core's OptimizerConfig)")
     return McOptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -54,7 +59,13 @@ def megatron_optimizer_config(cfg: OptimizerConfig, bf16: bool) -> McOptimizerCo
         adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
+        loss_scale=cfg.loss_scale,
+        initial_loss_scale=cfg.initial_loss_scale,
+        min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window,
+        hysteresis=cfg.hysteresis,
         use_distributed_optimizer=False,
     )
 

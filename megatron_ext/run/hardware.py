@@ -1,9 +1,10 @@
 """What this machine can run: its device description, the precision rules, the fail-closed gate.
 
-The rules are one table, :data:`REQUIREMENTS`, one row per FP8/FP4 precision with its source.
-Every FP8/FP4 precision also needs Transformer Engine and a GPU. ``fp32`` and ``bf16`` need
-neither. :func:`unmet_requirement` compares a precision with a :class:`DeviceDescription` and
-returns the one-line refusal (requirement, then what the machine has), or None.
+The rules are one table, :data:`REQUIREMENTS`, one row per FP8/FP4 precision with its source. Every
+FP8/FP4 precision also needs Transformer Engine and a GPU. ``fp32``, ``bf16`` and ``fp16`` need
+neither (torch's float16 kernels run on CPU too). :func:`unmet_requirement` compares a precision
+with a :class:`DeviceDescription` and returns the one-line refusal (requirement, then what the
+machine has), or None.
 
 The gate runs twice, on two descriptions of the same hardware:
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.run.nvidia_smi import query_gpus, visible_gpus
-from megatron_ext.run.precision import FP16_REFUSAL, PRECISIONS, Precision, precision_spec
+from megatron_ext.run.precision import PRECISIONS, Precision, precision_spec
 
 __all__ = [
     "REQUIREMENTS",
@@ -164,8 +165,6 @@ def unmet_requirement(precision: str, device: DeviceDescription) -> str | None:
     the machine has, what it can run instead), or None when it can."""
     if can_run(precision, device):
         return None
-    if precision == "fp16":
-        return FP16_REFUSAL
     rule = REQUIREMENTS[precision]
     return (
         f"training.precision={precision} needs {rule.describe()} (rule from {rule.source}); "
@@ -175,10 +174,7 @@ def unmet_requirement(precision: str, device: DeviceDescription) -> str | None:
 
 
 def can_run(precision: str, device: DeviceDescription) -> bool:
-    """Whether ``device`` meets ``precision``'s row of :data:`REQUIREMENTS` (no row: yes;
-    fp16: no machine, :data:`~megatron_ext.run.precision.FP16_REFUSAL`)."""
-    if precision_spec(precision).name == "fp16":
-        return False
+    """Whether ``device`` meets ``precision``'s row of :data:`REQUIREMENTS` (no row: yes)."""
     rule = REQUIREMENTS.get(precision_spec(precision).name)
     if rule is None:
         return True
@@ -209,8 +205,6 @@ def check_precision_before_launch(precision: Precision | None, device: DeviceDes
     """The launcher's gate, torch-free: ``precision`` (``training.precision``; None for a trainer
     without a ``training`` section) against ``device``, the launcher's one probe of this
     machine (:func:`probe_device`, read by :func:`megatron_ext.launch.hosts.probe_host`)."""
-    if precision == "fp16":
-        raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
         require_precision(precision, device)
 
@@ -219,8 +213,6 @@ def check_precision_on_rank(precision: Precision | None, local_rank: int) -> Non
     """The per-rank gate (``megatron-ext train``): the same table, against the rank's own GPU
     as torch sees it and Transformer Engine as actually imported (probed only when
     ``precision`` has a rule)."""
-    if precision == "fp16":
-        raise ConfigError(FP16_REFUSAL)
     if precision in REQUIREMENTS:
         require_precision(precision, probe_device_with_torch(local_rank))
 

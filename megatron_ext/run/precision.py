@@ -18,20 +18,22 @@ nvfp4              bfloat16      –         –             e2m1  nvfp4
 fp16               float16       –         –             –     –
 =================  ============  ========  ============  ====  ==========
 
-``fp16`` is Megatron-LM's ``--fp16``: float16 parameters with loss scaling. The converter writes
-it (megatron-core's ``TransformerConfig`` gets ``fp16=True`` and float16 dtypes), and the
-launcher refuses it (:data:`FP16_REFUSAL`): megatron-core's loss scaler allocates its scale on
-CUDA only, and megatron-ext's loop scales no loss.
+``fp16`` is Megatron-LM's ``--fp16``: float16 parameters (megatron-core's ``TransformerConfig``
+gets ``fp16=True`` and float16 dtypes) with loss scaling: the optimizer section's
+``loss_scale`` … ``hysteresis`` (megatron-core's ``OptimizerConfig`` fields) build the scale
+(:mod:`megatron_ext.megatron.loss_scale`, megatron-core's rule on any device), the loss is
+multiplied by it before backward, a step whose gradients overflow is skipped and the scale
+lowered, as Megatron-LM's training loop does.
 
-Every precision but fp32 runs the model as Megatron-LM runs ``--bf16``: megatron-core's
-``Float16Module`` casts the whole model to bf16 (norms included) and the optimizer keeps fp32
-masters; the FP8/FP4 ones then run Transformer Engine's GEMMs under its autocast (per-tensor
-scales from the current or a delayed amax, 1×128/128×128 blocks, MX 1×32 blocks with E8M0
-scales, NVFP4 1×16 blocks). ``HYBRID`` is E4M3 forward and E5M2 for gradients (TE's and
-Megatron-LM's choice for per-tensor scaling); the block-scaled recipes use E4M3 throughout (TE's
-defaults for ``Float8BlockScaling`` and ``MXFP8BlockScaling``). ``fp8_param`` (FP8 weights kept
-between steps, ``--fp8-param-gather``) stays off: the masters live in megatron-ext's optimizer
-and TE quantizes the bf16 weights at each forward.
+Every precision but fp32 runs the model as Megatron-LM runs ``--bf16`` (``--fp16``): megatron-core's
+``Float16Module`` casts the whole model to bf16 (fp16), norms included, and the optimizer keeps fp32
+masters; the FP8/FP4 ones then run Transformer Engine's GEMMs under its autocast (per-tensor scales
+from the current or a delayed amax, 1×128/128×128 blocks, MX 1×32 blocks with E8M0 scales, NVFP4
+1×16 blocks). ``HYBRID`` is E4M3 forward and E5M2 for gradients (TE's and Megatron-LM's choice for
+per-tensor scaling); the block-scaled recipes use E4M3 throughout (TE's defaults for
+``Float8BlockScaling`` and ``MXFP8BlockScaling``). ``fp8_param`` (FP8 weights kept between steps,
+``--fp8-param-gather``) stays off: the masters live in megatron-ext's optimizer and TE quantizes the
+bf16 weights at each forward.
 
 ``training.num_layers_at_start_in_bf16`` / ``num_layers_at_end_in_bf16`` keep the first/last
 transformer layers out of FP8/FP4 (megatron-core's ``first_last_layers_bf16`` with its counts).
@@ -53,7 +55,6 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "FP16_REFUSAL",
     "PRECISIONS",
     "SPECS",
     "Precision",
@@ -68,12 +69,6 @@ Precision = Literal[
     "fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4", "fp16"
 ]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
-#: why the launcher refuses training.precision=fp16 (on every host)
-FP16_REFUSAL = (
-    "training.precision=fp16 (Megatron-LM's --fp16, loss scaling) is not trained by megatron-ext: "
-    "megatron-core's loss scaler (DynamicGradScaler) keeps its scale on CUDA only and "
-    "megatron-ext's loop scales no loss; train with training.precision: bf16"
-)
 
 
 @dataclass(frozen=True)
