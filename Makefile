@@ -49,8 +49,9 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, a whole test file each at a time (module fixtures run once); the
 # files that start processes first (tests/tiers.py), so that no long file is handed out last.
+# --no-loadscope-reorder: else pytest-xdist re-sorts the files by their number of tests.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # Markers are set at collection (tests/tiers.py); an unmarked test that starts a process of
 # this project fails here, naming the fix.
