@@ -207,10 +207,26 @@ def check_plan(report: dict[str, Any], out: str, folder: Path) -> None:
 
 
 def check_paper(report: dict[str, Any], out: str, folder: Path) -> None:
-    """The benchmark's EXAMPLE runs the ``optimizers`` study: its report and figure checks."""
+    """The benchmark's EXAMPLE runs the ``optimizers`` study: its report and figure checks;
+    then ``--from-runs`` rebuilds the same claims from its run folders, launching nothing, and
+    names a run that did not finish."""
+    import math
+
+    from megatron_ext.bench.paper.optimizers import run_study
+    from megatron_ext.errors import ConfigError
     from tests.test_bench_paper_studies import check_report
 
     check_report("optimizers", report, out, folder)
+    rebuilt = run_study("quick", report["seeds"], folder, from_runs=True)
+    for mine, theirs in zip(rebuilt.claims, report["claims"], strict=True):
+        assert mine.id == theirs["id"]
+        for a, b in zip(mine.values, theirs["values"], strict=True):
+            assert a == b or (math.isnan(a) and math.isnan(b)), mine.id
+    assert rebuilt.settings["from_runs"] and rebuilt.settings["runs"] == report["settings"]["runs"]
+    assert rebuilt.settings["wall_s"] > 0
+    (folder / "runs" / "lr.adamw.1" / "seed1" / "summary.json").unlink()
+    with pytest.raises(ConfigError, match=r"lr\.adamw\.1/seed1 is not a finished run"):
+        run_study("quick", report["seeds"], folder, from_runs=True)
 
 
 #: benchmark name -> the check of its quick run's JSON and output

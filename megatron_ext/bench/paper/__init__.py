@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--out", default=None, help="run folder (default runs/bench_paper/STUDY)")
     p.add_argument("--json", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="optimizers: launch nothing, rebuild the report from the finished runs under "
+        "--out (a missing or unfinished run is an error)",
+    )
 
 
 def study_module(name: str) -> ModuleType:
@@ -106,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/bench_paper/{args.study}")
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(1, seeds_n + 1))
-    result = module.run_study(args.size, seeds, out)
+    if args.from_runs and args.study != "optimizers":
+        raise ConfigError(
+            f"--from-runs: the {args.study} study trains in-process and keeps no run folders to "
+            "read; only the optimizers study has them"
+        )
+    extra = {"from_runs": True} if args.from_runs else {}
+    result = module.run_study(args.size, seeds, out, **extra)
     report = payload(args.study, module.PAPER, result, seeds, args.size, run_meta())
     page = markdown(report, module.TITLE)
     print(page)

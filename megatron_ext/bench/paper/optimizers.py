@@ -47,6 +47,7 @@ Claims that do not reproduce here are reported so: no setting was tuned to make 
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -76,6 +77,7 @@ from megatron_ext.bench.paper._optimizers_arms import (
 )
 from megatron_ext.bench.paper._optimizers_claims import CLAIM_IDS, FACT_IDS, claims
 from megatron_ext.bench.paper.report import StudyResult
+from megatron_ext.errors import ConfigError
 
 __all__ = ["CLAIM_IDS", "FACT_IDS", "PAPER", "TITLE", "run_study", "summarize_run"]
 
@@ -116,14 +118,38 @@ def summarize_run(run_dir: Path, scale: Scale) -> dict[str, Any]:
     }
 
 
+def finished_run(run_dir: Path, scale: Scale) -> tuple[float, float]:
+    """``(start, end)`` wall-clock times (epoch s) of a run that consumed the study's tokens:
+    its ``summary.json``'s time, less the run's elapsed and start-up seconds. A run that is
+    missing or did not finish is a ``ConfigError`` naming it (``--from-runs``)."""
+    from megatron_ext.bench.common import read_metrics
+
+    summary = run_dir / "summary.json"
+    train = read_metrics(run_dir)[0] if summary.is_file() else []
+    if not train or train[-1]["consumed_tokens"] != scale.tokens:
+        raise ConfigError(
+            f"--from-runs: {run_dir} is not a finished run of {scale.tokens:,} tokens; run the "
+            "study without --from-runs"
+        )
+    figures = json.loads(summary.read_text())
+    end = summary.stat().st_mtime
+    return end - figures["elapsed_s"] - figures["startup_s"]["total"], end
+
+
 def _run_arms(
-    scale: Scale, arm_list: list[Arm], seeds: list[int], out: Path, stage: str
+    scale: Scale,
+    arm_list: list[Arm],
+    seeds: list[int],
+    out: Path,
+    stage: str,
+    spans: list[tuple[float, float]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every arm × seed of ``arm_list`` through the launcher, ``scale.jobs`` at a time; the
     results by arm and seed, in the order of ``arm_list``. Arms whose overrides are identical
     (e.g. KL-SOAP at 4× in the stability and the batch sweep) are one run, reported under each
     name. A seed's stability arms are queued side by side, so the QR and eigh step times are
-    taken under similar load. ``stage`` names them on the progress bar."""
+    taken under similar load. ``stage`` names them on the progress bar. ``spans`` given
+    (``--from-runs``): no run is launched; each finished run's (start, end) is appended."""
     from megatron_ext.bench.common import launch_run, progress
 
     runs: dict[tuple[str, ...], tuple[Arm, int]] = {}  # overrides -> the first arm that has them
@@ -137,8 +163,11 @@ def _run_arms(
     def one(key: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, Any]]:
         arm, seed = runs[key]
         run_dir = out / "runs" / arm.name / f"seed{seed}"
-        with shown.running(f"{arm.name} seed {seed}"):  # side by side with the pool's others
-            launch_run(RECIPE, list(key), run_dir, f"{arm.name} seed {seed}")
+        if spans is not None:
+            spans.append(finished_run(run_dir, scale))
+        else:
+            with shown.running(f"{arm.name} seed {seed}"):  # beside the pool's others
+                launch_run(RECIPE, list(key), run_dir, f"{arm.name} seed {seed}")
         result = summarize_run(run_dir, scale)
         also = [n for n, _ in names[key] if n != arm.name]
         print(
@@ -173,13 +202,18 @@ def choose_lr(scale: Scale, results: dict[str, dict[str, Any]]) -> dict[str, flo
 
 
 def _run_all(
-    scale: Scale, seeds: list[int], out: Path
+    scale: Scale, seeds: list[int], out: Path, spans: list[tuple[float, float]] | None = None
 ) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
     """Stage 1 (the LR sweep at 1× and the stability arms), the choice of each optimizer's LR,
     stage 2 (the batch sweep at it); every result by arm, the 1× run of the chosen LR also as
-    ``sweep.<opt>.1x``; and the chosen LR multiples."""
+    ``sweep.<opt>.1x``; and the chosen LR multiples. ``spans``: see :func:`_run_arms`."""
     first = _run_arms(
-        scale, [*lr_arms(scale), *stability_arms(scale)], seeds, out, "LR sweep and stability"
+        scale,
+        [*lr_arms(scale), *stability_arms(scale)],
+        seeds,
+        out,
+        "LR sweep and stability",
+        spans,
     )
     best = choose_lr(scale, first)
     print(
@@ -187,36 +221,54 @@ def _run_all(
         f"{scale.lr:g}): " + ", ".join(f"{o} {m:.3g}" for o, m in best.items()),
         flush=True,
     )
-    second = _run_arms(scale, sweep_arms(scale, best), seeds, out, "batch sweep")
+    second = _run_arms(scale, sweep_arms(scale, best), seeds, out, "batch sweep", spans)
     chosen = {f"sweep.{o}.1x": first[lr_name(o, m)] for o, m in best.items()}
     return {**first, **chosen, **second}, best
 
 
-def run_study(size: Literal["quick", "full"], seeds: list[int], out: Path) -> StudyResult:
-    """Run every arm of ``size`` for each seed; the claims, the runs' figures and the plots."""
+def run_study(
+    size: Literal["quick", "full"], seeds: list[int], out: Path, from_runs: bool = False
+) -> StudyResult:
+    """Run every arm of ``size`` for each seed; the claims, the runs' figures and the plots.
+    ``from_runs``: launch nothing, read the finished runs under ``out`` (the report rebuilt,
+    e.g. after a fix to a claim; ``wall_s`` is then the runs' own span, from their files)."""
     from megatron_ext.bench.paper._optimizers_plots import plot_all
 
     scale = SCALES[size]
     n_runs = len({tuple(arm_overrides(scale, a, 1)) for a in arms(scale)}) * len(seeds)
     print(
         f"[optimizers] {size}: about {n_runs} runs of {scale.tokens:,} tokens each "
-        f"({scale.num_layers} layers, d={scale.hidden_size})",
+        f"({scale.num_layers} layers, d={scale.hidden_size})"
+        + (", read from their finished folders (--from-runs)" if from_runs else ""),
         flush=True,
     )
     start = time.perf_counter()
-    results, best = _run_all(scale, seeds, out)
+    spans: list[tuple[float, float]] | None = [] if from_runs else None
+    results, best = _run_all(scale, seeds, out, spans)
     wall = time.perf_counter() - start
+    if spans:  # from the first run's launch to the last run's end, as the runs recorded them
+        wall = max(e for _, e in spans) - min(s for s, _ in spans)
     entropy = corpus_unigram_entropy()
     settings = {
         **scale.settings(),
         "arms": len(results),
         "runs": len({id(r) for per in results.values() for r in per.values()}),
         "wall_s": round(wall, 1),
+        "from_runs": from_runs,
         "chosen_lr_mult": best,
         "unigram_entropy": entropy,
     }
     plots = plot_all(results, scale, seeds, out)
     notes = [
+        *(
+            [
+                "Report rebuilt from the study's finished runs (--from-runs): no run was "
+                "launched; wall_s is the runs' span, from the first launch to the last end "
+                "(their summary.json times less elapsed and start-up)."
+            ]
+            if from_runs
+            else []
+        ),
         f"Spikes: {SPIKE_DEFINITION}.",
         "Equal tokens: every arm consumes "
         f"{scale.tokens:,} tokens (checked from each run's consumed_tokens).",
