@@ -178,7 +178,7 @@ def _pre(per: list[dict[str, Any]], what: str, losses: Any) -> Any:
 def _claims(
     cfg: dict[str, Any], arms: dict[str, dict[str, Any]], seeds: list[int]
 ) -> tuple[list[Any], list[Any]]:
-    from megatron_ext.bench.paper.claims import Claim, Fact
+    from megatron_ext.bench.paper.claims import Claim, Fact, Precondition
 
     per = [arms[str(s)] for s in seeds]
     ns, n_small, n_big = cfg["n_sweep"], *cfg["tp_n"]
@@ -270,7 +270,15 @@ def _claims(
             "N=256: all 256 experts cost more and give higher loss; k 4→12 lowers it by 0.013",
             f"test loss k=N − k=4 on the N={kmax} ensemble (nats/byte)",
             [p["k_sweep"][kmax] - p["k_sweep"][kk] for p in per],
-            precondition=_pre(per, "k=N and k=4", lambda p: [p["k_sweep"][kmax], p["k_sweep"][kk]]),
+            # at N <= 4 the top-4 is every expert: Q = 0 by construction, no evidence
+            precondition=_pre(per, "k=N and k=4", lambda p: [p["k_sweep"][kmax], p["k_sweep"][kk]])
+            if int(kmax) > 4
+            else Precondition(
+                "the ensemble has more than 4 experts (at N <= 4 the top-4 is every expert)",
+                tuple(float(kmax) for _ in per),
+                5.0,
+                below=False,
+            ),
         ),
         Claim(
             "variance.summed_over_independent_is_n",
