@@ -31,9 +31,9 @@ seed run; variance at fixed weights on B = 2, T = 64, n_pert = 4, 16 repeats; in
 (wide) vs N = 64 (width 32) at ~2.1M parameters). The seed run's length comes from a pilot on
 seed 1 (N = 1, width 32; 2026-12-05): test loss 3.39 / 3.14 / 2.91 nats/byte after 60 / 240 /
 600 seed-run updates against the test set's unigram 3.30, so only ~600 clear the precondition.
-Time: a width-32 update took 0.19 s (600 in 115 s under ``nice -n 10`` at load average ~25);
-~4,400 width-32-equivalent updates per seed (three seed runs, the ensembles, the continuations)
-give ~14 min per seed, ~40–45 min for 3 seeds on the loaded machine; not yet run.
+Time: the full run of 2026-12-05 (3 seeds) took 341 s on the otherwise quiet 2-core machine
+(477 s on one thread beside another study); ~4,400 width-32-equivalent updates per seed (three
+seed runs, the ensembles, the continuations).
 """
 
 from __future__ import annotations
