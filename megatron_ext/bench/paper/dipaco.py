@@ -16,10 +16,9 @@ Scales: ``quick`` (a 4-block width-32 GPT, 2 phases of τ = 1, 200 documents, 8 
 documents: every comparison, no verdicts) and ``full`` (a 4-block width-64 GPT, vocabulary
 1,024, sequence 48, batch 4, a 200-step base, 10 phases of τ = 40 = 400 steps per path,
 1,200 documents, 128 evaluation documents of up to 208 tokens: 57 paths × 400 = 22,800 path
-steps per seed). Measured 2026-12-05 at load average 23–26: a 40-step train task of DiPaCo 2x2
-at these settings takes 1.3–1.7 s after the first (0.033–0.043 s per path step), so 3 seeds'
-68,400 path steps take ~38–49 min plus routing, early-stopping and evaluation tasks: at or over
-the 40-min budget on the loaded machine, below it on a quiet one; not yet run. The paper's scale
+steps per seed). The full run of 2026-12-05 (3 seeds, 68,400 path steps plus routing,
+early-stopping and evaluation tasks) took 1,593 s on the 2-core machine, partly beside another
+study (a 40-step train task: 0.7–1.0 s). The paper's scale
 (150M-parameter paths, 256 paths, 64K steps on C4) is 5-6 orders of magnitude away: a claim
 that does not reproduce here is reported as such.
 """
