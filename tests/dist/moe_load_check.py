@@ -58,9 +58,9 @@ if __name__ == "__main__":
             router.register_forward_hook(reference)
         return run
 
-    def counted_step(run, step):
+    def counted_step(run, step, *rest):
         STEP[0] = step
-        return train_step(run, step)
+        return train_step(run, step, *rest)
 
     gpt_trainer.setup, gpt_trainer.train_step = watched_setup, counted_step
     code = train_main(recipe, overrides)
