@@ -632,9 +632,32 @@ def test_fp8_and_fp4_flags_are_the_precision_with_those_fields(flags: str, preci
     assert (spec.fp8 or spec.fp4) in flags
 
 
-def test_an_fp8_pair_no_precision_has_is_refused() -> None:
-    conversion = _convert("--global-batch-size 8 --train-iters 10 --bf16 --fp8-format e4m3")
-    assert conversion.model_changing == ["--fp8-format e4m3"]  # e4m3 + delayed: not one of ours
+@pytest.mark.parametrize(
+    ("flags", "precision", "fp8_format"),
+    [
+        ("--bf16 --fp8-format e4m3", "fp8_delayed", "e4m3"),
+        ("--bf16 --fp8-format hybrid --fp8-recipe blockwise", "fp8_blockwise", "hybrid"),
+        ("--bf16 --fp8-format e4m3 --fp8-recipe tensorwise", "fp8_tensorwise", "e4m3"),
+    ],
+)
+def test_another_fp8_format_is_the_recipes_fp8_format(flags, precision, fp8_format) -> None:
+    """A format other than the precision's is training.fp8_format, and the TransformerConfig
+    the trainer builds equals Megatron-LM's field by field (megatron-core takes any format with
+    any FP8 recipe; Megatron-LM's functional tests run hybrid + blockwise)."""
+    from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.megatron.megatron_compare import compare
+
+    conversion = _convert("--global-batch-size 8 --train-iters 10 " + flags)
+    training = conversion.recipe["training"]
+    assert (training["precision"], training["fp8_format"]) == (precision, fp8_format)
+    assert conversion.unmapped == [] and conversion.model_changing == []
+    recipe = recipe_from_dict(conversion.recipe)
+    assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
+
+
+def test_fp8_without_bf16_parameters_is_refused() -> None:
+    conversion = _convert("--global-batch-size 8 --train-iters 10 --fp8-format e4m3")
+    assert conversion.model_changing == ["--fp8-format e4m3"]  # fp32 parameters: none of ours
     alone = _convert("--global-batch-size 8 --train-iters 10 --fp8-recipe tensorwise")
     assert alone.model_changing == [] and len(alone.unmapped) == 1
 

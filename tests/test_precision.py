@@ -238,6 +238,10 @@ def test_the_cuda_version_is_read_from_torch_without_importing_it():
             ["training.precision=nvfp4", "model.transformer_impl=local"],
             "model.transformer_impl=local would train in BF16",
         ),
+        (
+            ["training.precision=bf16", "training.fp8_format=hybrid"],
+            "training.fp8_format=hybrid sets the format of an FP8 precision",
+        ),
         (  # Megatron-LM ignores the loss scale without --fp16: a recipe must not promise one
             ["training.precision=bf16", "optimizer.hysteresis=4"],
             "optimizer.hysteresis=4 is fp16's loss scale, read only with training.precision=fp16",

@@ -37,8 +37,10 @@ def map_low_precision(
 ) -> None:
     """``--fp8-format``/``--fp8-recipe`` (Megatron-LM's recipe default: delayed) or
     ``--fp4-format``/``--fp4-recipe`` (default nvfp4) as the one ``training.precision`` with
-    those megatron-core fields (run/precision.py's table); a pair no precision has is refused
-    like a model-changing flag."""
+    those megatron-core fields (run/precision.py's table); an FP8 format other than the
+    precision's goes to ``training.fp8_format`` (megatron-core takes any format with any FP8
+    recipe); a pair no precision has, or FP8/FP4 without bf16 parameters, is refused like a
+    model-changing flag."""
     from megatron_ext.run.precision import SPECS
 
     fp8, fp4 = flag_value(flags.get("fp8-format")), flag_value(flags.get("fp4-format"))
@@ -51,12 +53,15 @@ def map_low_precision(
         wanted = {"fp8": fp8, "fp8_recipe": flag_value(flags.get("fp8-recipe")) or "delayed"}
     else:
         wanted = {"fp4": fp4, "fp4_recipe": flag_value(flags.get("fp4-recipe")) or "nvfp4"}
-    found = [s.name for s in SPECS.values() if all(getattr(s, k) == v for k, v in wanted.items())]
+    matched = {k: v for k, v in wanted.items() if k != "fp8"}  # the format: fp8_format below
+    found = [s for s in SPECS.values() if all(getattr(s, k) == v for k, v in matched.items())]
     keys = ("fp8-format", "fp8-recipe") if fp8 is not None else ("fp4-format", "fp4-recipe")
-    if found and base == "bf16":
+    if found and base == "bf16" and (fp8 is None or fp8 in ("e4m3", "hybrid")):
         for key in keys:
             take(key)
-        out.set("training.precision", found[0])
+        out.set("training.precision", found[0].name)
+        if fp8 is not None and fp8 != found[0].fp8:
+            out.set("training.fp8_format", fp8)
         return
     shown = ", ".join(f"{k}={v}" for k, v in wanted.items())
     reason = (

@@ -207,7 +207,9 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     # script asking for Transformer Engine converts on a host without it: refused at launch
     model = dataclasses.replace(recipe.section(ModelConfig), transformer_impl="local")
     training = recipe.section(TrainingConfig)
-    derived = transformer_kwargs(model, recipe.section(ParallelConfig), training.precision)
+    derived = transformer_kwargs(
+        model, recipe.section(ParallelConfig), training.precision, fp8_format=training.fp8_format
+    )
     named = {f.name for f in dataclasses.fields(ModelConfig)}
     extra: dict[str, Any] = {}
     changed: set[str] = set()

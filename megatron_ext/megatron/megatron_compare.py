@@ -97,7 +97,8 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
         # the kernels' implementation is the host's (skipped below): a script asking for
         # Transformer Engine is compared on a host without it
         model = dataclasses.replace(recipe.model, transformer_impl="local")
-        mine = transformer_config(model, recipe.parallel, recipe.training.precision, bf16_layers)
+        t = recipe.training
+        mine = transformer_config(model, recipe.parallel, t.precision, bf16_layers, t.fp8_format)
     pairs = [("class", type(mine).__name__, type(theirs).__name__)]
     for f in dataclasses.fields(theirs):
         if not f.init or f.name in HOST_FIELDS or f.name == "transformer_impl":

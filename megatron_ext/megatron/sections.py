@@ -193,6 +193,11 @@ class TrainingConfig:
     precision: Precision = spec(
         "fp32", help="megatron_ext.run.precision maps each to megatron-core"
     )
+    fp8_format: Literal["e4m3", "hybrid"] | None = spec(
+        None,
+        help="FP8 precisions: megatron-core's fp8 format (Megatron-LM's --fp8-format) instead "
+        "of the precision's (run/precision.py); hybrid = E4M3 forward, E5M2 gradients",
+    )
     num_layers_at_start_in_bf16: int = spec(
         0, ge=0, help="FP8/FP4: first transformer layers kept in BF16"
     )

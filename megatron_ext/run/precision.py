@@ -127,10 +127,13 @@ def precision_dtype(precision: str) -> torch.dtype:
     return getattr(torch, precision_spec(precision).params_dtype)
 
 
-def transformer_config_fields(precision: str, start: int = 0, end: int = 0) -> dict[str, Any]:
+def transformer_config_fields(
+    precision: str, start: int = 0, end: int = 0, fp8_format: str | None = None
+) -> dict[str, Any]:
     """megatron-core ``TransformerConfig`` keyword arguments for ``precision`` (the model's
     dtypes, FP8/FP4 format and recipe) keeping the first ``start`` and last ``end`` layers in
-    BF16 (``training.num_layers_at_start_in_bf16``/``_end_in_bf16``)."""
+    BF16 (``training.num_layers_at_start_in_bf16``/``_end_in_bf16``); ``fp8_format``
+    (``training.fp8_format``): the FP8 format instead of the precision's."""
     spec = precision_spec(precision)
     dtype = precision_dtype(spec.name)
     fields: dict[str, Any] = {
@@ -138,7 +141,7 @@ def transformer_config_fields(precision: str, start: int = 0, end: int = 0) -> d
         "fp16": spec.params_dtype == "float16",
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
-        "fp8": spec.fp8,
+        "fp8": fp8_format or spec.fp8,
         "fp8_param": False,
         "fp4": spec.fp4,
         "first_last_layers_bf16": bool(start or end),
@@ -159,6 +162,11 @@ def check_precision_fields(t: Any, m: Any, pipeline_stages: int) -> None:
     ``training`` and ``model`` sections; ``pipeline_stages``:
     ``parallel.pipeline_model_parallel_size``."""
     spec = precision_spec(t.precision)
+    if t.fp8_format is not None and spec.fp8 is None:
+        raise ConfigError(
+            f"training.fp8_format={t.fp8_format} sets the format of an FP8 precision, and "
+            f"training.precision={t.precision} has none: remove it, or choose an FP8 precision"
+        )
     start, end = t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16
     counts = (
         f"training.num_layers_at_start_in_bf16={start}, training.num_layers_at_end_in_bf16={end}"
