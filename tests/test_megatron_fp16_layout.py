@@ -39,6 +39,16 @@ CASES = {
     "--num-layers-per-virtual-pipeline-stage 1 --bf16",
     "pipeline_layout": BASE + "--pipeline-model-parallel-size 2 "
     "--pipeline-model-parallel-layout 'Et*2|t*2L' --bf16",
+    # 6 layers + the embedding + the loss over 4 stages: megatron-core's uneven split
+    "uneven_split": BASE + "--num-layers 6 --pipeline-model-parallel-size 4 --bf16 "
+    "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split",
+    "recompute_modules": BASE + "--bf16 --recompute-granularity selective "
+    "--recompute-modules core_attn mlp",
+    "recompute_block": BASE + "--bf16 --recompute-granularity full --recompute-method block "
+    "--recompute-num-layers 2",
+    "warmup_init": BASE + "--bf16 --lr-warmup-init 1e-4",
+    "flex": BASE + "--bf16 --num-experts 4 --expert-model-parallel-size 2 "
+    "--moe-token-dispatcher-type flex",
 }
 
 
@@ -102,3 +112,33 @@ def test_pipeline_layouts_are_carried(converted) -> None:
     recipe = converted["virtual_pipeline"][0]
     with pytest.raises(ConfigError, match="no virtual pipeline stages"):
         build_gpt_model(recipe.model, ParallelConfig(), "bf16", 256, 32)
+
+
+def test_recomputation_forms_uneven_splits_and_warmup_init_are_written(converted) -> None:
+    """Each lands in its recipe field (and not in the unmapped list)."""
+    modules, conversion = converted["recompute_modules"]
+    assert modules.parallel.recompute_modules == ["core_attn", "mlp"]
+    assert "--recompute-modules core_attn mlp" in conversion.mapped
+    block = converted["recompute_block"][0].parallel
+    assert (block.recompute_method, block.recompute_num_layers) == ("block", 2)
+    assert converted["warmup_init"][0].training.lr_warmup_init == 1e-4
+    uneven = converted["uneven_split"][0]
+    assert uneven.model.transformer_config["account_for_embedding_in_pipeline_split"] is True
+    assert uneven.model.num_layers % uneven.parallel.pipeline_model_parallel_size
+
+
+def test_the_flex_dispatcher_is_written_and_refused_on_a_cpu_host(converted) -> None:
+    """megatron-core's flex dispatcher (DeepEP/HybridEP kernels) needs CUDA: the recipe has it,
+    the build on this host says why it stops."""
+    import torch
+
+    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.megatron.model import build_gpt_model
+
+    recipe = converted["flex"][0]
+    assert recipe.model.moe_token_dispatcher_type == "flex"
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: megatron-core decides")
+    init_single_process()
+    with pytest.raises(ConfigError, match="flex dispatcher runs on CUDA GPUs only"):
+        build_gpt_model(recipe.model, recipe.parallel, "bf16", 256, 32)

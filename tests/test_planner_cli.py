@@ -222,3 +222,30 @@ def test_a_dipaco_recipe_is_planned_as_its_outer_round(capsys: pytest.CaptureFix
     assert figures == expected and figures["totals"]["store_bytes"] == 33_085_440
     assert main(["plan", "dipaco_tiny"]) == 0
     assert "(33,085,440 B)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[mlp]"],
+            "recompute_modules=\\['mlp'\\].* is not modelled",
+        ),
+        (
+            ["parallel.recompute_granularity=full", "parallel.recompute_method=block"],
+            "recompute_method=block.* is not modelled",
+        ),
+        (
+            [
+                "parallel.pipeline_model_parallel_size=2",
+                "model.transformer_config={account_for_embedding_in_pipeline_split: true}",
+            ],
+            "account_for_embedding_in_pipeline_split: the planner splits the layers evenly",
+        ),
+    ],
+)
+def test_the_plan_refuses_what_its_model_does_not_have(overrides: list, message: str) -> None:
+    """Recomputation forms and uneven pipeline splits megatron-core has and the activation
+    model does not: refused by name, not planned as another form."""
+    with pytest.raises(ConfigError, match=message):
+        plan_recipe("gpt_8b", [VOCAB, *overrides], h100(1))

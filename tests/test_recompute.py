@@ -20,7 +20,7 @@ MODEL = ModelConfig(
 
 
 def loss_and_grads(
-    granularity: str, state: dict | None, seed: int = 7
+    parallel: ParallelConfig, state: dict | None, seed: int = 7
 ) -> tuple[float, torch.Tensor, dict]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -28,9 +28,7 @@ def loss_and_grads(
     from megatron_ext.megatron.model import build_gpt_model
 
     init_single_process()
-    gpt = build_gpt_model(
-        MODEL, ParallelConfig(recompute_granularity=granularity), "fp32", VOCAB, SEQ
-    )
+    gpt = build_gpt_model(MODEL, parallel, "fp32", VOCAB, SEQ)
     if state is not None:
         gpt.load_state_dict(state)
     state = {k: v.clone() for k, v in gpt.state_dict().items() if v is not None}
@@ -46,15 +44,27 @@ def loss_and_grads(
     return loss.item(), grads, state
 
 
+#: each form megatron-core has (Megatron-LM's --recompute-granularity/-modules/-method/-num-layers)
+FORMS = {
+    "selective": ParallelConfig(recompute_granularity="selective"),
+    "selective-mlp": ParallelConfig(
+        recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]
+    ),
+    "full": ParallelConfig(recompute_granularity="full"),
+    "full-uniform-2": ParallelConfig(recompute_granularity="full", recompute_num_layers=2),
+    "full-block-1": ParallelConfig(recompute_granularity="full", recompute_method="block"),
+}
+
+
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_recomputation_changes_no_number(granularity: str) -> None:
-    loss, grads, state = loss_and_grads("none", None)
-    again, again_grads, _ = loss_and_grads(granularity, state)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_recomputation_changes_no_number(form: str) -> None:
+    loss, grads, state = loss_and_grads(ParallelConfig(), None)
+    again, again_grads, _ = loss_and_grads(FORMS[form], state)
     assert again == loss
     torch.testing.assert_close(again_grads, grads, rtol=0, atol=0)
     # the dropout is live: a run with other masks differs (the comparison can fail)
-    other = loss_and_grads("none", state, seed=8)[1]
+    other = loss_and_grads(ParallelConfig(), state, seed=8)[1]
     assert not torch.equal(other, grads)
 
 
@@ -74,3 +84,41 @@ def test_fields_reach_megatron_core() -> None:
         "uniform",
         1,
     )
+    modules = transformer_config(MODEL, FORMS["selective-mlp"], "fp32")
+    assert modules.recompute_modules == ["core_attn", "mlp"]
+    block = transformer_config(MODEL, FORMS["full-block-1"], "fp32")
+    assert (block.recompute_method, block.recompute_num_layers) == ("block", 1)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"recompute_modules": ["mlp"]}, "read with parallel.recompute_granularity=selective"),
+        ({"recompute_method": "block"}, "read with parallel.recompute_granularity=full"),
+        (
+            {"recompute_granularity": "selective", "recompute_num_layers": 2},
+            "recompute_num_layers=2 is read with parallel.recompute_granularity=full",
+        ),
+        ({"recompute_granularity": "selective", "recompute_modules": []}, "is empty"),
+    ],
+)
+def test_a_field_another_granularity_reads_is_refused(fields: dict, message: str) -> None:
+    from megatron_ext.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_norm_recomputation_without_transformer_engine_is_refused_with_the_reason() -> None:
+    """megatron-core 0.19 recomputes norms through Transformer Engine's FP8 state: without TE
+    its first forward stops on a NameError, so the build says why instead."""
+    from megatron_ext.convert.parity import init_single_process
+    from megatron_ext.errors import ConfigError
+    from megatron_ext.megatron.model import build_gpt_model, have_transformer_engine
+
+    if have_transformer_engine():
+        pytest.skip("Transformer Engine is installed: megatron-core recomputes norms itself")
+    init_single_process()
+    norms = ParallelConfig(recompute_granularity="selective", recompute_modules=["layernorm"])
+    with pytest.raises(ConfigError, match="layernorm needs Transformer Engine"):
+        build_gpt_model(MODEL, norms, "fp32", VOCAB, SEQ)

@@ -70,7 +70,9 @@ STYLES = [
 ]
 
 
-def _schedule(style: str, wsd_style: str | None, warmup: int = WARMUP) -> LRSchedule:
+def _schedule(
+    style: str, wsd_style: str | None, warmup: int = WARMUP, init_lr: float = 0.0
+) -> LRSchedule:
     return LRSchedule(
         max_lr=MAX_LR,
         min_lr=MIN_LR,
@@ -79,6 +81,7 @@ def _schedule(style: str, wsd_style: str | None, warmup: int = WARMUP) -> LRSche
         decay_style=style,
         wsd_decay_steps=WINDOW if style == "WSD" else None,
         wsd_decay_style=wsd_style or "minus_sqrt",
+        init_lr=init_lr,
     )
 
 
@@ -166,15 +169,18 @@ class _DummyOptimizer:
         self.param_groups: list[dict] = [{}]
 
 
+@pytest.mark.parametrize("init_lr", [0.0, MAX_LR / 7])  # Megatron-LM's --lr-warmup-init
 @pytest.mark.parametrize("warmup", [0, WARMUP])
 @pytest.mark.parametrize(("style", "wsd_style"), STYLES)
-def test_matches_megatron_core(style: str, wsd_style: str | None, warmup: int) -> None:
+def test_matches_megatron_core(
+    style: str, wsd_style: str | None, warmup: int, init_lr: float
+) -> None:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = _DummyOptimizer()
     theirs = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0,
+        init_lr=init_lr,
         max_lr=MAX_LR,
         min_lr=MIN_LR,
         lr_warmup_steps=warmup,
@@ -187,7 +193,9 @@ def test_matches_megatron_core(style: str, wsd_style: str | None, warmup: int) -
         wsd_decay_steps=WINDOW if style == "WSD" else None,
         lr_wsd_decay_style=wsd_style,
     )
-    ours = _schedule(style, wsd_style, warmup)
+    ours = _schedule(style, wsd_style, warmup, init_lr)
+    if warmup:  # the warmup starts where megatron-core's does (the comparison can fail)
+        assert ours.lr_at(0) == init_lr
     for step in range(DECAY + 20):
         # megatron-core's constructor applies step 0; each step(1) then advances by one
         assert ours.lr_at(step) == pytest.approx(

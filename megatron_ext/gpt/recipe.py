@@ -26,7 +26,14 @@ from megatron_ext.schedules.plan import (
     training_schedule,
 )
 
-__all__ = ["GPTRecipe", "check_gpt", "check_gpt_sections", "check_model_layout"]
+__all__ = [
+    "UNEVEN_SPLIT_FIELDS",
+    "GPTRecipe",
+    "check_gpt",
+    "check_gpt_sections",
+    "check_model_layout",
+    "uneven_pipeline_split",
+]
 
 
 @dataclass(kw_only=True)
@@ -39,6 +46,23 @@ class GPTRecipe(Recipe):
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+#: megatron-core ``TransformerConfig`` fields (in ``model.transformer_config``) that split the
+#: layers over pipeline stages other than evenly; megatron-core checks them against the stage
+#: count itself when it builds the config
+UNEVEN_SPLIT_FIELDS = (
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+)
+
+
+def uneven_pipeline_split(m: ModelConfig) -> list[str]:
+    """The fields of :data:`UNEVEN_SPLIT_FIELDS` the model sets."""
+    return [f for f in UNEVEN_SPLIT_FIELDS if m.transformer_config.get(f)]
 
 
 def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
@@ -62,7 +86,7 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.tensor_model_parallel_size="
             f"{p.tensor_model_parallel_size}"
         )
-    if m.num_layers % p.pipeline_model_parallel_size:
+    if m.num_layers % p.pipeline_model_parallel_size and not uneven_pipeline_split(m):
         raise ConfigError(
             f"model.num_layers={m.num_layers} is not divisible by "
             f"parallel.pipeline_model_parallel_size="

@@ -300,9 +300,6 @@ def _special_flags(out: Conversion, flags: dict[str, Flag | None]) -> set[str]:
     if positions is not None:
         same = seq is not None and int(positions) >= int(seq)
         take("max-position-embeddings", None if same else "must be >= --seq-length")
-    init = flag_value(flags.get("lr-warmup-init"))
-    if init is not None:
-        take("lr-warmup-init", None if float(init) == 0.0 else "megatron-ext warms up from 0")
     name = flag_value(flags.get("optimizer"))
     optimizers = megatron_optimizers()
     if name is not None:

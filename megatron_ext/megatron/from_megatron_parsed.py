@@ -113,28 +113,34 @@ def apply_parsed(
     _carried_flags(out, args, fields, written, size, gpu)
 
 
-#: Megatron-LM's recomputation flags, as the recipe's parallel.recompute_granularity reads them
+#: Megatron-LM's recomputation flags, as the recipe's parallel.recompute_* fields read them
 RECOMPUTE_FLAGS: tuple[str, ...] = (
     "recompute-granularity",
     "recompute-method",
     "recompute-num-layers",
+    "recompute-modules",
 )
-RECOMPUTE_FLAGS += ("recompute-modules",)
 
 
 def _recompute(out: Conversion, parsed: Namespace) -> None:
-    """``--recompute-granularity`` as ``parallel.recompute_granularity`` where the recipe's
-    form is Megatron-LM's (megatron_ext.megatron.model.recompute_fields): full, uniform, one
-    layer per checkpoint; selective over core attention. Another form stays unmapped (with the
-    reason), and the exactness check shows its fields."""
+    """``--recompute-granularity`` and the flags read with it, as Megatron-LM's parser left
+    them, into ``parallel.recompute_*`` (megatron_ext.megatron.model.recompute_fields):
+    selective with its modules (megatron-core's default ``core_attn``), full with its method
+    and layer count. Without a granularity Megatron-LM ignores the others: they stay
+    unmapped."""
     g = parsed.recompute_granularity
-    full = g == "full" and parsed.recompute_method == "uniform" and parsed.recompute_num_layers == 1
-    selective = g == "selective" and list(parsed.recompute_modules or ["core_attn"]) == [
-        "core_attn"
-    ]
-    if not (full or selective):
+    if g is None:
         return
     out.set("parallel.recompute_granularity", g)
+    if g == "selective":
+        modules = list(parsed.recompute_modules or ["core_attn"])
+        if modules != ["core_attn"]:
+            out.set("parallel.recompute_modules", modules)
+    else:
+        if parsed.recompute_method not in (None, "uniform"):
+            out.set("parallel.recompute_method", parsed.recompute_method)
+        if parsed.recompute_num_layers not in (None, 1):
+            out.set("parallel.recompute_num_layers", int(parsed.recompute_num_layers))
     for text, reason in list(out.unmapped):
         if text[2:].split(" ", 1)[0].replace("_", "-") in RECOMPUTE_FLAGS:
             out.unmapped.remove((text, reason))

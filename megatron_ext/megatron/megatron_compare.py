@@ -129,7 +129,7 @@ def _optimizer(recipe: Any, parsed: Namespace) -> list[str]:
         else ("decoupled_min_lr", None, None),
         # megatron-ext has a constant weight decay
         ("weight_decay_incr_style", "constant", parsed.weight_decay_incr_style),
-        ("lr_warmup_init", 0.0, parsed.lr_warmup_init),
+        ("lr_warmup_init", recipe.training.lr_warmup_init, parsed.lr_warmup_init),
     ]
     pairs += _loss_scale(recipe, parsed)
     if name == BASE:

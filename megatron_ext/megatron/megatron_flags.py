@@ -137,6 +137,7 @@ PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
     "lr-decay-style": ("training.lr_decay_style", _S),
     "lr-decay-iters": ("training.lr_decay_steps", _I),
     "lr-warmup-iters": ("training.lr_warmup_steps", _I),
+    "lr-warmup-init": ("training.lr_warmup_init", _F),
     "lr-wsd-decay-style": ("training.lr_wsd_decay_style", _S),
     "lr-wsd-decay-iters": ("training.lr_wsd_decay_steps", _I),
     "eval-interval": ("training.eval_interval", _I),

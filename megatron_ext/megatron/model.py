@@ -53,17 +53,22 @@ def use_transformer_engine(model: ModelConfig) -> bool:
     )
 
 
-def recompute_fields(granularity: str) -> dict[str, Any]:
-    """megatron-core's recompute fields for ``parallel.recompute_granularity``: ``selective``
-    recomputes core attention; ``full`` checkpoints every layer (``uniform``, one per chunk)."""
+def recompute_fields(parallel: ParallelConfig) -> dict[str, Any]:
+    """megatron-core's recompute fields for ``parallel.recompute_*``: ``selective`` recomputes
+    ``recompute_modules``; ``full`` checkpoints whole layers (``recompute_method``, with
+    ``recompute_num_layers``)."""
+    granularity = parallel.recompute_granularity
     if granularity == "none":
         return {}
     if granularity == "selective":
-        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        return {
+            "recompute_granularity": "selective",
+            "recompute_modules": list(parallel.recompute_modules),
+        }
     return {
         "recompute_granularity": "full",
-        "recompute_method": "uniform",
-        "recompute_num_layers": 1,
+        "recompute_method": parallel.recompute_method,
+        "recompute_num_layers": parallel.recompute_num_layers,
     }
 
 
@@ -125,7 +130,7 @@ def transformer_kwargs(
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
-        **recompute_fields(parallel.recompute_granularity),
+        **recompute_fields(parallel),
         **transformer_config_fields(precision, *bf16_layers, fp8_format=fp8_format),
         # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
         use_cpu_initialization=not cuda,
@@ -213,6 +218,19 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
+def _check_recompute_on_host(parallel: ParallelConfig) -> None:
+    """Norm recomputation needs Transformer Engine: megatron-core 0.19's
+    ``CheckpointWithoutOutput`` (tensor_parallel/random.py) reads TE's FP8 state on every
+    checkpoint, FP8 or not, so without TE the first forward stops on a NameError."""
+    selective = parallel.recompute_granularity == "selective"
+    if selective and "layernorm" in parallel.recompute_modules and not have_transformer_engine():
+        raise ConfigError(
+            "parallel.recompute_modules: layernorm needs Transformer Engine (megatron-core "
+            "0.19 recomputes norms through TE's FP8 state, FP8 or not): run it in the NGC "
+            "container, or recompute the other modules here"
+        )
+
+
 def build_gpt_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -228,6 +246,12 @@ def build_gpt_model(
     from megatron.core import parallel_state
 
     config = transformer_config(model, parallel, precision, bf16_layers, fp8_format)
+    _check_recompute_on_host(parallel)
+    if model.moe_token_dispatcher_type == "flex" and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.moe_token_dispatcher_type=flex: megatron-core's flex dispatcher runs on "
+            "CUDA GPUs only (DeepEP, HybridEP or NCCL-EP kernels); on this host use alltoall"
+        )
     if precision_spec(precision).quantized:
         _require_quantized_layers(model, precision)
     vocab = padded_vocab_size(

@@ -88,7 +88,11 @@ class ModelConfig:
     moe_layer_freq: list[int] = spec(
         [], help="[] = every layer MoE; [N] = one in N; or a 0/1 pattern, one per layer"
     )
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = spec("alltoall")
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = spec(
+        "alltoall",
+        help="flex = megatron-core's DeepEP/HybridEP/NCCL-EP dispatcher (CUDA GPUs only: "
+        "refused at launch on a CPU host)",
+    )
     moe_grouped_gemm: bool = False
     # Every other megatron-core field, by its own name: what the fields above do not say
     transformer_config: dict[str, Any] = spec(
@@ -110,12 +114,45 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute_granularity: Literal["none", "selective", "full"] = spec(
         "none",
-        help="activation recomputation (megatron-core's): selective = core attention, full = "
-        "every layer from its input (uniform, one layer per checkpoint)",
+        help="activation recomputation (megatron-core's): selective = the modules of "
+        "recompute_modules, full = whole layers from their input (recompute_method)",
     )
+    recompute_modules: list[str] = spec(
+        ["core_attn"],
+        help="selective recomputation's modules, megatron-core's names (core_attn, mlp, "
+        "layernorm, moe, moe_act, shared_experts, mla_up_proj)",
+    )
+    recompute_method: Literal["uniform", "block"] = spec(
+        "uniform",
+        help="full recomputation: uniform = every layer, recompute_num_layers per checkpoint; "
+        "block = only the first recompute_num_layers layers of each pipeline stage",
+    )
+    recompute_num_layers: int = spec(1, ge=1, help="full recomputation's layer count")
     backend: Literal["auto", "nccl", "gloo"] = spec(
         "auto", help="auto = nccl with CUDA, gloo without"
     )
+
+    def __post_init__(self) -> None:
+        # megatron-core reads each of these with one granularity only: set with another, the
+        # recipe would promise a recomputation that does not happen
+        g = self.recompute_granularity
+        if g != "selective" and self.recompute_modules != ["core_attn"]:
+            raise ConfigError(
+                f"parallel.recompute_modules={self.recompute_modules} is read with "
+                f"parallel.recompute_granularity=selective only (this recipe: {g}): set both"
+            )
+        if g == "selective" and not self.recompute_modules:
+            raise ConfigError(
+                "parallel.recompute_modules is empty: name at least one module, or set "
+                "parallel.recompute_granularity=none"
+            )
+        full_fields = {"recompute_method": "uniform", "recompute_num_layers": 1}
+        for name, default in full_fields.items():
+            if g != "full" and getattr(self, name) != default:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(self, name)!r} is read with "
+                    f"parallel.recompute_granularity=full only (this recipe: {g}): set both"
+                )
 
 
 @dataclass
@@ -203,6 +240,9 @@ class TrainingConfig:
     )
     num_layers_at_end_in_bf16: int = spec(0, ge=0, help="FP8/FP4: last layers kept in BF16")
     lr_warmup_steps: int = spec(0, ge=0)
+    lr_warmup_init: float = spec(
+        0.0, ge=0.0, help="the LR the warmup starts from (Megatron-LM's --lr-warmup-init)"
+    )
     lr_decay_style: DecayStyle = spec("cosine")
     lr_decay_steps: int | None = spec(None, ge=1, help="None = steps")
     lr_wsd_decay_steps: int | None = spec(None, ge=1, help="WSD: length of the final decay")

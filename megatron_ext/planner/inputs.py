@@ -86,10 +86,30 @@ def plan_vocab_size(recipe: Recipe) -> int:
     )
 
 
+def _check_recompute_modelled(p: Any) -> None:
+    """The activation model (:mod:`.activations`) knows selective recomputation of core
+    attention and full recomputation of every layer, one per checkpoint; another form is
+    refused rather than planned as one of those."""
+    selective = p.recompute_granularity == "selective" and p.recompute_modules != ["core_attn"]
+    full = p.recompute_granularity == "full" and (p.recompute_method, p.recompute_num_layers) != (
+        "uniform",
+        1,
+    )
+    if selective or full:
+        raise ConfigError(
+            "the planner models parallel.recompute_granularity=selective over core_attn and "
+            "=full uniform over 1 layer; this recipe's form (recompute_modules="
+            f"{p.recompute_modules}, recompute_method={p.recompute_method}, "
+            f"recompute_num_layers={p.recompute_num_layers}) is not modelled: plan it with "
+            "one of those two"
+        )
+
+
 def run_layout(recipe: Recipe, world: int) -> RunLayout:
     """The layout at ``world`` ranks, after the recipe's own checks at that size."""
     recipe.check(world_size=world)
     p, t = recipe.parallel, recipe.training
+    _check_recompute_modelled(p)
     tp, pp, cp, ep = (
         p.tensor_model_parallel_size,
         p.pipeline_model_parallel_size,

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ext.gpt.recipe import check_model_layout
+from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.recipe import check_model_layout, uneven_pipeline_split
 from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 
 __all__ = [
@@ -293,6 +294,13 @@ def check_plannable(
             "(the position embedding has one row per position)"
         )
     check_model_layout(m, p)  # the recipe check's rules: heads, groups, MoE, TP, PP
+    uneven = uneven_pipeline_split(m)
+    if uneven and pp > 1:
+        raise ConfigError(
+            f"model.transformer_config.{uneven[0]}: the planner splits the layers evenly over "
+            "pipeline stages; megatron-core's uneven split is not modelled (plan the recipe "
+            "without it)"
+        )
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is not a stage of pipeline_model_parallel_size={pp}")
     ffn = default_ffn_hidden_size(m)

@@ -4,8 +4,10 @@ The definitions are megatron-core's ``OptimizerParamScheduler.get_lr`` (0.19), r
 function of the step so that a checkpoint only needs the step to restore the schedule:
 
 - **warmup** (``0 <= step <= warmup_steps``, only when ``warmup_steps > 0``):
-  ``lr = max_lr * step / warmup_steps``; it starts from 0 (megatron-core's ``init_lr``, which
-  Megatron-LM defaults to 0) and reaches ``max_lr`` exactly at ``step == warmup_steps``.
+  ``lr = init_lr + (max_lr - init_lr) * step / warmup_steps``, megatron-core's
+  ``OptimizerParamScheduler``; ``init_lr`` is Megatron-LM's ``--lr-warmup-init``
+  (``training.lr_warmup_init``, default 0); it reaches ``max_lr`` exactly at
+  ``step == warmup_steps``.
 - **constant**: ``max_lr`` after warmup, forever (``min_lr`` and ``decay_steps`` are unused).
 - past ``decay_steps``: ``min_lr``.
 - otherwise ``lr = min_lr + coeff * (max_lr - min_lr)`` with the decay progress
@@ -48,12 +50,13 @@ class LRSchedule:
     Args:
         max_lr: peak learning rate, reached at the end of warmup.
         min_lr: floor the decay ends at (``0 <= min_lr <= max_lr``).
-        warmup_steps: length of the linear warmup from 0; 0 = start at ``max_lr``.
+        warmup_steps: length of the linear warmup from ``init_lr``; 0 = start at ``max_lr``.
         decay_steps: step at which the decay reaches ``min_lr`` (``> warmup_steps``).
         decay_style: shape of the decay after warmup.
         wsd_decay_steps: WSD only: length of the final decay window, which ends at
             ``decay_steps`` and must fit after warmup.
         wsd_decay_style: WSD only: shape of the decay inside that window.
+        init_lr: where the warmup starts (megatron-core's ``init_lr``; ``>= 0``).
     """
 
     max_lr: float
@@ -63,6 +66,7 @@ class LRSchedule:
     decay_style: DecayStyle = "cosine"
     wsd_decay_steps: int | None = None
     wsd_decay_style: WsdDecayStyle = "minus_sqrt"
+    init_lr: float = 0.0
 
     def __post_init__(self) -> None:
         # Messages use the recipe's field names: that is where these numbers come from.
@@ -108,7 +112,8 @@ class LRSchedule:
         if self.warmup_steps > 0 and step <= self.warmup_steps:
             # The fraction first (megatron-core multiplies first; <= 1 ulp apart): positions in
             # other units (tokens = steps x batch x seq) then give this rate bit for bit.
-            return self.max_lr * (step / self.warmup_steps)
+            # init_lr = 0 (the default) gives max_lr * fraction exactly (0.0 + x == x)
+            return self.init_lr + (self.max_lr - self.init_lr) * (step / self.warmup_steps)
         if self.decay_style == "constant":
             return self.max_lr
         if step > self.decay_steps:

@@ -223,6 +223,7 @@ def lr_schedule(t: TrainingSection, o: OptimizerConfig) -> LRSchedule:
         decay_style=t.lr_decay_style,
         wsd_decay_steps=t.lr_wsd_decay_steps,
         wsd_decay_style=t.lr_wsd_decay_style,
+        init_lr=t.lr_warmup_init,
     )
 
 
@@ -282,6 +283,7 @@ def training_schedule(t: TrainingSection, o: OptimizerConfig) -> TrainingSchedul
         decay_style=t.lr_decay_style,
         wsd_decay_steps=wsd,
         wsd_decay_style=t.lr_wsd_decay_style,
+        init_lr=t.lr_warmup_init,
     )
     sqrt_lr = t.batch_lr_scaling == "sqrt"
     decoupled = None
