@@ -73,7 +73,7 @@ CASES = {
     "tests/functional_tests/test_cases/moe/tiny_decoupled/model_config.yaml": BASE_ARGS
     + "  --decoupled-lr: 5.0e-4\n",
     "tests/functional_tests/test_cases/gpt/tiny_fp8/model_config.yaml": BASE_ARGS
-    + "  --fp8-format: hybrid\n",
+    + "  --fp16: true\n  --fp8-format: hybrid\n",
     "tests/functional_tests/test_cases/gpt/tiny_inference/model_config.yaml": "MODE: inference\n"
     + BASE_ARGS,
 }
@@ -113,7 +113,7 @@ def test_check_megatron_reports_each_file_and_the_total(tree: Path, capsys) -> N
     cases = {c["path"]: c for c in report["cases"]}
     fp8 = cases["tests/functional_tests/test_cases/gpt/tiny_fp8/model_config.yaml"]
     assert "--fp8-format hybrid (" in fp8["reason"]
-    assert "megatron-ext's precisions" in fp8["reason"]
+    assert "with fp16 parameters is not one of megatron-ext's precisions" in fp8["reason"]
     script = cases["examples/tiny/train_tiny.sh"]["placeholders"]
     assert "--data-path /placeholder/data/corpus_text_document (for $4)" in script
     assert "--vocab-file /placeholder/tokenizer/gpt2-vocab.json (for $2)" in script

@@ -655,9 +655,26 @@ def test_another_fp8_format_is_the_recipes_fp8_format(flags, precision, fp8_form
     assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
 
 
-def test_fp8_without_bf16_parameters_is_refused() -> None:
-    conversion = _convert("--global-batch-size 8 --train-iters 10 --fp8-format e4m3")
-    assert conversion.model_changing == ["--fp8-format e4m3"]  # fp32 parameters: none of ours
+def test_fp8_over_fp32_parameters_is_the_recipes_params_dtype() -> None:
+    """FP8 without --bf16 (Megatron-FSDP's functional tests run e4m3 + tensorwise so) keeps
+    fp32 parameters: training.params_dtype float32, and the TransformerConfig equals
+    Megatron-LM's (bf16 off, float32 dtypes); over fp16 parameters it is refused."""
+    from megatron_ext.config.load import recipe_from_dict
+    from megatron_ext.megatron.megatron_compare import compare
+
+    flags = "--global-batch-size 8 --train-iters 10 --fp8-format e4m3 --fp8-recipe tensorwise"
+    conversion = _convert(flags)
+    training = conversion.recipe["training"]
+    assert (training["precision"], training["fp8_format"], training["params_dtype"]) == (
+        "fp8_tensorwise",
+        "e4m3",
+        "float32",
+    )
+    assert conversion.unmapped == [] and conversion.model_changing == []
+    recipe = recipe_from_dict(conversion.recipe)
+    assert compare(recipe, conversion.megatron, conversion.megatron.world_size) == {}
+    half = _convert(flags.replace("--fp8-format", "--fp16 --fp8-format"))
+    assert half.model_changing == ["--fp8-format e4m3", "--fp8-recipe tensorwise"]
     alone = _convert("--global-batch-size 8 --train-iters 10 --fp8-recipe tensorwise")
     assert alone.model_changing == [] and len(alone.unmapped) == 1
 

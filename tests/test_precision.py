@@ -242,6 +242,10 @@ def test_the_cuda_version_is_read_from_torch_without_importing_it():
             ["training.precision=bf16", "training.fp8_format=hybrid"],
             "training.fp8_format=hybrid sets the format of an FP8 precision",
         ),
+        (
+            ["training.precision=bf16", "training.params_dtype=float32"],
+            "training.params_dtype=float32 sets the parameters' dtype of an FP8/FP4 precision",
+        ),
         (  # Megatron-LM ignores the loss scale without --fp16: a recipe must not promise one
             ["training.precision=bf16", "optimizer.hysteresis=4"],
             "optimizer.hysteresis=4 is fp16's loss scale, read only with training.precision=fp16",
@@ -268,6 +272,26 @@ def test_fp8_counts_and_impl_accepted():
         ["training.precision=fp8_tensorwise", "training.num_layers_at_start_in_bf16=1"],
     )
     assert recipe.training.num_layers_at_start_in_bf16 == 1
+
+
+def test_fp8_over_fp32_parameters_has_megatron_lms_fields():
+    """training.params_dtype=float32 is Megatron-LM's FP8 without --bf16: the model's dtypes
+    are float32, no Float16Module (bf16 off), the FP8 fields stay; the planner counts 4-byte
+    parameters."""
+    import torch
+
+    from megatron_ext.run.precision import half_parameters, transformer_config_fields
+
+    fields = transformer_config_fields("fp8_tensorwise", params_dtype="float32")
+    assert (fields["bf16"], fields["fp16"], fields["params_dtype"]) == (False, False, torch.float32)
+    assert (fields["fp8"], fields["fp8_recipe"]) == ("hybrid", "tensorwise")
+    recipe = load_recipe(
+        "tiny_cpu_gpt", ["training.precision=fp8_tensorwise", "training.params_dtype=float32"]
+    )
+    assert not half_parameters(recipe.training)
+    assert half_parameters(
+        load_recipe("tiny_cpu_gpt", ["training.precision=fp8_tensorwise"]).training
+    )
 
 
 def test_the_model_builder_refuses_fp8_on_the_local_spec():

@@ -84,6 +84,7 @@ def setup(recipe: GPTRecipe) -> GPTRun:
         seq_length=t.seq_length,
         bf16_layers=(t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16),
         fp8_format=t.fp8_format,
+        params_dtype=t.params_dtype,
     )
     config = module.config
     model = DistributedDataParallel(

@@ -39,7 +39,8 @@ def map_low_precision(
     ``--fp4-format``/``--fp4-recipe`` (default nvfp4) as the one ``training.precision`` with
     those megatron-core fields (run/precision.py's table); an FP8 format other than the
     precision's goes to ``training.fp8_format`` (megatron-core takes any format with any FP8
-    recipe); a pair no precision has, or FP8/FP4 without bf16 parameters, is refused like a
+    recipe); FP8/FP4 without ``--bf16`` (fp32 parameters) sets ``training.params_dtype:
+    float32``; a pair no precision has, or FP8/FP4 over fp16 parameters, is refused like a
     model-changing flag."""
     from megatron_ext.run.precision import SPECS
 
@@ -56,10 +57,12 @@ def map_low_precision(
     matched = {k: v for k, v in wanted.items() if k != "fp8"}  # the format: fp8_format below
     found = [s for s in SPECS.values() if all(getattr(s, k) == v for k, v in matched.items())]
     keys = ("fp8-format", "fp8-recipe") if fp8 is not None else ("fp4-format", "fp4-recipe")
-    if found and base == "bf16" and (fp8 is None or fp8 in ("e4m3", "hybrid")):
+    if found and base in ("bf16", "fp32") and (fp8 is None or fp8 in ("e4m3", "hybrid")):
         for key in keys:
             take(key)
         out.set("training.precision", found[0].name)
+        if base == "fp32":
+            out.set("training.params_dtype", "float32")
         if fp8 is not None and fp8 != found[0].fp8:
             out.set("training.fp8_format", fp8)
         return

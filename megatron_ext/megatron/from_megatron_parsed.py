@@ -214,7 +214,11 @@ def _model_fields(out: Conversion, megatron: dict[str, Any], every: dict[str, An
     model = dataclasses.replace(recipe.section(ModelConfig), transformer_impl="local")
     training = recipe.section(TrainingConfig)
     derived = transformer_kwargs(
-        model, recipe.section(ParallelConfig), training.precision, fp8_format=training.fp8_format
+        model,
+        recipe.section(ParallelConfig),
+        training.precision,
+        fp8_format=training.fp8_format,
+        params_dtype=training.params_dtype,
     )
     named = {f.name for f in dataclasses.fields(ModelConfig)}
     extra: dict[str, Any] = {}

@@ -98,7 +98,9 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
         # Transformer Engine is compared on a host without it
         model = dataclasses.replace(recipe.model, transformer_impl="local")
         t = recipe.training
-        mine = transformer_config(model, recipe.parallel, t.precision, bf16_layers, t.fp8_format)
+        mine = transformer_config(
+            model, recipe.parallel, t.precision, bf16_layers, t.fp8_format, t.params_dtype
+        )
     pairs = [("class", type(mine).__name__, type(theirs).__name__)]
     for f in dataclasses.fields(theirs):
         if not f.init or f.name in HOST_FIELDS or f.name == "transformer_impl":
@@ -155,11 +157,11 @@ def _loss_scale(recipe: Any, parsed: Namespace) -> list[tuple[str, Any, Any]]:
     fp16 its loss scale, against Megatron-LM's parsed flags."""
     from megatron_ext.config.optimizer import LOSS_SCALE_FIELDS
     from megatron_ext.megatron.optimizer_factories import megatron_optimizer_config
+    from megatron_ext.run.precision import params_dtype_name
 
-    precision = recipe.training.precision
-    ours = megatron_optimizer_config(
-        recipe.optimizer, precision != "fp32" and precision != "fp16", precision == "fp16"
-    )
+    t = recipe.training
+    dtype = params_dtype_name(t.precision, t.params_dtype)  # the trainer's config.bf16 / fp16
+    ours = megatron_optimizer_config(recipe.optimizer, dtype == "bfloat16", dtype == "float16")
     names = ("fp16", "bf16", *(LOSS_SCALE_FIELDS if parsed.fp16 else ()))
     return [(n, getattr(ours, n), getattr(parsed, n)) for n in names]
 

@@ -78,17 +78,19 @@ def transformer_config(
     precision: str,
     bf16_layers: tuple[int, int] = (0, 0),
     fp8_format: str | None = None,
+    params_dtype: str | None = None,
 ) -> TransformerConfig:
     """megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for multi-latent
     attention) for the recipe: :func:`transformer_kwargs` under ``model.transformer_config``
     (:mod:`.transformer_fields`); ``bf16_layers``: the first/last layers an FP8/FP4 precision
-    keeps in BF16; ``fp8_format``: ``training.fp8_format``."""
+    keeps in BF16; ``fp8_format``, ``params_dtype``: ``training.fp8_format``,
+    ``training.params_dtype``."""
     import dataclasses
 
     from megatron_ext.megatron import transformer_fields
 
     named = tuple(f.name for f in dataclasses.fields(model))
-    kwargs = transformer_kwargs(model, parallel, precision, bf16_layers, fp8_format)
+    kwargs = transformer_kwargs(model, parallel, precision, bf16_layers, fp8_format, params_dtype)
     kwargs |= transformer_fields.resolve(model.transformer_config, named)
     return transformer_fields.config_class(model.transformer_config)(**kwargs)
 
@@ -99,6 +101,7 @@ def transformer_kwargs(
     precision: str,
     bf16_layers: tuple[int, int] = (0, 0),
     fp8_format: str | None = None,
+    params_dtype: str | None = None,
 ) -> dict[str, Any]:
     """The ``TransformerConfig`` keyword arguments the recipe's named fields derive (fusions
     off where they need CUDA), before ``model.transformer_config``."""
@@ -131,7 +134,7 @@ def transformer_kwargs(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         **recompute_fields(parallel),
-        **transformer_config_fields(precision, *bf16_layers, fp8_format=fp8_format),
+        **transformer_config_fields(precision, *bf16_layers, fp8_format, params_dtype),
         # CPU hosts: create weights on the CPU; the fused kernels below need CUDA (and apex/TE).
         use_cpu_initialization=not cuda,
         bias_activation_fusion=False,
@@ -239,13 +242,15 @@ def build_gpt_model(
     seq_length: int,
     bf16_layers: tuple[int, int] = (0, 0),
     fp8_format: str | None = None,
+    params_dtype: str | None = None,
 ) -> GPTModel:
     """A ``GPTModel`` on the current device (CPU without CUDA); the last pipeline stage computes
     the per-token loss when given labels. Train it inside :func:`half_precision_module`.
-    ``bf16_layers``, ``fp8_format``: the training section's (:func:`transformer_config`)."""
+    ``bf16_layers``, ``fp8_format``, ``params_dtype``: the training section's
+    (:func:`transformer_config`)."""
     from megatron.core import parallel_state
 
-    config = transformer_config(model, parallel, precision, bf16_layers, fp8_format)
+    config = transformer_config(model, parallel, precision, bf16_layers, fp8_format, params_dtype)
     _check_recompute_on_host(parallel)
     if model.moe_token_dispatcher_type == "flex" and not torch.cuda.is_available():
         raise ConfigError(

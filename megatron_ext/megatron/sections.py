@@ -235,6 +235,12 @@ class TrainingConfig:
         help="FP8 precisions: megatron-core's fp8 format (Megatron-LM's --fp8-format) instead "
         "of the precision's (run/precision.py); hybrid = E4M3 forward, E5M2 gradients",
     )
+    params_dtype: Literal["bfloat16", "float32"] | None = spec(
+        None,
+        help="FP8/FP4 precisions: the parameters' dtype instead of bfloat16; float32 = "
+        "Megatron-LM's --fp8-format/--fp4-format without --bf16 (no Float16Module: Transformer "
+        "Engine quantizes the fp32 weights at each GEMM)",
+    )
     num_layers_at_start_in_bf16: int = spec(
         0, ge=0, help="FP8/FP4: first transformer layers kept in BF16"
     )

@@ -45,7 +45,7 @@ from megatron_ext.planner.params import (
 )
 from megatron_ext.planner.stage import plan_stage
 from megatron_ext.planner.steptime import step_time
-from megatron_ext.run.precision import precision_spec
+from megatron_ext.run.precision import half_parameters
 
 __all__ = [
     "candidate_changes",
@@ -202,7 +202,7 @@ def layerwise_baselines(
     all-gather bytes. Empty for AdamW (no matrix optimizer)."""
     if recipe.optimizer.name == "adamw":
         return {}
-    bf16 = precision_spec(recipe.training.precision).half
+    bf16 = half_parameters(recipe.training)
     params = gpt_parameters(
         planned_model(recipe), recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq
     )
@@ -272,7 +272,7 @@ def checkpoint_bytes(recipe: Recipe) -> int:
     from megatron_ext.optimizers.routing import route_parameter
 
     vocab = plan_vocab_size(recipe)
-    half = precision_spec(recipe.training.precision).half
+    half = half_parameters(recipe.training)
     weight = 2 + FP32 if half else FP32
     name, rules = recipe.optimizer.name, recipe.optimizer.matrix_routing
     return sum(

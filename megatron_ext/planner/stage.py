@@ -24,7 +24,7 @@ from megatron_ext.planner.params import (
     padded_vocab_size,
     stage_layers,
 )
-from megatron_ext.run.precision import precision_spec
+from megatron_ext.run.precision import half_parameters
 
 __all__ = ["plan_stage", "stage_activations"]
 
@@ -82,7 +82,7 @@ def plan_stage(
     hp: dict[str, Any],
 ) -> StagePlan:
     m, opt = planned_model(recipe), recipe.optimizer
-    bf16 = precision_spec(recipe.training.precision).half
+    bf16 = half_parameters(recipe.training)
     param_bytes = 2 if bf16 else FP32
     params = gpt_parameters(m, recipe.parallel, vocab_size=vocab, pp_rank=stage, seq_length=lay.seq)
     layout = optimizer_layout(
@@ -173,7 +173,7 @@ def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) ->
         cp=lay.cp,
         ep=lay.ep,
         sequence_parallel=lay.sequence_parallel,
-        element_bytes=2 if precision_spec(recipe.training.precision).half else FP32,
+        element_bytes=2 if half_parameters(recipe.training) else FP32,
         fused_attention=fused_attention(recipe),
         recompute=lay.recompute,
     )

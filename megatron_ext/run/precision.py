@@ -60,6 +60,8 @@ __all__ = [
     "Precision",
     "PrecisionSpec",
     "check_precision_fields",
+    "half_parameters",
+    "params_dtype_name",
     "precision_dtype",
     "precision_spec",
     "transformer_config_fields",
@@ -127,18 +129,38 @@ def precision_dtype(precision: str) -> torch.dtype:
     return getattr(torch, precision_spec(precision).params_dtype)
 
 
+def params_dtype_name(precision: str, params_dtype: str | None = None) -> str:
+    """The parameters' dtype name: ``params_dtype`` (``training.params_dtype``, FP8/FP4 only)
+    where given, else the precision's."""
+    return params_dtype or precision_spec(precision).params_dtype
+
+
+def half_parameters(training: Any) -> bool:
+    """Whether the ``training`` section's run holds its parameters in bf16/fp16 (megatron-core's
+    ``Float16Module``), ``training.params_dtype`` included."""
+    return params_dtype_name(training.precision, training.params_dtype) != "float32"
+
+
 def transformer_config_fields(
-    precision: str, start: int = 0, end: int = 0, fp8_format: str | None = None
+    precision: str,
+    start: int = 0,
+    end: int = 0,
+    fp8_format: str | None = None,
+    params_dtype: str | None = None,
 ) -> dict[str, Any]:
     """megatron-core ``TransformerConfig`` keyword arguments for ``precision`` (the model's
     dtypes, FP8/FP4 format and recipe) keeping the first ``start`` and last ``end`` layers in
     BF16 (``training.num_layers_at_start_in_bf16``/``_end_in_bf16``); ``fp8_format``
-    (``training.fp8_format``): the FP8 format instead of the precision's."""
+    (``training.fp8_format``): the FP8 format instead of the precision's; ``params_dtype``
+    (``training.params_dtype``): the parameters' dtype instead of the precision's."""
+    import torch
+
     spec = precision_spec(precision)
-    dtype = precision_dtype(spec.name)
+    name = params_dtype_name(precision, params_dtype)
+    dtype = getattr(torch, name)
     fields: dict[str, Any] = {
-        "bf16": spec.params_dtype == "bfloat16",
-        "fp16": spec.params_dtype == "float16",
+        "bf16": name == "bfloat16",
+        "fp16": name == "float16",
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "fp8": fp8_format or spec.fp8,
@@ -162,6 +184,12 @@ def check_precision_fields(t: Any, m: Any, pipeline_stages: int) -> None:
     ``training`` and ``model`` sections; ``pipeline_stages``:
     ``parallel.pipeline_model_parallel_size``."""
     spec = precision_spec(t.precision)
+    if t.params_dtype is not None and not spec.quantized:
+        raise ConfigError(
+            f"training.params_dtype={t.params_dtype} sets the parameters' dtype of an FP8/FP4 "
+            f"precision; training.precision={t.precision} holds them in "
+            f"{spec.params_dtype}: remove it (fp32 = training.precision=fp32)"
+        )
     if t.fp8_format is not None and spec.fp8 is None:
         raise ConfigError(
             f"training.fp8_format={t.fp8_format} sets the format of an FP8 precision, and "
