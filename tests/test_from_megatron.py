@@ -424,14 +424,14 @@ def test_a_model_changing_flag_is_exit_2_unless_allowed(tmp_path: Path, monkeypa
     from megatron_ext.launch.cli import main
 
     (tmp_path / "args.txt").write_text(
-        BASE + "--global-batch-size 8 --train-iters 10 --fp8-format hybrid\n"
+        BASE + "--global-batch-size 8 --train-iters 10 --fp16 --fp8-format hybrid\n"
     )
     proc = _cli("recipe", "from-megatron-args", "args.txt", "-o", "r.yaml", cwd=tmp_path)
     assert proc.returncode == 2 and not (tmp_path / "r.yaml").exists()
     assert proc.stderr.strip() == (
         "megatron-ext: error: the script trains a model, or reads data, that megatron-ext "
         "cannot express: "
-        "--fp8-format hybrid (fp8=hybrid, fp8_recipe=delayed with fp32 parameters is not one "
+        "--fp8-format hybrid (fp8=hybrid, fp8_recipe=delayed with fp16 parameters is not one "
         "of megatron-ext's precisions (fp32, bf16, fp8_tensorwise, fp8_delayed, fp8_blockwise, "
         "mxfp8, nvfp4, fp16: run/precision.py)); nothing written (pass --allow-unmapped to "
         "write the recipe without them, as comments in it)"
@@ -688,3 +688,24 @@ def test_the_distributed_timeout_becomes_the_collective_timeout_in_seconds() -> 
     conversion = convert(args)
     assert conversion.recipe["launch"]["collective_timeout_s"] == 180.0
     assert "--distributed-timeout-minutes 3" in conversion.mapped
+
+
+def test_flags_named_as_recipe_fields_come_from_megatron_lms_parser() -> None:
+    """A flag whose namespace attribute (Megatron-LM's own parser's dest) is named as a recipe
+    field is that field with no hand-written row; the table keeps only renamed flags, and the
+    flags read together with others (or negated) are not taken one field each."""
+    from megatron_ext.megatron.from_megatron import same_name_flags
+    from megatron_ext.megatron.megatron_flags import PLAIN, READ_TOGETHER
+    from megatron_ext.megatron.megatron_parse import megatron_flag_dests
+
+    same = same_name_flags()
+    assert same["num-layers"] == ("model.num_layers", int)
+    assert same["norm-epsilon"] == ("model.layernorm_epsilon", float)  # dest layernorm_epsilon
+    assert same["lr-warmup-init"] == ("training.lr_warmup_init", float)
+    assert same["qk-layernorm"] == ("model.qk_layernorm", None)  # a switch
+    assert same["split"] == ("data.split", str) and same["seed"] == ("seed", int)
+    assert not READ_TOGETHER & set(same)
+    assert "disable-bias-linear" not in same  # store_false into add_bias_linear: a special
+    dests = megatron_flag_dests()
+    for flag, (path, _) in PLAIN.items():
+        assert dests[flag][0] != path.rsplit(".", 1)[-1], f"--{flag}: named as its field"

@@ -45,6 +45,7 @@ from megatron_ext.megatron.megatron_flags import (
     MEGATRON_DEFAULTS,
     MODEL_CHANGING,
     PLAIN,
+    READ_TOGETHER,
     REASONS,
     REQUIRED,
     TORCHRUN,
@@ -238,13 +239,75 @@ def _field_metadata(path: str) -> Any:
 
 def plain_flags() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
     """Flag -> (recipe field, how its value is read) for the flags that set one field each:
-    :data:`PLAIN`, and each optimizer spec's flags that are not a choice to translate."""
+    :func:`same_name_flags`, :data:`PLAIN`, and each optimizer spec's flags that are not a
+    choice to translate."""
     own = {
         flag: (path, _flag_kind(path))
         for flag, (_, path, table) in optimizer_flags().items()
         if table is None
     }
-    return {**PLAIN, **own}
+    return {**same_name_flags(), **PLAIN, **own}
+
+
+#: the recipe's sections whose fields a Megatron-LM flag of the same name sets (the optimizer's
+#: are read from the parsed namespace: from_megatron_parsed._optimizer_fields)
+SAME_NAME_SECTIONS = ("model", "training", "parallel", "data", "logging", "checkpoint")
+
+
+@functools.cache
+def same_name_flags() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
+    """The flags whose Megatron-LM namespace attribute (its own parser's ``dest``) is named as a
+    scalar field of :data:`SAME_NAME_SECTIONS` or the recipe's ``seed``: flag -> (that field,
+    how its value is read: None for a switch), except :data:`READ_TOGETHER`. A switch sets a
+    bool field, a value flag any other."""
+    from megatron_ext.megatron.megatron_parse import megatron_flag_dests
+
+    fields = _scalar_fields()
+    out: dict[str, tuple[str, Callable[[str], Any] | None]] = {}
+    for flag, (dest, switch) in megatron_flag_dests().items():
+        if flag in READ_TOGETHER or dest not in fields:
+            continue
+        path, kind = fields[dest]
+        if switch == (kind is None):
+            out[flag] = (path, kind)
+    return out
+
+
+def _scalar_fields() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
+    """field name -> (its path, how a flag's value is read) for the scalar fields (bool, int,
+    float, str or a choice of strings, optional or not) of :data:`SAME_NAME_SECTIONS` and the
+    top-level ``seed``; a name in two sections would be ambiguous (an internal error)."""
+    import dataclasses
+    import types
+    import typing
+
+    from megatron_ext.gpt.recipe import GPTRecipe
+
+    def kind(hint: Any) -> Callable[[str], Any] | str | None:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            return kind(args[0]) if len(args) == 1 else "other"
+        if typing.get_origin(hint) is typing.Literal:
+            return str if all(isinstance(a, str) for a in args) else "other"
+        if hint is bool:
+            return None
+        return hint if hint in (int, float, str) else "other"
+
+    hints = typing.get_type_hints(GPTRecipe)
+    out: dict[str, tuple[str, Callable[[str], Any] | None]] = {}
+    places: list[tuple[str, str, Any]] = [("", "seed", hints["seed"])]
+    for section in SAME_NAME_SECTIONS:
+        for name, hint in typing.get_type_hints(hints[section]).items():
+            if name in {f.name for f in dataclasses.fields(hints[section])}:
+                places.append((section + ".", name, hint))
+    for prefix, name, hint in places:
+        how = kind(hint)
+        if how == "other":
+            continue
+        if name in out:
+            raise ValueError(f"recipe field {name!r} is in two sections: {out[name][0]}, {prefix}")
+        out[name] = (prefix + name, how)  # type: ignore[assignment]
+    return out
 
 
 def _flag_kind(path: str) -> Callable[[str], Any] | None:

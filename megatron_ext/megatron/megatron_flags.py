@@ -19,6 +19,7 @@ __all__ = [
     "MEGATRON_DEFAULTS",
     "MODEL_CHANGING",
     "PLAIN",
+    "READ_TOGETHER",
     "REASONS",
     "REQUIRED",
     "TORCHRUN",
@@ -86,76 +87,46 @@ REQUIRED = (
 TORCHRUN = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port", "rdzv-id"}
 TORCHRUN |= {"rdzv-endpoint", "rdzv-backend", "standalone"}
 
-_I, _F, _S = int, float, str
-# flag -> (recipe field, converter); converter None = a switch that sets True. Not here: the
-# optimizer fields named as in megatron-core's OptimizerConfig (--lr, --min-lr, --weight-decay,
-# --adam-beta1/2, --adam-eps, --clip-grad), read from Megatron-LM's parsed flags
-# (from_megatron_parsed._optimizer_fields).
+_I, _S = int, str
+# flag -> (recipe field, converter); converter None = a switch that sets True. Only the flags
+# whose Megatron-LM name is not the recipe field's: a flag that sets the namespace attribute
+# named as a model / training / parallel / data / logging / checkpoint field (or the top-level
+# seed) is that field without a row here (from_megatron.same_name_flags, from Megatron-LM's own
+# parser). Not here either: the optimizer fields named as in megatron-core's OptimizerConfig
+# (--lr, --min-lr, --weight-decay, --adam-beta1/2, --adam-eps, --clip-grad), read from
+# Megatron-LM's parsed flags (from_megatron_parsed._optimizer_fields).
 PLAIN: dict[str, tuple[str, Callable[[str], Any] | None]] = {
-    "num-layers": ("model.num_layers", _I),
-    "hidden-size": ("model.hidden_size", _I),
-    "ffn-hidden-size": ("model.ffn_hidden_size", _I),
-    "num-attention-heads": ("model.num_attention_heads", _I),
-    "kv-channels": ("model.kv_channels", _I),
-    "vocab-size": ("model.vocab_size", _I),
-    "make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", _I),
-    "normalization": ("model.normalization", _S),
-    "norm-epsilon": ("model.layernorm_epsilon", _F),
-    "position-embedding-type": ("model.position_embedding_type", _S),
-    "rotary-base": ("model.rotary_base", _I),
-    "init-method-std": ("model.init_method_std", _F),
-    "hidden-dropout": ("model.hidden_dropout", _F),
-    "attention-dropout": ("model.attention_dropout", _F),
-    "untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", None),
-    "qk-layernorm": ("model.qk_layernorm", None),
-    "transformer-impl": ("model.transformer_impl", _S),
     "num-experts": ("model.num_moe_experts", _I),
-    "moe-router-topk": ("model.moe_router_topk", _I),
-    "moe-ffn-hidden-size": ("model.moe_ffn_hidden_size", _I),
-    "moe-router-score-function": ("model.moe_router_score_function", _S),
-    "moe-router-enable-expert-bias": ("model.moe_router_enable_expert_bias", None),
-    "moe-router-load-balancing-type": ("model.moe_router_load_balancing_type", _S),
-    "moe-aux-loss-coeff": ("model.moe_aux_loss_coeff", _F),
-    "moe-token-dispatcher-type": ("model.moe_token_dispatcher_type", _S),
-    "moe-grouped-gemm": ("model.moe_grouped_gemm", None),
-    "moe-z-loss-coeff": ("model.moe_z_loss_coeff", _F),
-    "moe-router-pre-softmax": ("model.moe_router_pre_softmax", None),
-    "moe-router-topk-scaling-factor": ("model.moe_router_topk_scaling_factor", _F),
-    "moe-router-bias-update-rate": ("model.moe_router_bias_update_rate", _F),
-    "moe-router-num-groups": ("model.moe_router_num_groups", _I),
-    "moe-router-group-topk": ("model.moe_router_group_topk", _I),
-    "moe-router-dtype": ("model.moe_router_dtype", _S),
-    "moe-shared-expert-intermediate-size": ("model.moe_shared_expert_intermediate_size", _I),
-    "moe-shared-expert-gate": ("model.moe_shared_expert_gate", None),
-    "moe-shared-expert-overlap": ("model.moe_shared_expert_overlap", None),
-    "seq-length": ("training.seq_length", _I),
-    "micro-batch-size": ("training.micro_batch_size", _I),
-    "global-batch-size": ("training.global_batch_size", _I),
-    "step-batch-size-schedule": ("training.step_batch_size_schedule", _S),
     "train-iters": ("training.steps", _I),
-    "seed": ("seed", _I),
-    "lr-decay-style": ("training.lr_decay_style", _S),
     "lr-decay-iters": ("training.lr_decay_steps", _I),
     "lr-warmup-iters": ("training.lr_warmup_steps", _I),
-    "lr-warmup-init": ("training.lr_warmup_init", _F),
-    "lr-wsd-decay-style": ("training.lr_wsd_decay_style", _S),
     "lr-wsd-decay-iters": ("training.lr_wsd_decay_steps", _I),
-    "eval-interval": ("training.eval_interval", _I),
-    "eval-iters": ("training.eval_iters", _I),
-    "exit-interval": ("training.exit_interval", _I),
-    "exit-duration-in-mins": ("training.exit_duration_in_mins", _F),
-    "tensor-model-parallel-size": ("parallel.tensor_model_parallel_size", _I),
-    "pipeline-model-parallel-size": ("parallel.pipeline_model_parallel_size", _I),
-    "context-parallel-size": ("parallel.context_parallel_size", _I),
-    "expert-model-parallel-size": ("parallel.expert_model_parallel_size", _I),
-    "sequence-parallel": ("parallel.sequence_parallel", None),
-    "split": ("data.split", _S),
-    "log-interval": ("logging.log_interval", _I),
-    "save-interval": ("checkpoint.save_interval", _I),
     "save": ("run_dir", _S),
     # Megatron-LM's process groups' timeout, in minutes; ours is in seconds
     "distributed-timeout-minutes": ("launch.collective_timeout_s", lambda v: 60.0 * int(v)),
 }
+#: flags named as a recipe field that the converter reads together with others (not one field
+#: each): GQA's group count, recomputation, the BF16 layer counts, partial rotary, the sample
+#: positions, the checkpoint to load, the tokenizer, the MoE layer pattern
+READ_TOGETHER = frozenset(
+    {
+        "num-query-groups",
+        "recompute-granularity",
+        "recompute-method",
+        "recompute-num-layers",
+        "recompute-modules",
+        "num-layers-at-start-in-bf16",
+        "num-layers-at-end-in-bf16",
+        "rotary-percent",
+        "lr-decay-samples",
+        "lr-wsd-decay-samples",
+        "lr-warmup-fraction",
+        "lr-warmup-samples",
+        "load",
+        "tokenizer-model",
+        "moe-layer-freq",
+    }
+)
 # flags whose only effect is already the recipe's (consumed, nothing to set)
 CONSUMED = {
     "use-mcore-models": "megatron-ext always builds megatron-core models",

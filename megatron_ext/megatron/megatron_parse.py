@@ -24,6 +24,7 @@ Imports torch and megatron (inside the functions): the CLI converts, the launche
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import sys
@@ -37,6 +38,7 @@ from megatron_ext.errors import ConfigError
 __all__ = [
     "GPU_CAPABILITY",
     "PGT_ARGS_DEFAULTS",
+    "megatron_flag_dests",
     "megatron_transformer_config",
     "parse_megatron",
     "transformer_fields",
@@ -106,6 +108,32 @@ def _docstrings_once() -> Iterator[None]:
 
     with mock.patch.object(ArgumentGroupFactory, "_get_field_docstrings", once):
         yield
+
+
+@functools.cache
+def megatron_flag_dests() -> dict[str, tuple[str, bool]]:
+    """Megatron-LM's own flags, from the parser ``parse_args`` builds: flag (without its
+    dashes) -> (the namespace attribute it sets, whether it is a switch setting True). Flags
+    that set another value (``store_false``, constants, appends) are not listed."""
+    import argparse
+    import logging
+    import warnings
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), _docstrings_once():
+        warnings.simplefilter("ignore")
+        from megatron.training import arguments
+
+        parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    out: dict[str, tuple[str, bool]] = {}
+    for action in parser._actions:
+        switch = type(action) is argparse._StoreTrueAction
+        if not switch and type(action) is not argparse._StoreAction:
+            continue
+        for option in action.option_strings:
+            if option.startswith("--"):
+                out[option[2:]] = (action.dest, switch)
+    return out
 
 
 def parse_megatron(
