@@ -76,14 +76,19 @@ def test_trajectory_equals_the_replicated_optimizers(
     assert sharded["inner"] == "ShardedAdamW" and replicated["inner"] == "ReplicatedOptimizer"
     losses = [s[0] for s in sharded["steps"]], [s[0] for s in replicated["steps"]]
     norms = [s[1] for s in sharded["steps"]], [s[1] for s in replicated["steps"]]
-    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    # bf16 with clipping: the two clipping coefficients differ in the last fp32 bits (the norm
+    # is summed in another order), so a master may round to the neighbouring bf16 value (below)
+    # and the next losses and gradients differ by that: up to 7e-6 (loss) and 3.6e-5 (norm)
+    # relative were measured on one host after the first step, under 1e-6 on another
+    rtol = 1e-4 if case == "bf16/1.0" else 1e-6
+    assert norms[0] == pytest.approx(norms[1], rel=rtol)
     bit_exact = world <= 2 and case.endswith("/0.0")
     if bit_exact:
         assert losses[0] == losses[1]
         assert sharded["checksums"] == replicated["checksums"]
         assert got[f"{case}/max_abs_diff"] == 0.0
         return
-    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert losses[0] == pytest.approx(losses[1], rel=rtol)
     # fp32: 1e-6; bf16: a rounding of the fp32 master may land on the neighbouring bf16
     # value (the parameters are O(0.1): one ulp is 2^-10)
     limit = 1e-6 if case.startswith("fp32") else 2 * 2.0**-10

@@ -281,7 +281,8 @@ def _scalar_fields() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
     import types
     import typing
 
-    from megatron_ext.gpt.recipe import GPTRecipe
+    from megatron_ext.config.schema import Recipe
+    from megatron_ext.megatron import sections
 
     def kind(hint: Any) -> Callable[[str], Any] | str | None:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -293,12 +294,21 @@ def _scalar_fields() -> dict[str, tuple[str, Callable[[str], Any] | None]]:
             return None
         return hint if hint in (int, float, str) else "other"
 
-    hints = typing.get_type_hints(GPTRecipe)
+    core = typing.get_type_hints(Recipe)  # seed, logging, checkpoint; the GPT sections:
+    classes = {
+        "model": sections.ModelConfig,
+        "training": sections.TrainingConfig,
+        "parallel": sections.ParallelConfig,
+        "data": sections.DataConfig,
+        "logging": core["logging"],
+        "checkpoint": core["checkpoint"],
+    }
     out: dict[str, tuple[str, Callable[[str], Any] | None]] = {}
-    places: list[tuple[str, str, Any]] = [("", "seed", hints["seed"])]
+    places: list[tuple[str, str, Any]] = [("", "seed", core["seed"])]
     for section in SAME_NAME_SECTIONS:
-        for name, hint in typing.get_type_hints(hints[section]).items():
-            if name in {f.name for f in dataclasses.fields(hints[section])}:
+        cls = classes[section]
+        for name, hint in typing.get_type_hints(cls).items():
+            if name in {f.name for f in dataclasses.fields(cls)}:
                 places.append((section + ".", name, hint))
     for prefix, name, hint in places:
         how = kind(hint)
