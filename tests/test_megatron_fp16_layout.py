@@ -112,6 +112,15 @@ def test_pipeline_layouts_are_carried(converted) -> None:
     recipe = converted["virtual_pipeline"][0]
     with pytest.raises(ConfigError, match="no virtual pipeline stages"):
         build_gpt_model(recipe.model, ParallelConfig(), "bf16", 256, 32)
+    # a layout with more stages than pipeline ranks is virtual stages too (megatron-core would
+    # build the first chunk's layers only)
+    import dataclasses
+
+    model = converted["pipeline_layout"][0].model
+    fields = {**model.transformer_config, "pipeline_model_parallel_layout": "Et|t|t|tL"}
+    model = dataclasses.replace(model, transformer_config=fields)
+    with pytest.raises(ConfigError, match="puts 4 stages on each pipeline rank"):
+        build_gpt_model(model, ParallelConfig(), "bf16", 256, 32)
 
 
 def test_recomputation_forms_uneven_splits_and_warmup_init_are_written(converted) -> None:

@@ -221,6 +221,22 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
+def _check_one_chunk_per_stage(config: TransformerConfig) -> None:
+    """A pipeline layout with more stages than pipeline ranks means virtual stages (several
+    model chunks per rank), which the GPT trainer does not build: refused here, before a model
+    holding only its first chunk's layers would be built (megatron-core builds what it is
+    asked to)."""
+    layout = config.pipeline_model_parallel_layout
+    chunks = getattr(layout, "virtual_pipeline_model_parallel_size", 1) or 1
+    if chunks > 1:
+        raise ConfigError(
+            f"model.transformer_config.pipeline_model_parallel_layout={layout!r} puts {chunks} "
+            "stages on each pipeline rank (virtual stages): the GPT trainer builds one model "
+            "chunk per pipeline stage; give the layout one stage per rank "
+            "(parallel.pipeline_model_parallel_size stages)"
+        )
+
+
 def _check_recompute_on_host(parallel: ParallelConfig) -> None:
     """Norm recomputation needs Transformer Engine: megatron-core 0.19's
     ``CheckpointWithoutOutput`` (tensor_parallel/random.py) reads TE's FP8 state on every
@@ -252,6 +268,7 @@ def build_gpt_model(
 
     config = transformer_config(model, parallel, precision, bf16_layers, fp8_format, params_dtype)
     _check_recompute_on_host(parallel)
+    _check_one_chunk_per_stage(config)
     if model.moe_token_dispatcher_type == "flex" and not torch.cuda.is_available():
         raise ConfigError(
             "model.moe_token_dispatcher_type=flex: megatron-core's flex dispatcher runs on "
