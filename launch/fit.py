@@ -3,8 +3,9 @@ per node on this host's GPU model (:mod:`megatron_ext.planner`) before anything 
 layout that does not fit the GPU's memory is refused (exit 2, the first change that fits in
 the message) unless ``--no-fit-check``. ``--dry-run`` prints the plan.
 
-CPU hosts and GPUs the plan's catalog does not hold are not checked (the reason is printed by
-``--dry-run``). Torch-free.
+CPU hosts, GPUs the plan's catalog does not hold and recipes the plan has no model for (an
+uneven pipeline split, a recomputation form: :class:`~megatron_ext.planner.params.NotModelled`)
+are not checked (the reason is printed by ``--dry-run``). Torch-free.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron_ext.launch.hosts import HostInfo
 from megatron_ext.planner.figures import Plan
 from megatron_ext.planner.gpus import GPUS, gpu_kind, gpu_spec
 from megatron_ext.planner.inputs import Cluster
+from megatron_ext.planner.params import NotModelled
 from megatron_ext.planner.plan import plan_with_fix
 
 __all__ = ["check_fit", "job_plan"]
@@ -39,7 +41,10 @@ def job_plan(
             f"({', '.join(GPUS)}); run `megatron-ext plan --gpu KIND` for the closest one"
         )
     cluster = Cluster(gpu_spec(kind), nnodes, nproc)
-    return plan_with_fix(recipe, source, overrides, cluster), ""
+    try:
+        return plan_with_fix(recipe, source, overrides, cluster), ""
+    except NotModelled as err:  # megatron-core trains it; the plan cannot size it
+        return None, f"no plan: {err}"
 
 
 def check_fit(plan: Plan | None) -> None:

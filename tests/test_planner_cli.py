@@ -249,3 +249,19 @@ def test_the_plan_refuses_what_its_model_does_not_have(overrides: list, message:
     model does not: refused by name, not planned as another form."""
     with pytest.raises(ConfigError, match=message):
         plan_recipe("gpt_8b", [VOCAB, *overrides], h100(1))
+
+
+def test_the_fit_check_skips_a_recipe_the_plan_has_no_model_for() -> None:
+    """megatron-core trains an uneven pipeline split; the plan cannot size it, so the
+    launcher's fit check on a GPU host skips it and says why (the dry run prints it) instead
+    of refusing the launch."""
+    overrides = [
+        VOCAB,
+        "parallel.pipeline_model_parallel_size=2",
+        "model.transformer_config={account_for_embedding_in_pipeline_split: true}",
+    ]
+    recipe = read_recipe("gpt_8b", overrides)
+    plan, why = job_plan(recipe, "gpt_8b", overrides, 8, 8, H100_HOST)
+    assert plan is None
+    assert why.startswith("no plan: model.transformer_config.account_for_embedding_in_pipeline")
+    check_fit(plan)  # nothing to check: the launch goes on

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
 from megatron_ext.planner.gpus import DEFAULT_RESERVE_BYTES, GpuSpec
+from megatron_ext.planner.params import NotModelled
 
 __all__ = [
     "BYTE_VOCAB",
@@ -96,7 +97,7 @@ def _check_recompute_modelled(p: Any) -> None:
         1,
     )
     if selective or full:
-        raise ConfigError(
+        raise NotModelled(
             "the planner models parallel.recompute_granularity=selective over core_attn and "
             "=full uniform over 1 layer; this recipe's form (recompute_modules="
             f"{p.recompute_modules}, recompute_method={p.recompute_method}, "

@@ -32,6 +32,7 @@ from megatron_ext.gpt.recipe import check_model_layout, uneven_pipeline_split
 from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
 
 __all__ = [
+    "NotModelled",
     "PlannedParam",
     "check_plannable",
     "default_ffn_hidden_size",
@@ -40,6 +41,12 @@ __all__ = [
     "padded_vocab_size",
     "stage_layers",
 ]
+
+
+class NotModelled(ConfigError):
+    """A recipe megatron-core trains that the plan has no model for (an uneven pipeline split,
+    a recomputation form): ``megatron-ext plan`` refuses it; the launcher's fit check skips it
+    and says why."""
 
 
 @dataclass(frozen=True)
@@ -296,7 +303,7 @@ def check_plannable(
     check_model_layout(m, p)  # the recipe check's rules: heads, groups, MoE, TP, PP
     uneven = uneven_pipeline_split(m)
     if uneven and pp > 1:
-        raise ConfigError(
+        raise NotModelled(
             f"model.transformer_config.{uneven[0]}: the planner splits the layers evenly over "
             "pipeline stages; megatron-core's uneven split is not modelled (plan the recipe "
             "without it)"
