@@ -159,6 +159,8 @@ def launch_main(args: argparse.Namespace) -> int:
         print(format_plan(plan) if plan is not None else no_plan, file=sys.stderr)
     if not args.no_fit_check:
         check_fit(plan)  # a dry run of a job that does not fit says so with launch's exit code
+    if plan is None and job.host.gpus and not args.dry_run:
+        print(f"megatron-ext: fit check skipped: {no_plan}", file=sys.stderr)
     if args.dry_run:
         return 0
     if importlib.util.find_spec("torch") is None:  # finds the package without importing it
