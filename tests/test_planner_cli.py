@@ -238,9 +238,9 @@ def test_a_dipaco_recipe_is_planned_as_its_outer_round(capsys: pytest.CaptureFix
         (
             [
                 "parallel.pipeline_model_parallel_size=2",
-                "model.transformer_config={account_for_embedding_in_pipeline_split: true}",
+                "model.transformer_config={pipeline_model_parallel_layout: 'Et*16|t*16L'}",
             ],
-            "account_for_embedding_in_pipeline_split: the planner splits the layers evenly",
+            "pipeline_model_parallel_layout: the planner splits the layers by megatron-core's",
         ),
     ],
 )
@@ -252,16 +252,16 @@ def test_the_plan_refuses_what_its_model_does_not_have(overrides: list, message:
 
 
 def test_the_fit_check_skips_a_recipe_the_plan_has_no_model_for() -> None:
-    """megatron-core trains an uneven pipeline split; the plan cannot size it, so the
-    launcher's fit check on a GPU host skips it and says why (the dry run prints it) instead
-    of refusing the launch."""
+    """megatron-core trains a pipeline layout; the plan cannot size it, so the launcher's fit
+    check on a GPU host skips it and says why (the dry run prints it) instead of refusing the
+    launch."""
     overrides = [
         VOCAB,
         "parallel.pipeline_model_parallel_size=2",
-        "model.transformer_config={account_for_embedding_in_pipeline_split: true}",
+        "model.transformer_config={pipeline_model_parallel_layout: 'Et*16|t*16L'}",
     ]
     recipe = read_recipe("gpt_8b", overrides)
     plan, why = job_plan(recipe, "gpt_8b", overrides, 8, 8, H100_HOST)
     assert plan is None
-    assert why.startswith("no plan: model.transformer_config.account_for_embedding_in_pipeline")
+    assert why.startswith("no plan: model.transformer_config.pipeline_model_parallel_layout")
     check_fit(plan)  # nothing to check: the launch goes on

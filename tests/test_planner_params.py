@@ -236,3 +236,43 @@ def test_unexpanded_preset_and_missing_seq_length_are_refused() -> None:
     learned = ModelConfig(position_embedding_type="learned_absolute")
     with pytest.raises(ValueError, match="seq_length"):
         gpt_parameters(learned, ParallelConfig(), vocab_size=VOCAB)
+
+
+#: (num_layers, stages, model.transformer_config): megatron-core's split rules without
+#: virtual stages
+SPLITS = [
+    (8, 4, {}),
+    (6, 4, {"account_for_embedding_in_pipeline_split": True,
+            "account_for_loss_in_pipeline_split": True}),
+    (7, 4, {"account_for_embedding_in_pipeline_split": True}),
+    (3, 2, {"account_for_embedding_in_pipeline_split": True}),
+    (10, 4, {"num_layers_in_first_pipeline_stage": 1, "num_layers_in_last_pipeline_stage": 3}),
+    (8, 3, {"num_layers_in_first_pipeline_stage": 2}),
+    (5, 2, {"num_layers_in_last_pipeline_stage": 1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layers", "stages", "fields"), SPLITS)
+def test_stage_layers_are_megatron_cores_split(layers: int, stages: int, fields: dict) -> None:
+    """Each stage's layers, as megatron-core's own ``get_num_layers_to_build`` and
+    ``get_transformer_layer_offset`` give them for that rank (its uneven splits included)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron_ext.planner.params import stage_layers
+
+    model = ModelConfig(num_layers=layers, hidden_size=64, transformer_config=fields)
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=stages,
+        pipeline_dtype=torch.float32,
+        **fields,
+    )
+    for rank in range(stages):
+        offset = get_transformer_layer_offset(config, pp_rank=rank)
+        count = get_num_layers_to_build(config, pp_rank=rank)
+        assert stage_layers(model, stages, rank) == range(offset, offset + count), rank

@@ -211,10 +211,40 @@ def _layer(prefix: str, d: _Dims, moe: bool) -> list[PlannedParam]:
     return params + mlp
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """The global layer indices of pipeline stage ``pp_rank`` (megatron-core's even split)."""
-    per_stage = num_layers // pp
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+def stage_layers(model: ModelConfig, pp: int, pp_rank: int) -> range:
+    """The global layer indices of pipeline stage ``pp_rank``, as megatron-core 0.19 splits
+    them without virtual stages (``get_num_layers_to_build``, ``get_transformer_layer_offset``):
+    evenly; with ``num_layers_in_first/last_pipeline_stage`` (in ``model.transformer_config``)
+    those counts on the first / last stage and the rest evenly between; with
+    ``account_for_embedding/loss_in_pipeline_split`` the embedding / loss counted as a layer of
+    the first / last stage. A pipeline layout is :class:`NotModelled` (:func:`check_plannable`)."""
+    counts = _stage_counts(model, pp)
+    start = sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
+
+
+def _stage_counts(model: ModelConfig, pp: int) -> list[int]:
+    """Transformer layers per pipeline stage (:func:`stage_layers`)."""
+    fields = model.transformer_config
+    first, last = (fields.get(f"num_layers_in_{e}_pipeline_stage") for e in ("first", "last"))
+    if pp == 1:
+        return [model.num_layers]
+    if first is not None or last is not None:
+        rest = model.num_layers - (first or 0) - (last or 0)
+        middle = pp - (first is not None) - (last is not None)
+        each = rest // middle if middle else 0
+        counts = [each] * pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
+    embedding = int(bool(fields.get("account_for_embedding_in_pipeline_split")))
+    loss = int(bool(fields.get("account_for_loss_in_pipeline_split")))
+    counts = [(model.num_layers + embedding + loss) // pp] * pp
+    counts[0] -= embedding
+    counts[-1] -= loss
+    return counts
 
 
 def gpt_parameters(
@@ -262,7 +292,7 @@ def gpt_parameters(
             )
             params.append(position)
     pattern = moe_layer_pattern(model)
-    for local, layer in enumerate(stage_layers(model.num_layers, pp, pp_rank)):
+    for local, layer in enumerate(stage_layers(model, pp, pp_rank)):
         params += _layer(f"decoder.layers.{local}", d, pattern[layer])
     if last:
         params += _norm("decoder.final_layernorm", hidden, model.normalization == "LayerNorm")
@@ -301,12 +331,17 @@ def check_plannable(
             "(the position embedding has one row per position)"
         )
     check_model_layout(m, p)  # the recipe check's rules: heads, groups, MoE, TP, PP
-    uneven = uneven_pipeline_split(m)
-    if uneven and pp > 1:
+    if pp > 1 and m.transformer_config.get("pipeline_model_parallel_layout"):
         raise NotModelled(
-            f"model.transformer_config.{uneven[0]}: the planner splits the layers evenly over "
-            "pipeline stages; megatron-core's uneven split is not modelled (plan the recipe "
-            "without it)"
+            "model.transformer_config.pipeline_model_parallel_layout: the planner splits the "
+            "layers by megatron-core's counts (even, first/last stage counts, embedding and "
+            "loss counted as layers), not by a layout (plan the recipe without it)"
+        )
+    if pp > 1 and uneven_pipeline_split(m) and sum(_stage_counts(m, pp)) != m.num_layers:
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} do not split over {pp} pipeline stages by "
+            f"model.transformer_config's {', '.join(uneven_pipeline_split(m))}: megatron-core "
+            "needs the remaining layers divisible by the remaining stages"
         )
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} is not a stage of pipeline_model_parallel_size={pp}")

@@ -180,7 +180,7 @@ def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) ->
     return activation_bytes(
         m,
         shape,
-        stage_layers(m.num_layers, lay.pp, stage),
+        stage_layers(m, lay.pp, stage),
         first_stage=stage == 0,
         last_stage=stage == lay.pp - 1,
         vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
@@ -201,7 +201,7 @@ def _model_parallel_bytes(
     each boundary the stage touches."""
     t = lay.seq * lay.micro_batch // lay.cp
     h = m.hidden_size
-    layers = stage_layers(m.num_layers, lay.pp, stage)
+    layers = stage_layers(m, lay.pp, stage)
     micro = lay.micro_batches
     if lay.tp > 1:
         per_collective = 2 * (lay.tp - 1) * t * h * element_bytes // lay.tp
