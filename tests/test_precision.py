@@ -350,3 +350,16 @@ def test_the_per_rank_entry_checks_again_with_torch(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("megatron-ext: error:")]
     assert len(errors) == 1 and "training.precision=fp8_delayed needs" in errors[0]
     assert "[torch, local rank 0" in errors[0]
+
+
+@pytest.mark.parametrize("field", ["fp8_param", "fp4_param"])
+def test_quantized_parameters_are_refused_when_the_model_is_built(field):
+    """Megatron-LM's --fp8-param-gather / --fp4-param-gather are carried by the converter in
+    model.transformer_config; the GPT trainer does not build TE's quantized parameters, so the
+    config is refused with the reason rather than handed to an optimizer never run on them."""
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
+    from megatron_ext.megatron.model import transformer_config
+
+    model = ModelConfig(transformer_config={field: True})
+    with pytest.raises(ConfigError, match=r"parameters .* are not built"):
+        transformer_config(model, ParallelConfig(), "bf16")

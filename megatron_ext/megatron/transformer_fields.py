@@ -70,6 +70,14 @@ NOT_BUILT = {
     "virtual_pipeline_model_parallel_size": "the GPT trainer builds one model chunk per "
     "pipeline stage (no virtual pipeline stages)",
     "is_hybrid_model": "the GPT trainer builds GPTModel, not megatron-core's hybrid model",
+    # Megatron-LM's --fp8-param-gather / --fp4-param-gather: Transformer Engine's quantized
+    # weights as the parameters, which megatron-core's distributed optimizer keeps masters for
+    "fp8_param": "FP8 parameters (Megatron-LM's --fp8-param-gather) are not built: the GPT "
+    "trainer keeps bf16/fp32 weights with fp32 masters and Transformer Engine quantizes them "
+    "at each GEMM; remove it",
+    "fp4_param": "FP4 parameters (Megatron-LM's --fp4-param-gather) are not built: the GPT "
+    "trainer keeps bf16 weights with fp32 masters and Transformer Engine quantizes them at "
+    "each GEMM; remove it",
 }
 #: fields whose value is a torch dtype, written by name ("bfloat16")
 _DTYPE_FIELDS = ("params_dtype", "pipeline_dtype", "autocast_dtype")
