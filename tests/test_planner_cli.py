@@ -57,6 +57,8 @@ def test_text_and_json_give_the_same_figures(capsys: pytest.CaptureFixture[str])
         "micro_batch": 1,
         "global_batch": 512,
         "seq": 8192,
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
         "micro_batches": 32,
     }
     stage = figures["stages"][0]
@@ -229,11 +231,7 @@ def test_a_dipaco_recipe_is_planned_as_its_outer_round(capsys: pytest.CaptureFix
     [
         (
             ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[mlp]"],
-            "recompute_modules=\\['mlp'\\].* is not modelled",
-        ),
-        (
-            ["parallel.recompute_granularity=full", "parallel.recompute_method=block"],
-            "recompute_method=block.* is not modelled",
+            "recompute_modules=\\['mlp'\\]: the planner models selective recomputation of",
         ),
         (
             [
@@ -265,3 +263,24 @@ def test_the_fit_check_skips_a_recipe_the_plan_has_no_model_for() -> None:
     assert plan is None
     assert why.startswith("no plan: model.transformer_config.pipeline_model_parallel_layout")
     check_fit(plan)  # nothing to check: the launch goes on
+
+
+def test_full_recomputation_forms_are_planned_between_none_and_every_layer() -> None:
+    """Full recomputation of the first 8 layers of each stage (block) keeps more than of every
+    layer and less than none, and its step is cheaper than every layer's (fewer forwards run
+    twice); the activations of each form against measurement: tests/test_planner_measure.py."""
+
+    def plan(*overrides: str):
+        return plan_recipe("gpt_8b", [VOCAB, *overrides], h100(8))
+
+    none = plan()
+    every = plan("parallel.recompute_granularity=full")
+    block = plan(
+        "parallel.recompute_granularity=full",
+        "parallel.recompute_method=block",
+        "parallel.recompute_num_layers=8",
+    )
+    kept = [p.worst.memory.activations for p in (every, block, none)]
+    assert kept[0] < kept[1] < kept[2]
+    compute = [p.step.compute_s for p in (none, block, every)]
+    assert compute[0] < compute[1] < compute[2]

@@ -49,6 +49,7 @@ from tests.dist.planner_measure import (
     ACTIVATION_CASES,
     BIG,
     CASES,
+    FULL_FORMS,
     OPTIMIZERS,
     PEAK_FASTER,
     PRECISIONS,
@@ -267,6 +268,22 @@ def test_activations_within_15_percent_of_what_autograd_saves(
     else:  # one segment per layer (full) or per core attention (selective), each rebuilt alone
         assert got["segments"] == _layers(name)
         assert _within(rebuild, got["rebuild"]), (rebuild, got)
+
+
+@pytest.mark.parametrize("form", list(FULL_FORMS))
+def test_full_recomputation_forms_within_15_percent(measured: dict[str, Any], form: str) -> None:
+    """Full recomputation over chunks of 2 layers (uniform) and of the first layer only
+    (block): what is kept, what one segment rebuilds, and how many segments there are."""
+    name = next(iter(ACTIVATION_CASES))
+    got = measured["activations"][name][form]
+    overrides, starts = FULL_FORMS[form]
+    source, case, _ = ACTIVATION_CASES[name]
+    recipe = load_recipe(source, [*case, *overrides], world_size=1)
+    kept, rebuild = stage_activations(recipe, run_layout(recipe, 1), 0, plan_vocab_size(recipe))
+    assert got["segments"] == len(starts)
+    assert _within(kept, got["kept"]), (kept, got)
+    assert _within(rebuild, got["rebuild"]), (rebuild, got)
+    assert got["kept"] < measured["activations"][name]["none"]["kept"]
 
 
 def test_recomputation_lowers_what_is_kept(measured: dict[str, Any]) -> None:

@@ -70,6 +70,8 @@ class ActivationShape:
     # the local spec (torch norms, SDPA core attention), what a CPU host runs
     fused_attention: bool = True
     recompute: str = "none"  # parallel.recompute_granularity
+    recompute_method: str = "uniform"  # full: parallel.recompute_method
+    recompute_num_layers: int = 1  # full: parallel.recompute_num_layers
 
     @property
     def tokens(self) -> int:
@@ -163,15 +165,25 @@ def activation_bytes(
     vocab: int,
 ) -> tuple[int, int]:
     """(bytes kept for backward by one micro-batch on the stage holding ``layers``, the extra
-    bytes recomputation rebuilds at a time in backward: one layer under ``full``, one layer's
-    core attention under ``selective``, 0 without). ``vocab`` is padded."""
+    bytes recomputation rebuilds at a time in backward: under ``full`` a chunk of
+    ``recompute_num_layers`` layers (``uniform``) or one of the stage's first
+    ``recompute_num_layers`` layers (``block``, each checkpointed alone; the rest kept whole),
+    one layer's core attention under ``selective``, 0 without). ``vocab`` is padded."""
     pattern = moe_layer_pattern(m)
     t, e = a.tokens, a.element_bytes
     sp = a.tp if a.sequence_parallel else 1
     per_layer = [_layer_bytes(m, a, pattern[i]) for i in layers]
     if a.recompute == "full":
-        kept = e * t * m.hidden_size // sp * len(per_layer)  # each layer's input
-        rebuild = max(per_layer, default=0)  # the layer rebuilt, as saved without recompute
+        inputs = e * t * m.hidden_size // sp  # what a checkpoint keeps: its input
+        n = a.recompute_num_layers
+        if a.recompute_method == "block":
+            n = min(n, len(per_layer))
+            kept = inputs * n + sum(per_layer[n:])
+            rebuild = max(per_layer[:n], default=0)  # a layer rebuilt, as saved without
+        else:  # uniform: chunks of n layers, each rebuilt whole in backward
+            chunks = [per_layer[i : i + n] for i in range(0, len(per_layer), n)]
+            kept = inputs * len(chunks)
+            rebuild = max((sum(c) for c in chunks), default=0)
     elif a.recompute == "selective":
         kept = sum(per_layer)
         rebuild = _core_attention(m, a) if layers else 0

@@ -57,6 +57,16 @@ class RunLayout:
     micro_batch: int
     global_batch: int
     seq: int
+    recompute_method: str = "uniform"  # full recomputation's method and layer count
+    recompute_num_layers: int = 1
+
+    def recomputed_layers(self, layers: int) -> int:
+        """How many of a stage's ``layers`` run their forward twice."""
+        if self.recompute != "full":
+            return 0
+        if self.recompute_method == "block":
+            return min(self.recompute_num_layers, layers)
+        return layers
 
     @property
     def micro_batches(self) -> int:
@@ -89,20 +99,13 @@ def plan_vocab_size(recipe: Recipe) -> int:
 
 def _check_recompute_modelled(p: Any) -> None:
     """The activation model (:mod:`.activations`) knows selective recomputation of core
-    attention and full recomputation of every layer, one per checkpoint; another form is
-    refused rather than planned as one of those."""
-    selective = p.recompute_granularity == "selective" and p.recompute_modules != ["core_attn"]
-    full = p.recompute_granularity == "full" and (p.recompute_method, p.recompute_num_layers) != (
-        "uniform",
-        1,
-    )
-    if selective or full:
+    attention and every form of full recomputation; selective recomputation of other modules
+    is refused rather than planned as core attention's."""
+    if p.recompute_granularity == "selective" and p.recompute_modules != ["core_attn"]:
         raise NotModelled(
-            "the planner models parallel.recompute_granularity=selective over core_attn and "
-            "=full uniform over 1 layer; this recipe's form (recompute_modules="
-            f"{p.recompute_modules}, recompute_method={p.recompute_method}, "
-            f"recompute_num_layers={p.recompute_num_layers}) is not modelled: plan it with "
-            "one of those two"
+            f"parallel.recompute_modules={p.recompute_modules}: the planner models selective "
+            "recomputation of core_attn only (and full recomputation, uniform or block); plan "
+            "the recipe with one of those"
         )
 
 
@@ -127,6 +130,8 @@ def run_layout(recipe: Recipe, world: int) -> RunLayout:
         edp=dp * cp // ep,
         sequence_parallel=p.sequence_parallel,
         recompute=p.recompute_granularity,
+        recompute_method=p.recompute_method,
+        recompute_num_layers=p.recompute_num_layers,
         micro_batch=t.micro_batch_size,
         global_batch=t.global_batch_size,
         seq=t.seq_length,

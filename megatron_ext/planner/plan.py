@@ -237,10 +237,13 @@ def layerwise_baselines(
 
 
 def _recompute_factor(m: Any, lay: RunLayout, kv: int) -> float:
-    """Training FLOPs with recomputation over those without: full recomputes the forward
-    (4/3); selective the attention scores and values (their forward share again)."""
+    """Training FLOPs with recomputation over those without: full recomputes the forward of
+    the layers it checkpoints (4/3 for all of them: uniform; block: the first
+    ``recompute_num_layers`` of each stage's); selective the attention scores and values (their
+    forward share again)."""
     if lay.recompute == "full":
-        return 4 / 3
+        per_stage = max(1, m.num_layers // lay.pp)
+        return 1 + lay.recomputed_layers(per_stage) / per_stage / 3
     if lay.recompute == "selective":
         return 1.0  # the s×s products are small beside the matmuls at these sizes; counted 0
     return 1.0

@@ -176,6 +176,8 @@ def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) ->
         element_bytes=2 if half_parameters(recipe.training) else FP32,
         fused_attention=fused_attention(recipe),
         recompute=lay.recompute,
+        recompute_method=lay.recompute_method,
+        recompute_num_layers=lay.recompute_num_layers,
     )
     return activation_bytes(
         m,
@@ -195,18 +197,18 @@ def _model_parallel_bytes(
     TP: per layer and micro-batch, forward and backward, two collectives over a
     ``tokens × hidden`` tensor (all-gather + reduce-scatter with SP, all-reduce without: the same
     ring bytes, ``2·(tp−1)/tp`` of it per all-reduce), so ``4 · 2·(tp−1)/tp · t·h·e`` per layer
-    and micro-batch (full recomputation repeats the forward's two). EP: dispatch and combine
-    all-to-alls, forward and backward, of ``t·topk`` token copies of which ``(ep−1)/ep`` leave
-    the rank (uniform routing). PP: one activation out and one gradient back per micro-batch at
-    each boundary the stage touches."""
+    and micro-batch (full recomputation repeats the forward's two in the layers it recomputes).
+    EP: dispatch and combine all-to-alls, forward and backward, of ``t·topk`` token copies of
+    which ``(ep−1)/ep`` leave the rank (uniform routing). PP: one activation out and one gradient
+    back per micro-batch at each boundary the stage touches."""
     t = lay.seq * lay.micro_batch // lay.cp
     h = m.hidden_size
     layers = stage_layers(m, lay.pp, stage)
     micro = lay.micro_batches
     if lay.tp > 1:
         per_collective = 2 * (lay.tp - 1) * t * h * element_bytes // lay.tp
-        collectives = 4 + (2 if lay.recompute == "full" else 0)
-        tp_bytes = collectives * per_collective * len(layers) * micro
+        collectives = 4 * len(layers) + 2 * lay.recomputed_layers(len(layers))
+        tp_bytes = collectives * per_collective * micro
         comm.tensor_parallel = (tp_bytes, tp_bytes)
     if m.num_moe_experts and lay.ep > 1:
         pattern = moe_layer_pattern(m)

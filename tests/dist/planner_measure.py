@@ -100,6 +100,18 @@ ACTIVATION_CASES: dict[str, tuple[str, list[str], bool]] = {
     "big": ("tiny_cpu_gpt", BIG, False),
 }
 RECOMPUTE = ("none", "selective", "full")
+#: the other forms of full recomputation, measured on ACTIVATION_CASES' first (4-layer) case:
+#: form -> (its overrides, the layers (0-based) whose forward starts a recomputed segment)
+FULL_FORMS: dict[str, tuple[list[str], tuple[int, ...]]] = {
+    "full_uniform_2": (
+        ["parallel.recompute_granularity=full", "parallel.recompute_num_layers=2"],
+        (0, 2),
+    ),
+    "full_block_1": (
+        ["parallel.recompute_granularity=full", "parallel.recompute_method=block"],
+        (0,),
+    ),
+}
 
 
 def case_overrides(case: str, optimizer: str, precision: str) -> list[str]:
@@ -297,13 +309,16 @@ def run_bytes(out: Path) -> None:
 # --------------------------------------------------------------------------- activations
 
 
-def saved_bytes(run: Any, recompute: str, backward: bool) -> dict[str, int | None]:
+def saved_bytes(
+    run: Any, recompute: str, backward: bool, starts: tuple[int, ...] | None = None
+) -> dict[str, int | None]:
     """Bytes autograd saves for one training micro-batch of ``run`` through the trainer's
     ``forward_step``: ``kept``, the storages saved in forward (each counted once, by its
     ``nbytes``; the parameters' own storages, which linears save for backward, are not
     activations); with ``backward``, ``rebuild``: the most one recomputed segment saves in
     backward beyond them (a layer under ``full``, a core attention under ``selective``; there
-    are ``segments`` of them, 0 without recomputation). Every saved tensor is held until the
+    are ``segments`` of them, 0 without recomputation; ``starts``: the layers whose forward
+    starts a segment, where that is not every layer). Every saved tensor is held until the
     end, so that no storage is freed and its address reused by another while counting."""
     import torch
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -335,7 +350,9 @@ def saved_bytes(run: Any, recompute: str, backward: bool) -> dict[str, int | Non
     handles = [
         module.register_forward_pre_hook(lambda *_: segments.append({}))
         for module in run.model.modules()
-        if boundary is not None and isinstance(module, boundary)
+        if boundary is not None
+        and isinstance(module, boundary)
+        and (starts is None or module.layer_number - 1 in starts)
     ]
     segments.append({})  # what backward saves before the first recomputed segment (nothing)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
@@ -360,6 +377,12 @@ def run_activations(out: Path, name: str) -> None:
             got[recompute] = saved_bytes(run, recompute, backward)
             del run
             gc.collect()
+        if name == next(iter(ACTIVATION_CASES)):
+            for form, (form_overrides, starts) in FULL_FORMS.items():
+                run = trainer_run(source, [*overrides, *form_overrides])
+                got[form] = saved_bytes(run, "full", backward, starts)
+                del run
+                gc.collect()
     Path(out, f"activations.{name}.json").write_text(json.dumps(got))
 
 
