@@ -98,7 +98,7 @@ def test_the_gpt_step_record_is_one_logger_record(tmp_path, capsys) -> None:
         start_step=0,
     )
     log = logger(tmp_path, log_interval=10, last_step=300)
-    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.125)
+    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.125, lr=1e-2)
     rec = record_step(log, run, 10, result, step_time_s=0.5)
     log.close()
     assert isinstance(rec, StepRecord) and rec.lr == 1e-2 and rec.consumed_tokens == 20_480
@@ -161,7 +161,7 @@ def test_a_moe_step_record_carries_the_expert_load(tmp_path, capsys) -> None:
         "moe_z_loss_mean": 3.25,
     }
     log = logger(tmp_path, tensorboard=True, last_step=10)
-    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.1, moe=moe)
+    result = StepResult(loss=2.5, grad_norm=0.5, success=True, optimizer_s=0.1, lr=1e-3, moe=moe)
     record_step(log, run, 10, result, step_time_s=0.5)
     log.close()
     (rec,) = read_jsonl(tmp_path / "metrics.jsonl")

@@ -398,3 +398,21 @@ def test_fp16_scales_skips_and_resumes_exactly(recipe_file, tmp_path):
 
 def _sections(recipe):
     return recipe.training, recipe.optimizer
+
+
+def test_a_dynamic_scale_resumed_from_a_constant_scale_checkpoint_starts_anew(capsys) -> None:
+    """A checkpoint of a constant-scale fp16 run holds only its skipped-step count: a run with
+    the dynamic scale starts its scale anew (and says so) instead of failing on the missing
+    fields; a dynamic checkpoint gives back its scale and count."""
+    from types import SimpleNamespace
+
+    from megatron_ext.gpt.trainer import resume_loss_scale
+    from megatron_ext.megatron.loss_scale import LossScale
+
+    scale = LossScale(initial_scale=1024.0)
+    run = SimpleNamespace(optimizer=SimpleNamespace(loss_scale=scale), env=SimpleNamespace(rank=0))
+    assert resume_loss_scale(run, {"step": 4, "loss_scale": {"skipped": 3}}) == 0
+    assert float(scale.scale) == 1024.0 and "starts at 1024" in capsys.readouterr().out
+    state = {"scale": 256.0, "growth_tracker": 5, "hysteresis_tracker": 1, "skipped": 2}
+    assert resume_loss_scale(run, {"step": 4, "loss_scale": state}) == 2
+    assert (float(scale.scale), scale.growth_tracker) == (256.0, 5)

@@ -77,7 +77,7 @@ def record_step(
         consumed_tokens=schedule.tokens_before(step),
         global_batch=batch,
         tokens_per_step=step_tokens,
-        lr=schedule.lr_at(step - 1 - skipped + result.skipped),  # the LR this step used
+        lr=result.lr,
         loss=result.loss,
         grad_norm=result.grad_norm,
         tokens_per_s=tps,

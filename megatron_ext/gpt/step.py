@@ -28,6 +28,7 @@ class StepResult:
     grad_norm: float | None  # global, before clipping; None when fp16 skipped the step
     success: bool
     optimizer_s: float  # wall time of the optimizer step on this rank (clip, update, sync)
+    lr: float  # the learning rate the step was given (its main parameter group's)
     moe: dict[str, Any] = field(default_factory=dict)  # MoE models: gpt.moe_load's figures
     #: fp16: the loss scale after the step (megatron_ext.megatron.loss_scale); else None
     loss_scale: float | None = None
@@ -102,8 +103,10 @@ def train_step(run: GPTRun, step: int, skipped: int = 0) -> StepResult:
         moe = run.expert_load.collect(tokens, num_microbatches, step + 1)
     # on consumed tokens, times the stage's sqrt(B) factor; the embedding and output layer's
     # group (is_decoupled_lr) on optimizer.decoupled_lr's schedule where one is set
+    lr = run.schedule.lr_at(step - skipped)
     for group in run.optimizer.param_groups:
-        group["lr"] = run.schedule.lr_at(step - skipped, group.get("is_decoupled_lr", False))
+        decoupled = group.get("is_decoupled_lr", False)
+        group["lr"] = run.schedule.lr_at(step - skipped, True) if decoupled else lr
     start = time.perf_counter()
     success, grad_norm, _ = run.optimizer.step()
     optimizer_s = time.perf_counter() - start
@@ -123,6 +126,7 @@ def train_step(run: GPTRun, step: int, skipped: int = 0) -> StepResult:
         None if grad_norm is None else float(grad_norm),
         success,
         optimizer_s,
+        lr,
         moe,
         loss_scale=None if scale is None else float(scale.scale),
     )

@@ -39,11 +39,14 @@ def resume_loss_scale(run: Any, loop_state: dict[str, Any] | None) -> int:
     if scale is None or not loop_state:
         return 0
     saved = loop_state.get("loss_scale")
-    if saved is None:  # written by a run of another precision: megatron-core's choice too
+    if saved is None or (saved.keys() == {"skipped"} and not scale.constant):
+        # written by a run of another precision, or with a constant scale: megatron-core's
+        # choice too (a dynamic scale then starts anew)
         if run.env.rank == 0:
             print(
-                f"the checkpoint holds no fp16 loss scale (another training.precision wrote "
-                f"it): the scale starts at {float(scale.scale):g}",
+                f"the checkpoint holds no dynamic fp16 loss scale (another training.precision "
+                f"or a constant optimizer.loss_scale wrote it): the scale starts at "
+                f"{float(scale.scale):g}",
                 flush=True,
             )
         return 0

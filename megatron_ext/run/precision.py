@@ -121,12 +121,12 @@ def precision_spec(precision: str) -> PrecisionSpec:
     return SPECS[precision]
 
 
-def precision_dtype(precision: str) -> torch.dtype:
+def precision_dtype(precision: str, params_dtype: str | None = None) -> torch.dtype:
     """The parameter dtype of ``precision`` (float32 for fp32, float16 for fp16, bfloat16 for
-    every other)."""
+    every other), or ``params_dtype`` (``training.params_dtype``) where given."""
     import torch
 
-    return getattr(torch, precision_spec(precision).params_dtype)
+    return getattr(torch, params_dtype_name(precision, params_dtype))
 
 
 def params_dtype_name(precision: str, params_dtype: str | None = None) -> str:
@@ -156,11 +156,10 @@ def transformer_config_fields(
     import torch
 
     spec = precision_spec(precision)
-    name = params_dtype_name(precision, params_dtype)
-    dtype = getattr(torch, name)
+    dtype = precision_dtype(precision, params_dtype)
     fields: dict[str, Any] = {
-        "bf16": name == "bfloat16",
-        "fp16": name == "float16",
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
         "params_dtype": dtype,
         "pipeline_dtype": dtype,
         "fp8": fp8_format or spec.fp8,
