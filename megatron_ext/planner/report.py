@@ -40,7 +40,7 @@ def _memory(plan: Plan, s: StagePlan) -> list[str]:
     lines += [
         _row("static (the above)", _gb(m.static), f"mean rank {_gb(s.mean_static).strip()}"),
         _row(
-            f"activations ({s.in_flight} micro-batch{many}, recompute={plan.layout.recompute})",
+            f"activations ({s.in_flight} micro-batch{many}, recompute={_recompute(plan)})",
             _gb(m.activations),
         ),
         _row("largest transient", _gb(m.transient), m.transient_what),
@@ -160,3 +160,13 @@ def format_plan(plan: Plan) -> str:
         verdict = "DOES NOT FIT: no single change (SP, recompute, micro-batch, TP, PP) makes it fit"
     notes = [f"note: {n}" for n in plan.notes]
     return "\n".join([*head, *body, verdict, *notes])
+
+
+def _recompute(plan: Plan) -> str:
+    """The layout's recomputation as the report line names it (full's method and layer count
+    where they are not uniform over 1)."""
+    lay = plan.layout
+    form = (lay.recompute_method, lay.recompute_num_layers)
+    if lay.recompute != "full" or form == ("uniform", 1):
+        return lay.recompute
+    return f"full, {lay.recompute_method} over {lay.recompute_num_layers}"
