@@ -118,7 +118,7 @@ def main() -> None:
         (root / "corpus.txt").write_text(TEXT, encoding="utf-8")
     run = setup(recipe_from_dict({**recipe(root, args, world), "run_dir": str(root / "run")}))
 
-    finish = run.model.finish_grad_sync
+    finish = run.chunks[0].finish_grad_sync
     exposed: list[float] = []
 
     def timed_finish(*a, **k):
@@ -126,7 +126,7 @@ def main() -> None:
         finish(*a, **k)
         exposed.append(time.perf_counter() - t0)
 
-    run.model.finish_grad_sync = timed_finish
+    run.chunks[0].finish_grad_sync = timed_finish
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rows: dict[str, list[float]] = {
         "iteration_s": [],
@@ -155,8 +155,8 @@ def main() -> None:
 
         return run_counted
 
-    run.model.finish_grad_sync = counted(run.model.finish_grad_sync)
-    handler = getattr(run.model, "_grad_sync", None)
+    run.chunks[0].finish_grad_sync = counted(run.chunks[0].finish_grad_sync)
+    handler = getattr(run.chunks[0], "_grad_sync", None)
     if hasattr(handler, "grad_ready"):  # a sync started from backward
         handler.grad_ready = counted(handler.grad_ready)
     train_step(run, args.warmup + args.steps)

@@ -8,9 +8,12 @@ chosen steps, batch, parallel sizes).
   (megatron-core's ``OptimizerConfig`` fields, compared with Megatron-LM's); it launches on
   every machine (the GPT trainer's fp16 run: tests/test_training.py). Without ``--fp16`` the
   loss-scale flags are not mapped: Megatron-LM ignores them.
-- ``--num-layers-per-virtual-pipeline-stage`` and ``--pipeline-model-parallel-layout``: carried
-  in ``model.transformer_config`` as Megatron-LM's ``TransformerConfig`` has them; the GPT
-  trainer builds one chunk per stage, so virtual stages are refused when the model is built.
+- ``--num-layers-per-virtual-pipeline-stage``: the virtual stages Megatron-LM derives, into
+  ``parallel.virtual_pipeline_model_parallel_size`` (with its default ``overlap_p2p_comm`` in
+  ``model.transformer_config``); the GPT trainer builds a chunk per virtual stage
+  (tests/test_virtual_pipeline.py trains them). ``--pipeline-model-parallel-layout`` is carried
+  in ``model.transformer_config``; a layout whose stages are not the recipe's chunks is refused
+  when the model is built.
 """
 
 from __future__ import annotations
@@ -104,22 +107,22 @@ def test_pipeline_layouts_are_carried(converted) -> None:
     from megatron_ext.gpt.sections import ParallelConfig
     from megatron_ext.megatron.model import build_gpt_model
 
-    virtual = converted["virtual_pipeline"][0].model.transformer_config
-    assert virtual["virtual_pipeline_model_parallel_size"] == 2
+    virtual = converted["virtual_pipeline"][0]
+    assert virtual.parallel.virtual_pipeline_model_parallel_size == 2
+    assert "virtual_pipeline_model_parallel_size" not in virtual.model.transformer_config
+    # Megatron-LM's default with virtual stages, which PP=2 needs (tests/test_virtual_pipeline)
+    assert virtual.model.transformer_config["overlap_p2p_comm"] is True
     layout = converted["pipeline_layout"][0].model.transformer_config
     assert "pipeline_model_parallel_layout" in layout
     init_single_process()
-    recipe = converted["virtual_pipeline"][0]
-    with pytest.raises(ConfigError, match="no virtual pipeline stages"):
-        build_gpt_model(recipe.model, ParallelConfig(), "bf16", 256, 32)
-    # a layout with more stages than pipeline ranks is virtual stages too (megatron-core would
-    # build the first chunk's layers only)
+    # a layout with more stages than pipeline ranks x chunks (virtual stages implied, not set)
+    # is refused: megatron-core would build the first chunk's layers only
     import dataclasses
 
     model = converted["pipeline_layout"][0].model
     fields = {**model.transformer_config, "pipeline_model_parallel_layout": "Et|t|t|tL"}
     model = dataclasses.replace(model, transformer_config=fields)
-    with pytest.raises(ConfigError, match="puts 4 stages on each pipeline rank"):
+    with pytest.raises(ConfigError, match=r"puts 4 stage\(s\) on each pipeline rank"):
         build_gpt_model(model, ParallelConfig(), "bf16", 256, 32)
 
 

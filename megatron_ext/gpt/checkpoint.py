@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,7 @@ class Checkpointer:
         every = self.config.save_interval
         return bool(every and step % every == 0) or (step == last_step and self.config.save_at_end)
 
-    def save(
-        self, step: int, model: torch.nn.Module, optimizer: Any, loop_state: dict[str, Any]
-    ) -> Path:
+    def save(self, step: int, model: Model, optimizer: Any, loop_state: dict[str, Any]) -> Path:
         """Checkpoint ``step`` (collective: every rank calls it); keeps the newest ``keep_last``
         intact ones."""
         return save_checkpoint(
@@ -90,7 +89,7 @@ class Checkpointer:
             self.recipe_hash,
         )
 
-    def resume(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any] | None:
+    def resume(self, model: Model, optimizer: Any) -> dict[str, Any] | None:
         """Load ``checkpoint.load`` ('auto': the newest intact checkpoint in ``ckpt_dir``, if
         any; 'none'; or a directory) into model and optimizer; returns its loop state, or None
         when there is nothing to resume. Raises ``ConfigError`` for a damaged named checkpoint,
@@ -117,7 +116,7 @@ class Checkpointer:
         return None
 
     def _load_verified(
-        self, path: Path, model: torch.nn.Module, optimizer: Any, fallback: bool
+        self, path: Path, model: Model, optimizer: Any, fallback: bool
     ) -> dict[str, Any] | None:
         """Verify ``path`` and load it; a damaged one is reported and gives None
         (``fallback``) or a ``ConfigError``. A checkpoint without a manifest that fails to
@@ -184,13 +183,52 @@ def _per_rank(key: str, obj: Any) -> ShardedObject:
     return ShardedObject(key, obj, (world,), (rank,), replica_id=0)
 
 
+#: a model as the checkpoint functions take it: one module, or this rank's model chunks
+#: (virtual pipeline stages), each possibly inside megatron-core's DDP
+Model = torch.nn.Module | Sequence[torch.nn.Module]
+
+
 def _unwrap(model: torch.nn.Module) -> Any:
     """The GPTModel inside megatron-core's DDP wrapper (its keys carry no ``module.`` prefix)."""
     return getattr(model, "module", model)
 
 
+def _chunks(model: Model) -> list[Any]:
+    """``model``'s chunks, unwrapped (one for a single module)."""
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    return [_unwrap(c) for c in chunks]
+
+
+def _model_state(model: Model) -> dict[str, Any]:
+    """The model's sharded state dict: the chunk's own, or ``{"chunk<v>": ...}`` over several
+    (their ShardedTensor keys carry global layer numbers, so a checkpoint written with virtual
+    pipeline stages loads without them and the other way round)."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"chunk{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
+
+
+def _load_model_state(model: Model, state: dict[str, Any]) -> None:
+    """Load what dist_checkpointing returned for :func:`_model_state` into the chunks."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state)
+        return
+    for v, c in enumerate(chunks):
+        c.load_state_dict(state[f"chunk{v}"])
+
+
+def _named_parameters(model: Model) -> list[tuple[str, torch.nn.Parameter]]:
+    """Every chunk's parameters (``chunk<v>.`` before the names when there are several)."""
+    chunks = _chunks(model)
+    if len(chunks) == 1:
+        return list(chunks[0].named_parameters())
+    return [(f"chunk{v}.{n}", p) for v, c in enumerate(chunks) for n, p in c.named_parameters()]
+
+
 def _sharded_state(
-    model: torch.nn.Module,
+    model: Model,
     optimizer: Any,
     loop_state: dict[str, Any],
     is_loading: bool,
@@ -198,7 +236,7 @@ def _sharded_state(
 ) -> dict[str, Any]:
     """The checkpoint's layout. ``loop`` (step, consumed samples) and ``world`` are the same on
     every rank: plain values, saved once. The RNG streams are per rank."""
-    model_sd = _unwrap(model).sharded_state_dict()
+    model_sd = _model_state(model)
     state = {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
@@ -213,7 +251,7 @@ def _sharded_state(
 def save_checkpoint(
     ckpt_dir: Path,
     step: int,
-    model: torch.nn.Module,
+    model: Model,
     optimizer: Any,
     loop_state: dict[str, Any],
     keep_last: int,
@@ -269,19 +307,20 @@ def _layout() -> dict[str, int]:
     }
 
 
-def parameter_checksums(model: torch.nn.Module, expert: bool) -> torch.Tensor:
+def parameter_checksums(model: Model, expert: bool) -> torch.Tensor:
     """Per parameter, the int64 sum of its raw bits: equal values give equal sums on every rank.
     ``expert`` selects MoE expert parameters (``allreduce=False``) or the dense rest."""
+    params = [p for _, p in _named_parameters(model)]
     sums = [
         raw_bits(p.detach().contiguous()).to(torch.int64).sum()
-        for p in _unwrap(model).parameters()
+        for p in params
         if (not getattr(p, "allreduce", True)) == expert
     ]
-    device = next(_unwrap(model).parameters()).device
+    device = params[0].device
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-def verify_replicas(model: torch.nn.Module) -> None:
+def verify_replicas(model: Model) -> None:
     """Data-parallel replicas must hold bit-identical parameters (dense over the data-parallel
     group, experts over the expert-data-parallel group); a mismatch stops the run."""
     groups = (
@@ -298,7 +337,7 @@ def verify_replicas(model: torch.nn.Module) -> None:
         if not torch.equal(low, high):
             names = [
                 n
-                for n, p in _unwrap(model).named_parameters()
+                for n, p in _named_parameters(model)
                 if (not getattr(p, "allreduce", True)) == expert
             ]
             bad = [names[i] for i in torch.nonzero(low != high).flatten().tolist()]
@@ -309,7 +348,7 @@ def verify_replicas(model: torch.nn.Module) -> None:
             )
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: Model, optimizer: Any) -> dict[str, Any]:
     """Load model, optimizer and RNG state in place, check that data-parallel replicas agree;
     returns the saved loop state.
 
@@ -325,7 +364,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
     state = dist_checkpointing.load(
         _sharded_state(model, optimizer, {}, is_loading=True, with_rng=same_world), str(path)
     )
-    _unwrap(model).load_state_dict(state["model"])
+    _load_model_state(model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if same_world:
         set_rng_state(state["rng"])
@@ -340,31 +379,31 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any) -> dict[
     return state["loop"]
 
 
-def load_model_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+def load_model_weights(path: Path, model: Model) -> dict[str, Any]:
     """Only the model weights of the checkpoint at ``path`` (a GPT-trainer checkpoint, or the
     ``step_000000`` that ``convert hf-to-mcore`` writes), loaded into ``model`` in place; no
     optimizer state, RNG streams or loop state is read. The request is ``model``'s own
     ``sharded_state_dict()``, so megatron-core checks every key and shape against the model
     (a mismatch raises torch's ``CheckpointException``, a ``BaseException``). Returns the
     loaded model state dict."""
-    state = dist_checkpointing.load({"model": _unwrap(model).sharded_state_dict()}, str(path))
-    _unwrap(model).load_state_dict(state["model"])
+    state = dist_checkpointing.load({"model": _model_state(model)}, str(path))
+    _load_model_state(model, state["model"])
     return state["model"]
 
 
 def load_initial_weights(
-    path: Path, model: torch.nn.Module, optimizer: Any, same_world: bool
+    path: Path, model: Model, optimizer: Any, same_world: bool
 ) -> dict[str, Any]:
     """Start from a step-0 checkpoint (``checkpoint.save_initial``): it holds no optimizer
     state, so only the weights are loaded (converted to this run's dtype: a bf16 run starts
     from an fp32 run's step 0 and vice versa), the RNG streams when the world size matches,
     and the optimizer's fp32 masters are taken from the loaded weights. This is how a precision
     A/B gives every run the same initial weights."""
-    request = {"model": _unwrap(model).sharded_state_dict()}
+    request = {"model": _model_state(model)}
     if same_world:
         request["rng"] = _per_rank("rng", rng_state())
     state = dist_checkpointing.load(request, str(path))
-    _unwrap(model).load_state_dict(state["model"])
+    _load_model_state(model, state["model"])
     optimizer.reload_model_params()
     if same_world:
         set_rng_state(state["rng"])

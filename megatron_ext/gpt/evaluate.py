@@ -12,6 +12,7 @@ data-parallel size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_ext.gpt.step import forward_step, microbatches
+from megatron_ext.gpt.step import chunk_iterators, forward_step, microbatches
 
 if TYPE_CHECKING:
     from megatron_ext.gpt.setup import GPTRun
@@ -56,14 +57,14 @@ class Evaluator:
         """Mean validation loss (nats/token) of the current weights, the same on every rank."""
         run.optimizer.finish_param_sync()  # the forward must see this step's parameters
         t = run.recipe.training
-        model = run.model
-        model.eval()
+        for chunk in run.chunks:
+            chunk.eval()
         total = torch.zeros(1, dtype=torch.float64, device=run.env.device)
         for index in range(self.iters):
             outputs = get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=microbatches(run, index, self.data),
-                model=[model],
+                data_iterator=chunk_iterators(run, partial(microbatches, run, index, self.data)),
+                model=run.chunks,
                 num_microbatches=run.num_microbatches,
                 seq_length=t.seq_length,
                 micro_batch_size=t.micro_batch_size,
@@ -71,7 +72,8 @@ class Evaluator:
             )
             if parallel_state.is_pipeline_last_stage():
                 total += sum(float(o["lm loss"]) for o in outputs) / run.num_microbatches
-        model.train()
+        for chunk in run.chunks:
+            chunk.train()
         dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         return float(total) / (self.iters * run.dp_size)

@@ -92,6 +92,37 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
             f"parallel.pipeline_model_parallel_size="
             f"{p.pipeline_model_parallel_size}"
         )
+    _check_virtual_stages(m, p)
+
+
+def _check_virtual_stages(m: ModelConfig, p: ParallelConfig) -> None:
+    """Virtual pipeline stages: megatron-core interleaves the chunks over two or more pipeline
+    ranks, each chunk an equal share of a stage's layers (an uneven split or a layout says
+    otherwise, megatron-core checking it)."""
+    vp = p.virtual_pipeline_model_parallel_size
+    if vp is None:
+        return
+    pp = p.pipeline_model_parallel_size
+    if pp < 2:
+        raise ConfigError(
+            f"parallel.virtual_pipeline_model_parallel_size={vp} needs "
+            f"parallel.pipeline_model_parallel_size >= 2 (megatron-core interleaves the model "
+            f"chunks over the pipeline ranks; this recipe: {pp})"
+        )
+    if pp == 2 and not m.transformer_config.get("overlap_p2p_comm"):
+        raise ConfigError(
+            f"parallel.virtual_pipeline_model_parallel_size={vp} on 2 pipeline ranks: "
+            "megatron-core's interleaved schedule then batches sends and receives between the "
+            "same two ranks, which mixes activations and gradients up (Megatron-LM's "
+            "validate_args refuses it too): set model.transformer_config={overlap_p2p_comm: "
+            "true, batch_p2p_comm: false} (Megatron-LM's default), or use 3+ pipeline ranks"
+        )
+    if m.num_layers % (pp * vp) and not uneven_pipeline_split(m):
+        raise ConfigError(
+            f"model.num_layers={m.num_layers} is not divisible by {pp * vp} model chunks "
+            f"(parallel.pipeline_model_parallel_size={pp} x "
+            f"parallel.virtual_pipeline_model_parallel_size={vp})"
+        )
 
 
 def check_gpt_sections(recipe: GPTRecipe) -> None:
@@ -165,7 +196,7 @@ def check_gpt(recipe: GPTRecipe, world_size: int | None) -> None:
     schedule = training_schedule(t, recipe.optimizer)
     if world_size is not None:
         _check_layout(recipe.parallel, recipe.model.num_moe_experts, world_size)
-        _check_stages(recipe.parallel, t, schedule, batch_rule(t), world_size)
+        _check_stages(recipe.parallel, recipe.model, t, schedule, batch_rule(t), world_size)
 
 
 def _check_layout(p: ParallelConfig, num_experts: int, world_size: int) -> None:
@@ -190,13 +221,15 @@ def _check_layout(p: ParallelConfig, num_experts: int, world_size: int) -> None:
 
 def _check_stages(
     p: ParallelConfig,
+    model: ModelConfig,
     t: TrainingConfig,
     schedule: TrainingSchedule,
     rule: BatchRule,
     world_size: int,
 ) -> None:
     """Every stage's global batch (of ``schedule``, by ``rule``) splits into micro-batches x
-    data-parallel ranks."""
+    data-parallel ranks (and, with virtual pipeline stages, into the interleaved schedule's
+    groups)."""
     mbs = t.micro_batch_size
     dp = world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
@@ -207,15 +240,45 @@ def _check_stages(
                 f"training.global_batch_size={t.global_batch_size} is not divisible by "
                 f"micro_batch_size*dp = {mbs}*{dp} = {mbs * dp}: use a multiple of {mbs * dp}"
             )
+        _check_interleaving(
+            p, model, [("training.global_batch_size", t.global_batch_size)], mbs * dp
+        )
         return
+    batches = []
     for index, stage in enumerate(schedule.run_stages()):
+        where = (
+            f"batch stage {index} (from step {stage.first_step}, token "
+            f"{stage.first_sample * schedule.seq_length:,})"
+        )
         if stage.global_batch % (mbs * dp):
             raise ConfigError(
-                f"batch stage {index} (from step {stage.first_step}, token "
-                f"{stage.first_sample * schedule.seq_length:,}): global batch "
-                f"{stage.global_batch} is not divisible by micro_batch_size*dp = {mbs}*{dp} = "
-                f"{mbs * dp}: make every stage's batch a multiple of {mbs * dp}, or lower "
-                f"training.micro_batch_size"
+                f"{where}: global batch {stage.global_batch} is not divisible by "
+                f"micro_batch_size*dp = {mbs}*{dp} = {mbs * dp}: make every stage's batch a "
+                f"multiple of {mbs * dp}, or lower training.micro_batch_size"
+            )
+        batches.append((where, stage.global_batch))
+    _check_interleaving(p, model, batches, mbs * dp)
+
+
+def _check_interleaving(
+    p: ParallelConfig, model: ModelConfig, batches: list[tuple[str, int]], per_microbatch: int
+) -> None:
+    """megatron-core's interleaved schedule runs the micro-batches of a step in groups of
+    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size) and refuses a step
+    whose last group is shorter than the pipeline (a dependency bubble): each batch of
+    ``batches`` (``(where, global batch)``) is checked here, before any rank starts."""
+    if p.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = p.pipeline_model_parallel_size
+    group = model.transformer_config.get("microbatch_group_size_per_vp_stage") or pp
+    for where, batch in batches:
+        count = batch // per_microbatch
+        if count % group and count % group < pp:
+            raise ConfigError(
+                f"{where}: {count} micro-batches per pipeline rank in groups of {group} "
+                f"(microbatch_group_size_per_vp_stage) leave {count % group}, fewer than the "
+                f"{pp} pipeline stages, which megatron-core's interleaved schedule refuses: "
+                f"make the micro-batch count a multiple of {group}"
             )
 
 

@@ -159,7 +159,7 @@ def summarize(run: GPTRun, log: MetricsLogger) -> dict[str, Any]:
         "start_step": run.start_step,
         "world_size": world,
         "backend": run.env.backend,
-        "parameters": sum(p.numel() for p in run.model.parameters()),
+        "parameters": sum(p.numel() for c in run.chunks for p in c.parameters()),
         "optimizer": run.recipe.optimizer.name,
         "precision": run.recipe.training.precision,
         "first_loss": recs[0]["loss"] if recs else None,

@@ -19,9 +19,12 @@ from megatron_ext.gpt.flops import gpt_train_flops_per_token
 from megatron_ext.gpt.moe_load import ExpertLoad
 from megatron_ext.gpt.recipe import GPTRecipe
 from megatron_ext.megatron.ddp import DistributedDataParallel
-from megatron_ext.megatron.model import build_gpt_model, half_precision_module
+from megatron_ext.megatron.model import build_gpt_chunks, half_precision_module
 from megatron_ext.megatron.optimizer import MegatronExtOptimizer
 from megatron_ext.megatron.optimizer_factories import (
+    chunk_named_parameters,
+    chunk_root,
+    chunked_factory,
     inner_factory,
     megatron_optimizer_config,
     model_qkv_layout,
@@ -44,7 +47,9 @@ class GPTRun:
     env: DistEnv
     dp_rank: int
     dp_size: int
-    model: DistributedDataParallel
+    #: this pipeline rank's model chunks (one per virtual pipeline stage; one without them),
+    #: each in megatron-core's DDP
+    chunks: list[DistributedDataParallel]
     optimizer: MegatronExtOptimizer
     schedule: TrainingSchedule
     train_data: Any
@@ -76,7 +81,7 @@ def setup(recipe: GPTRecipe) -> GPTRun:
     ensure_dataset(recipe, tokenizer, env)
     train_data, valid_data = build_data(recipe, tokenizer, schedule)
 
-    module = build_gpt_model(
+    modules = build_gpt_chunks(
         recipe.model,
         recipe.parallel,
         t.precision,
@@ -86,37 +91,46 @@ def setup(recipe: GPTRecipe) -> GPTRun:
         fp8_format=t.fp8_format,
         params_dtype=t.params_dtype,
     )
-    config = module.config
-    model = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        ),
-        half_precision_module(module),  # bf16, fp16, FP8/FP4: megatron-core's Float16Module
-    )
+    config = modules[0].config  # one TransformerConfig, shared by the chunks
+    chunks = [
+        DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            half_precision_module(module),  # bf16, fp16, FP8/FP4: megatron-core's Float16Module
+            # as Megatron-LM's get_model: one bucket for every chunk after the first
+            disable_bucketing=index > 0,
+        )
+        for index, module in enumerate(modules)
+    ]
     # megatron-core's schedule finalises grads (DP all-reduce, MoE expert-bias update) via this.
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
 
     optimizer = MegatronExtOptimizer(
-        list(module.named_parameters()),  # the GPTModel's names, inside any wrapper
-        inner_factory(recipe.optimizer, model_qkv_layout(config)),
+        chunk_named_parameters(modules),  # the GPTModels' names, inside any wrapper
+        chunked_factory(inner_factory(recipe.optimizer, model_qkv_layout(config)), len(modules)),
         megatron_optimizer_config(recipe.optimizer, config.bf16, config.fp16),
     )
     if optimizer.loss_scale is not None:  # fp16: the schedule scales each loss before backward
         config.grad_scale_func = optimizer.scale_loss
-    optimizer.overlap_param_sync_with_forward(module)
-    optimizer.take_over_grad_sync(model)  # layer-wise: reduce-scatter-v instead of all-reduce
+    optimizer.overlap_param_sync_with_forward(chunk_root(modules))
+    optimizer.take_over_grad_sync(chunks)  # layer-wise: reduce-scatter-v instead of all-reduce
 
     flops = gpt_train_flops_per_token(
-        recipe.model, t.seq_length, module.vocab_size, config.ffn_hidden_size, config.kv_channels
+        recipe.model,
+        t.seq_length,
+        modules[0].vocab_size,
+        config.ffn_hidden_size,
+        config.kv_channels,
     )
     return GPTRun(
         recipe=recipe,
         env=env,
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=dp_size,
-        model=model,
+        chunks=chunks,
         optimizer=optimizer,
         schedule=schedule,
         train_data=train_data,
@@ -124,7 +138,9 @@ def setup(recipe: GPTRecipe) -> GPTRun:
         num_microbatches=schedule.target_batch // (t.micro_batch_size * dp_size),
         flops_per_token=flops,
         run_dir=Path(recipe.run_dir),
-        expert_load=ExpertLoad(module, config) if config.num_moe_experts else None,
+        expert_load=(
+            ExpertLoad(torch.nn.ModuleList(modules), config) if config.num_moe_experts else None
+        ),
     )
 
 

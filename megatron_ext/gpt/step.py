@@ -5,7 +5,7 @@ the optimizer step at the scheduled LR, and the global batch's mean loss."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 if TYPE_CHECKING:
     from megatron_ext.gpt.setup import GPTRun
 
-__all__ = ["StepResult", "forward_step", "microbatches", "train_step"]
+__all__ = ["StepResult", "chunk_iterators", "forward_step", "microbatches", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,13 @@ def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str,
         }
 
 
+def chunk_iterators(run: GPTRun, make: Callable[[], Iterator[Any]]) -> Any:
+    """The schedule's data iterator: ``make()``, or with virtual pipeline stages one per
+    model chunk (megatron-core's interleaved schedule reads chunk ``v``'s micro-batches from
+    the ``v``-th; each chunk sees the same micro-batches in the same order)."""
+    return make() if len(run.chunks) == 1 else [make() for _ in run.chunks]
+
+
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     """One micro-batch forward: per-token losses [b, s] and the masked-mean loss function."""
     batch = next(data_iterator)
@@ -83,15 +90,16 @@ def train_step(run: GPTRun, step: int, skipped: int = 0) -> StepResult:
     """One optimizer step (``step``: completed steps before it; ``skipped``: how many of them
     fp16 skipped, which the LR schedule does not count, as Megatron-LM advances its scheduler
     on successful steps only)."""
-    run.model.zero_grad_buffer()
+    for chunk in run.chunks:
+        chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     t = run.recipe.training
     # The stage's batch: the micro-batch count changes at stage boundaries only.
     num_microbatches = run.schedule.num_microbatches(step, t.micro_batch_size, run.dp_size)
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=microbatches(run, step),
-        model=[run.model],
+        data_iterator=chunk_iterators(run, lambda: microbatches(run, step)),
+        model=run.chunks,
         num_microbatches=num_microbatches,
         seq_length=t.seq_length,
         micro_batch_size=t.micro_batch_size,

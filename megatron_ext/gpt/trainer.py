@@ -68,7 +68,7 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
     written_by = recipe_hash(recipe_dict(recipe))  # in each checkpoint's manifest
     checkpointer = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint, written_by)
     evaluator = Evaluator(run.valid_data, t.eval_interval, t.eval_iters)
-    loop_state = checkpointer.resume(run.model, run.optimizer)
+    loop_state = checkpointer.resume(run.chunks, run.optimizer)
     run.start_step = int(loop_state["step"]) if loop_state else 0
     skipped = resume_loss_scale(run, loop_state)  # fp16: the scale and its skipped steps
     if loop_state:  # the batch stages must reproduce the samples the checkpoint consumed
@@ -94,12 +94,12 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
     )
     log.info(
         f"megatron-ext gpt | world {run.env.world_size} ({run.env.backend}) | "
-        f"params {sum(p.numel() for p in run.model.parameters()):,} | "
+        f"params {sum(p.numel() for c in run.chunks for p in c.parameters()):,} | "
         f"optimizer {recipe.optimizer.name} | steps {run.start_step}->{steps}"
     )
     log.info(update_rms_note(recipe.optimizer))
     if run.start_step == 0 and checkpointer.should_save(0, steps):  # checkpoint.save_initial
-        checkpointer.save(0, run.model, run.optimizer, {"step": 0, "consumed_samples": 0})
+        checkpointer.save(0, run.chunks, run.optimizer, {"step": 0, "consumed_samples": 0})
     clock.mark("setup")  # model, data, optimizer, resume
     stopping = None
     try:
@@ -129,11 +129,11 @@ def train(recipe: GPTRecipe) -> dict[str, Any]:
                 loop["loss_scale"] = {**run.optimizer.loss_scale.state_dict(), "skipped": skipped}
             saved = None
             if checkpointer.should_save(done, steps):
-                saved = checkpointer.save(done, run.model, run.optimizer, loop)
+                saved = checkpointer.save(done, run.chunks, run.optimizer, loop)
             # asked after the save, so that a signal during it stops the run right there
             stopping = stop.check(done, device=run.env.device) if done < steps else None
             if stopping:
-                saved = saved or checkpointer.save(done, run.model, run.optimizer, loop)
+                saved = saved or checkpointer.save(done, run.chunks, run.optimizer, loop)
                 break
     finally:
         log.close()

@@ -103,6 +103,11 @@ def apply_parsed(
     if parsed.first_last_layers_bf16:  # Megatron-LM reads the counts only with this switch
         out.set("training.num_layers_at_start_in_bf16", parsed.num_layers_at_start_in_bf16)
         out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
+    if parsed.virtual_pipeline_model_parallel_size:  # derived from a layer count or a layout
+        out.set(
+            "parallel.virtual_pipeline_model_parallel_size",
+            int(parsed.virtual_pipeline_model_parallel_size),
+        )
     _recompute(out, parsed)
     _decoupled_lr(out, parsed)
     _optimizer_fields(out, args, parsed)

@@ -90,8 +90,8 @@ def _transformer(recipe: Any, parsed: Namespace) -> list[str]:
     with (
         mock.patch.object(TransformerConfig, "__post_init__", lambda self: None),
         mock.patch.object(MLATransformerConfig, "__post_init__", lambda self: None),
-        # what the GPT trainer refuses at launch (virtual pipeline stages) is still the
-        # recipe's field, compared here
+        # what the GPT trainer refuses at launch (FP8 parameters) is still the recipe's
+        # field, compared here
         mock.patch.dict(NOT_BUILT, clear=True),
     ):
         # the kernels' implementation is the host's (skipped below): a script asking for
@@ -369,6 +369,11 @@ def _parallel(recipe: Any, parsed: Namespace, world_size: int) -> list[str]:
     pairs += [
         ("expert_tensor_parallel_size", _expert_tp(recipe), parsed.expert_tensor_parallel_size),
         ("sequence_parallel", p.sequence_parallel, parsed.sequence_parallel),
+        (
+            "virtual_pipeline_model_parallel_size",
+            p.virtual_pipeline_model_parallel_size,
+            parsed.virtual_pipeline_model_parallel_size,
+        ),
         ("data_parallel_size", dp, parsed.data_parallel_size),
     ]
     return _differ(pairs)

@@ -130,6 +130,7 @@ def transformer_kwargs(
         attention_dropout=model.attention_dropout,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
@@ -157,10 +158,11 @@ def transformer_kwargs(
     )
 
 
-def block_spec(model: ModelConfig, config: TransformerConfig) -> Any:
+def block_spec(model: ModelConfig, config: TransformerConfig, vp_stage: int | None = None) -> Any:
     """The decoder's spec: one layer spec for every layer, or -- a MoE ``moe_layer_freq`` with
-    dense layers -- this pipeline stage's layers each with its own (MoE or dense MLP), under
-    megatron-core's default final norm (what it builds from a single layer spec)."""
+    dense layers -- this pipeline stage's layers (of its virtual stage ``vp_stage``) each with
+    its own (MoE or dense MLP), under megatron-core's default final norm (what it builds from a
+    single layer spec)."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -170,8 +172,8 @@ def block_spec(model: ModelConfig, config: TransformerConfig) -> Any:
     if not model.num_moe_experts or all(pattern):
         return layer_spec(model)
     specs = {1: layer_spec(model), 0: layer_spec(model, dense=True)}
-    offset = get_transformer_layer_offset(config)
-    here = pattern[offset : offset + transformer_block.get_num_layers_to_build(config)]
+    offset = get_transformer_layer_offset(config, vp_stage)
+    here = pattern[offset : offset + transformer_block.get_num_layers_to_build(config, vp_stage)]
     return transformer_block.TransformerBlockSubmodules(
         layer_specs=[specs[moe] for moe in here], layer_norm=transformer_block.LayerNormImpl
     )
@@ -221,19 +223,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
-def _check_one_chunk_per_stage(config: TransformerConfig) -> None:
-    """A pipeline layout with more stages than pipeline ranks means virtual stages (several
-    model chunks per rank), which the GPT trainer does not build: refused here, before a model
-    holding only its first chunk's layers would be built (megatron-core builds what it is
-    asked to)."""
+def _check_layout_chunks(config: TransformerConfig, parallel: ParallelConfig) -> None:
+    """A pipeline layout's stages are the model chunks: pipeline ranks x virtual stages.
+    megatron-core builds what it is asked to, so a layout with more stages than that (virtual
+    stages implied, ``parallel.virtual_pipeline_model_parallel_size`` not set) would build only
+    the first chunk's layers on each rank: refused here, before."""
     layout = config.pipeline_model_parallel_layout
-    chunks = getattr(layout, "virtual_pipeline_model_parallel_size", 1) or 1
-    if chunks > 1:
+    if layout is None:
+        return
+    per_rank = getattr(layout, "virtual_pipeline_model_parallel_size", 1) or 1
+    # (megatron-core's __post_init__ writes the layout's count into the config: the recipe's)
+    chunks = parallel.virtual_pipeline_model_parallel_size or 1
+    if per_rank != chunks:
         raise ConfigError(
-            f"model.transformer_config.pipeline_model_parallel_layout={layout!r} puts {chunks} "
-            "stages on each pipeline rank (virtual stages): the GPT trainer builds one model "
-            "chunk per pipeline stage; give the layout one stage per rank "
-            "(parallel.pipeline_model_parallel_size stages)"
+            f"model.transformer_config.pipeline_model_parallel_layout={layout!r} puts "
+            f"{per_rank} stage(s) on each pipeline rank, and the recipe builds {chunks} model "
+            f"chunk(s) per rank: set parallel.virtual_pipeline_model_parallel_size="
+            f"{per_rank if per_rank > 1 else 'null'} (Megatron-LM derives it from the layout)"
         )
 
 
@@ -260,15 +266,39 @@ def build_gpt_model(
     fp8_format: str | None = None,
     params_dtype: str | None = None,
 ) -> GPTModel:
-    """A ``GPTModel`` on the current device (CPU without CUDA); the last pipeline stage computes
-    the per-token loss when given labels. Train it inside :func:`half_precision_module`.
-    ``bf16_layers``, ``fp8_format``, ``params_dtype``: the training section's
-    (:func:`transformer_config`)."""
-    from megatron.core import parallel_state
+    """This pipeline stage's ``GPTModel`` on the current device (CPU without CUDA); the last
+    pipeline stage computes the per-token loss when given labels. Train it inside
+    :func:`half_precision_module`. ``bf16_layers``, ``fp8_format``, ``params_dtype``: the
+    training section's (:func:`transformer_config`). With virtual pipeline stages a stage is
+    several chunks: :func:`build_gpt_chunks`."""
+    if parallel.virtual_pipeline_model_parallel_size:
+        raise ValueError(
+            "parallel.virtual_pipeline_model_parallel_size is set: a pipeline stage is "
+            "several model chunks, built by build_gpt_chunks"
+        )
+    return build_gpt_chunks(
+        model, parallel, precision, vocab_size, seq_length, bf16_layers, fp8_format, params_dtype
+    )[0]
 
+
+def build_gpt_chunks(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str,
+    vocab_size: int,
+    seq_length: int,
+    bf16_layers: tuple[int, int] = (0, 0),
+    fp8_format: str | None = None,
+    params_dtype: str | None = None,
+) -> list[GPTModel]:
+    """This pipeline rank's model chunks, as Megatron-LM's ``get_model`` builds them: one
+    ``GPTModel`` per virtual stage (``parallel.virtual_pipeline_model_parallel_size``; one
+    without virtual stages), all on one ``TransformerConfig``. Chunk ``v`` of pipeline rank
+    ``r`` holds model stage ``v·PP + r`` (megatron-core's layer offsets); the embedding is on
+    the first rank's first chunk, the output layer and loss on the last rank's last chunk."""
     config = transformer_config(model, parallel, precision, bf16_layers, fp8_format, params_dtype)
     _check_recompute_on_host(parallel)
-    _check_one_chunk_per_stage(config)
+    _check_layout_chunks(config, parallel)
     if model.moe_token_dispatcher_type == "flex" and not torch.cuda.is_available():
         raise ConfigError(
             "model.moe_token_dispatcher_type=flex: megatron-core's flex dispatcher runs on "
@@ -281,20 +311,34 @@ def build_gpt_model(
         model.make_vocab_size_divisible_by,
         parallel.tensor_model_parallel_size,
     )
-    decoder = block_spec(model, config)
+    vp = parallel.virtual_pipeline_model_parallel_size
+    stages = [None] if vp is None else list(range(vp))
+    return [_build_chunk(model, config, vocab, seq_length, stage) for stage in stages]
+
+
+def _build_chunk(
+    model: ModelConfig, config: TransformerConfig, vocab: int, seq_length: int, vp_stage: int | None
+) -> GPTModel:
+    """One model chunk (``vp_stage``: its virtual stage, None without virtual stages)."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    decoder = block_spec(model, config, vp_stage)
     try:
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=decoder,
             vocab_size=vocab,
             max_sequence_length=seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=first,
+            post_process=last,
             share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
             position_embedding_type=model.position_embedding_type,
             rotary_percent=model.rotary_percent,
             rotary_base=model.rotary_base,
-            mtp_block_spec=mtp_spec(model, config, decoder),
+            mtp_block_spec=mtp_spec(model, config, decoder, vp_stage),
+            vp_stage=vp_stage,
         )
     except AssertionError as err:
         if use_transformer_engine(model):
@@ -308,7 +352,9 @@ def build_gpt_model(
     return gpt
 
 
-def mtp_spec(model: ModelConfig, config: TransformerConfig, decoder: Any) -> ModuleSpec | None:
+def mtp_spec(
+    model: ModelConfig, config: TransformerConfig, decoder: Any, vp_stage: int | None = None
+) -> ModuleSpec | None:
     """megatron-core's multi-token-prediction block (``mtp_num_layers``) with the decoder's last
     layer spec, as Megatron-LM's ``gpt_builder`` makes it; None without MTP."""
     if not config.mtp_num_layers:
@@ -320,7 +366,7 @@ def mtp_spec(model: ModelConfig, config: TransformerConfig, decoder: Any) -> Mod
     layers = getattr(decoder, "layer_specs", None)
     last = decoder if layers is None else (layers[-1] if layers else layer_spec(model))
     return get_gpt_mtp_block_spec(
-        config, last, use_transformer_engine=use_transformer_engine(model)
+        config, last, use_transformer_engine=use_transformer_engine(model), vp_stage=vp_stage
     )
 
 

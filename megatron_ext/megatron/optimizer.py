@@ -272,23 +272,29 @@ class MegatronExtOptimizer(MegatronOptimizer):
         grad_sync`): each rank receives only the gradients it updates, about half an
         all-reduce's bytes, and nothing is copied or allocated per step.
 
-        ``model`` is :class:`megatron_ext.megatron.ddp.DistributedDataParallel`. Each optimizer
-        domain's gradients are laid out anew in its DDP grad buffer (bucket by bucket, rank-
-        major), ``main_grad`` re-pointed at the new views (their current values moved along),
-        and DDP's scaling (1/dp) applied per bucket before the sum. Returns whether it did."""
+        ``model``: :class:`~megatron_ext.megatron.ddp.DistributedDataParallel`, or a list of
+        them (virtual pipeline stages' chunks, one per part: :func:`~.optimizer_factories.
+        chunked_factory`). Each part's gradients are laid out anew in its DDP grad buffer
+        (bucket by bucket, rank-major), ``main_grad`` re-pointed at the new views (values
+        moved along), DDP's scaling (1/dp) applied per bucket before the sum. Returns whether
+        it did."""
         if not self._layerwise():
             return False
         self.grad_norm_fn = None  # each rank now receives only the gradients it updates
-        opt = self.optimizer
-        parts = opt.parts if hasattr(opt, "parts") else [opt]
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunk_of = {id(p): m for m in models for p in m.parameters()}
+        parts = getattr(self.optimizer, "parts", [self.optimizer])
         param_of = dict(zip(self.master_names, self.model_params, strict=True))
         part_of: dict[torch.nn.Parameter, tuple[Any, str]] = {}
+        parts_of: dict[int, list[Any]] = {id(m): [] for m in models}
         # parts sharing a DDP buffer (matrices and element-sharded AdamW of one dtype) take
         # consecutive regions of it: [next free element, parameters bound, parameters held]
         claimed: dict[int, list[int]] = {}
         for part in parts:
             names = [n for n, _ in part.named_params]
-            storage, scale, held = model.grad_storage([param_of[n] for n in names])
+            holder = chunk_of[id(param_of[names[0]])]
+            storage, scale, held = holder.grad_storage([param_of[n] for n in names])
+            parts_of[id(holder)].append(part)
             slot = claimed.setdefault(id(storage), [0, 0, held])
             region = storage[slot[0] :]
             slot[0] += part.grad_numel
@@ -308,7 +314,8 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     "the layer-wise gradient sync cannot lay it out (build the optimizer over "
                     "every parameter of the model)"
                 )
-        model.hand_grad_sync_to(_LayerwiseGradSync(part_of, parts))
+        for m in models:  # each chunk's finish_grad_sync waits for its own parts
+            m.hand_grad_sync_to(_LayerwiseGradSync(part_of, parts_of[id(m)]))
         return True
 
     def grad_sync_bytes(self) -> dict[str, int] | None:
@@ -401,7 +408,7 @@ class MegatronExtOptimizer(MegatronOptimizer):
             if flat is not None:  # element-sharded (ZeRO-1): this rank's range, in blocks
                 writes = tp_main[name] and flat[0] == 0  # of the step counter: one rank
                 counter = 0 if writes else 1 + dist.get_rank()
-                shape = self._shape(name)
+                shape = tuple(self.model_params[self.master_names.index(name)].shape)  # TP shard
                 state[name] = range_entries(
                     st, f"{STATE_PREFIX}.{{}}.{tag}", shape, flat, replica, counter
                 )
@@ -415,10 +422,6 @@ class MegatronExtOptimizer(MegatronOptimizer):
                     entry[k] = ShardedObject(key, v, (1,), (0,), replica_id=replica)
             state[name] = entry
         return {"layerwise": state}
-
-    def _shape(self, name: str) -> tuple[int, ...]:
-        """The local shape of model parameter ``name`` (its tensor-parallel shard)."""
-        return tuple(self.model_params[self.master_names.index(name)].shape)
 
 
 def _flat_range(opt: Any, name: str) -> tuple[int, int] | None:

@@ -10,7 +10,8 @@ expert-data-parallel group).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,11 +27,15 @@ __all__ = [
     "InnerFactory",
     "NamedParams",
     "adamw_factory",
+    "chunk_named_parameters",
+    "chunk_root",
+    "chunked_factory",
     "hyperparameters",
     "inner_factory",
     "is_expert_param",
     "layerwise_factory",
     "megatron_optimizer_config",
+    "model_name",
     "model_qkv_layout",
 ]
 
@@ -40,6 +45,58 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 # ``param_groups``, ``state`` and the name-keyed state (``named_state``, ``load_named_state``,
 # ``saves``): the layer-wise optimizer, or the replicated one for plain AdamW.
 InnerFactory = Callable[[NamedParams], Any]
+
+#: what :func:`chunk_named_parameters` puts before a parameter's name with virtual pipeline
+#: stages: ``chunk<virtual stage>.``
+_CHUNK = re.compile(r"chunk(\d+)\.")
+
+
+def chunk_root(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """One module over this rank's model chunks, naming their parameters as the optimizer
+    does: the chunk itself, or a ``ModuleDict`` of ``chunk<v>`` for several (virtual pipeline
+    stages; the drop-in names Megatron-LM's chunks the same way), so names stay unique."""
+    if len(modules) == 1:
+        return modules[0]
+    return torch.nn.ModuleDict({f"chunk{v}": m for v, m in enumerate(modules)})
+
+
+def chunk_named_parameters(modules: Sequence[torch.nn.Module]) -> NamedParams:
+    """The ``(name, parameter)`` pairs of :func:`chunk_root`."""
+    return list(chunk_root(modules).named_parameters())
+
+
+def model_name(name: str) -> str:
+    """``name`` without its ``chunk<v>.`` (the name routing rules are written against: the
+    same parameter routes the same way with and without virtual stages)."""
+    match = _CHUNK.match(name)
+    return name[match.end() :] if match else name
+
+
+def chunked_factory(factory: InnerFactory, chunks: int) -> InnerFactory:
+    """``factory`` once per model chunk, its parts side by side behind one interface
+    (:class:`~megatron_ext.distributed.domains.LayerwiseDomains`): each part's gradients then
+    lie in one chunk's DDP buffer, which the layer-wise gradient sync lays out (one optimizer
+    still, so one gradient norm, one clipping and one loss scale over every chunk). One chunk:
+    ``factory`` itself."""
+    if chunks == 1:
+        return factory
+
+    def build(named: NamedParams) -> Any:
+        from megatron_ext.distributed.domains import LayerwiseDomains
+
+        by_chunk: dict[int, NamedParams] = {}
+        for n, p in named:
+            match = _CHUNK.match(n)
+            if match is None:
+                raise ValueError(f"{n}: not a chunk<v>. name (chunk_named_parameters)")
+            by_chunk.setdefault(int(match.group(1)), []).append((n, p))
+        parts: list[Any] = []
+        for _, chunk in sorted(by_chunk.items()):
+            inner = factory(chunk)
+            parts += inner.parts if isinstance(inner, LayerwiseDomains) else [inner]
+        return LayerwiseDomains(parts)
+
+    return build
 
 
 def megatron_optimizer_config(
@@ -165,7 +222,10 @@ def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None)
                 return True  # its own LR: an AdamW group (both routings put it there anyway)
             return (
                 route_parameter(
-                    n, tuple(p.shape), matrix_optimizer=cfg.name, rules=cfg.matrix_routing
+                    model_name(n),
+                    tuple(p.shape),
+                    matrix_optimizer=cfg.name,
+                    rules=cfg.matrix_routing,
                 )
                 == "adamw"
             )

@@ -40,6 +40,7 @@ def init_distributed(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             # its groups' own timeout (default 30 min): the data-parallel collectives run on

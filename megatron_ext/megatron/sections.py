@@ -109,6 +109,12 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = spec(1, ge=1)
     pipeline_model_parallel_size: int = spec(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = spec(
+        None,
+        ge=2,
+        help="model chunks per pipeline rank, run by megatron-core's interleaved 1F1B schedule "
+        "(Megatron-LM's --num-layers-per-virtual-pipeline-stage derives it); None = one chunk",
+    )
     context_parallel_size: int = spec(1, ge=1)
     expert_model_parallel_size: int = spec(1, ge=1)
     sequence_parallel: bool = False

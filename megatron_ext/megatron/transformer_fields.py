@@ -47,6 +47,7 @@ HOST_FIELDS = (
 SECTION_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
     "context_parallel_size",
     "expert_model_parallel_size",
     "sequence_parallel",
@@ -67,8 +68,6 @@ SECTION_FIELDS = (
 )
 #: fields megatron-core reads but the GPT trainer does not build for: refused at launch
 NOT_BUILT = {
-    "virtual_pipeline_model_parallel_size": "the GPT trainer builds one model chunk per "
-    "pipeline stage (no virtual pipeline stages)",
     "is_hybrid_model": "the GPT trainer builds GPTModel, not megatron-core's hybrid model",
     # Megatron-LM's --fp8-param-gather / --fp4-param-gather: Transformer Engine's quantized
     # weights as the parameters, which megatron-core's distributed optimizer keeps masters for

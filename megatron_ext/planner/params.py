@@ -337,6 +337,12 @@ def check_plannable(
             "layers by megatron-core's counts (even, first/last stage counts, embedding and "
             "loss counted as layers), not by a layout (plan the recipe without it)"
         )
+    if p.virtual_pipeline_model_parallel_size:
+        raise NotModelled(
+            "parallel.virtual_pipeline_model_parallel_size: the planner models one model chunk "
+            "per pipeline rank and the 1F1B schedule's in-flight micro-batches, not the "
+            "interleaved schedule's chunks (plan the recipe without virtual stages)"
+        )
     if pp > 1 and uneven_pipeline_split(m) and sum(_stage_counts(m, pp)) != m.num_layers:
         raise ConfigError(
             f"model.num_layers={m.num_layers} do not split over {pp} pipeline stages by "

@@ -80,7 +80,7 @@ def ours(optimizer: str) -> dict[str, Any]:
     held: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(held, sorted(names))
     out["names"] = sorted({n for rank in held for n in rank})
-    out["model"] = run.model.module
+    out["model"] = run.chunks[0].module
     return out
 
 

@@ -52,7 +52,7 @@ if __name__ == "__main__":
 
     def watched_setup(recipe_):
         run = setup(recipe_)
-        routers = [m for m in run.model.modules() if isinstance(m, TopKRouter)]
+        routers = [m for m in run.chunks[0].modules() if isinstance(m, TopKRouter)]
         assert routers, "no MoE routers in the model"
         for router in routers:
             router.register_forward_hook(reference)

@@ -249,7 +249,7 @@ def measure_bytes(run: Any) -> dict[str, Any]:
 
     from megatron_ext.megatron.optimizer_factories import is_expert_param
 
-    model = run.model
+    model = run.chunks[0]
     state: dict[str, int] = {}
     owned_state = {"dense": 0, "expert": 0}
     owned_masters = {"dense": 0, "expert": 0}
@@ -326,7 +326,7 @@ def saved_bytes(
     from megatron_ext.gpt.step import forward_step, microbatches
     from megatron_ext.megatron.attention import SdpaAttention
 
-    weights = {p.untyped_storage().data_ptr() for p in run.model.parameters()}
+    weights = {p.untyped_storage().data_ptr() for p in run.chunks[0].parameters()}
     kept: dict[int, int] = {}
     segments: list[dict[int, int]] = []
     held: list[torch.Tensor] = []
@@ -341,7 +341,7 @@ def saved_bytes(
 
     batch = next(microbatches(run, 0))
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        losses, loss_func = forward_step(iter([batch]), run.model)
+        losses, loss_func = forward_step(iter([batch]), run.chunks[0])
         loss, _ = loss_func(losses)
     forward = sum(kept.values())
     if not backward:
@@ -349,7 +349,7 @@ def saved_bytes(
     boundary = {"full": TransformerLayer, "selective": SdpaAttention}.get(recompute)
     handles = [
         module.register_forward_pre_hook(lambda *_: segments.append({}))
-        for module in run.model.modules()
+        for module in run.chunks[0].modules()
         if boundary is not None
         and isinstance(module, boundary)
         and (starts is None or module.layer_number - 1 in starts)
@@ -360,7 +360,7 @@ def saved_bytes(
     for handle in handles:
         handle.remove()
     held.clear()
-    run.model.zero_grad_buffer()
+    run.chunks[0].zero_grad_buffer()
     return {
         "kept": forward,
         "rebuild": max(sum(s.values()) for s in segments),
@@ -424,7 +424,7 @@ def run_peak(out: Path, optimizer: str) -> None:
             assert train_step(run, step).success
         run.optimizer.finish_param_sync()
         peak = _status_kib("VmHWM")
-        params = sum(p.numel() for p in run.model.parameters())
+        params = sum(p.numel() for p in run.chunks[0].parameters())
         del run
         gc.collect()
     result = {

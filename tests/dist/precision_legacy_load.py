@@ -31,12 +31,12 @@ def main() -> None:
     recipe = load_recipe(recipe_path, [*overrides, f"checkpoint.load={ckpt}"], world_size=2)
     run = setup(recipe)
     loop = Checkpointer(run.run_dir / "checkpoints", recipe.checkpoint).resume(
-        run.model, run.optimizer
+        run.chunks[0], run.optimizer
     )
     opt = run.optimizer
     names = opt.master_names
     assert {p.dtype for p in opt.model_params} == {torch.bfloat16}, "norms must be bf16 too"
-    gpt = run.model.module.module  # DDP -> Float16Module -> GPTModel
+    gpt = run.chunks[0].module.module  # DDP -> Float16Module -> GPTModel
     id_map = get_param_id_to_sharded_param_map(gpt.sharded_state_dict(), opt.model_params)
     shards = {n: id_map[i] for i, n in enumerate(names)}
     norms = [i for i, n in enumerate(names) if "norm" in n]

@@ -80,7 +80,7 @@ def checksums(run: Any) -> dict[str, int]:
 
     return {
         n: int(raw_bits(p.detach().contiguous()).to(dtype=__import__("torch").int64).sum())
-        for n, p in run.model.module.named_parameters()
+        for n, p in run.chunks[0].module.named_parameters()
     }
 
 
@@ -114,7 +114,7 @@ def run_trajectory(out: Path) -> None:
                     "checksums": checksums(run),
                     "seconds": time.perf_counter() - start,
                 }
-                params = {n: p.detach().double() for n, p in run.model.module.named_parameters()}
+                params = {n: p.detach().double() for n, p in run.chunks[0].module.named_parameters()}
                 if impl == "sharded":
                     sharded = params
                 else:  # the largest difference of any parameter element between the two
@@ -163,7 +163,7 @@ def run_save(out: Path, ckpt: str) -> None:
     with model_parallel_groups():
         run = run_of("bf16")
         train(run, 0, SAVE_STEP)
-        save_checkpoint(Path(ckpt), SAVE_STEP, run.model, run.optimizer, {"step": SAVE_STEP}, 1)
+        save_checkpoint(Path(ckpt), SAVE_STEP, run.chunks[0], run.optimizer, {"step": SAVE_STEP}, 1)
         state = full_state(run)
         after = train(run, SAVE_STEP, 1)
     if dist.get_rank() == 0:
@@ -180,7 +180,7 @@ def run_load(out: Path, ckpt: str) -> None:
 
     with model_parallel_groups():
         run = run_of("bf16")
-        loop = load_checkpoint(checkpoint_dirs(Path(ckpt))[-1], run.model, run.optimizer)
+        loop = load_checkpoint(checkpoint_dirs(Path(ckpt))[-1], run.chunks[0], run.optimizer)
         assert loop["step"] == SAVE_STEP, loop
         state = full_state(run)
         after = train(run, SAVE_STEP, 1)
