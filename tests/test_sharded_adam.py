@@ -134,6 +134,31 @@ def test_buckets_split_each_bucket_evenly_without_padding() -> None:
     assert all((c == 1).all() for c in covered)  # the ranks' ranges partition every tensor
 
 
+def test_a_tied_embedding_splits_alike_on_the_first_and_last_pipeline_stage() -> None:
+    """The word embedding (first stage, first in forward order) and the tied output layer (last
+    stage, after the norms) are updated on two stages from one gradient, summed by
+    megatron-core over the stages after each stage's reduce-scatter: their element ranges must
+    match. In a bucket of their own they do; packed with the norms they did not."""
+    first = [("embedding", 1000, "f"), ("norm0", 16, "f"), ("norm2", 16, "f")]
+    last = [("norm1", 16, "f"), ("norm3", 16, "f"), ("final_norm", 16, "f"), ("output", 1000, "f")]
+
+    def ranges(params: list, name: str, alone: set[str]) -> list[tuple[int, int]]:
+        numels = [n for _, n, _ in params]
+        for bucket in shard_buckets(params, 2, bucket_numel=4096, alone=alone):
+            if name in bucket.members:
+                at = bucket.members.index(name)
+                members = [numels[[p for p, _, _ in params].index(m)] for m in bucket.members]
+                return [piece_ranges(bucket, members, r)[at][:2] for r in range(2)]
+        raise AssertionError(name)
+
+    assert ranges(first, "embedding", set()) != ranges(last, "output", set())
+    assert ranges(first, "embedding", {"embedding"}) == ranges(last, "output", {"output"})
+    assert ranges(first, "embedding", {"embedding"}) == [(0, 500), (500, 1000)]
+    # the parameters after it start a bucket of their own too
+    members = [b.members for b in shard_buckets(first, 2, 4096, alone={"embedding"})]
+    assert members == [("embedding",), ("norm0", "norm2")]
+
+
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3), (2, 2, 2, 3)])
 def test_rectangles_tile_every_flat_range_in_order(shape: tuple[int, ...]) -> None:
     n = math.prod(shape)

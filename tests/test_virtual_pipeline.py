@@ -129,3 +129,58 @@ def test_the_interleaved_schedules_microbatch_groups_are_checked_before_launch()
     raw["training"]["global_batch_size"] = 8
     del raw["model"]["transformer_config"]
     _check(raw, world=4)
+
+
+#: a Megatron-LM launch line with virtual stages (tied embeddings, Megatron-LM's default)
+SCRIPT = """torchrun --nproc_per_node 2 pretrain_gpt.py \\
+  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+  --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 \\
+  --train-iters 6 --lr-warmup-iters 1 --data-path data/x --tokenizer-type NullTokenizer \\
+  --vocab-size 257 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \\
+  --save-interval 3 --eval-interval 3 --eval-iters 1 --save ckpt \\
+  --hidden-dropout 0 --attention-dropout 0
+"""
+
+
+def test_a_converted_script_with_virtual_stages_trains(recipe_file, tmp_path):  # noqa: F811
+    """``recipe from-megatron-args`` on a script with ``--num-layers-per-virtual-pipeline-stage``:
+    the recipe is Megatron-LM's run field by field (virtual stages and ``overlap_p2p_comm``
+    included), and it trains on 2 ranks -- word embeddings tied over the pipeline stages --
+    as the same model does without pipelining from the same weights."""
+    import yaml
+
+    from megatron_ext.megatron.from_megatron import convert
+    from megatron_ext.megatron.megatron_args import read_megatron_args
+    from megatron_ext.megatron.megatron_compare import compare
+
+    conversion = convert(read_megatron_args(SCRIPT))
+    recipe = recipe_from_dict(conversion.recipe)
+    assert recipe.parallel.virtual_pipeline_model_parallel_size == 2
+    assert "--num-layers-per-virtual-pipeline-stage 1" in conversion.mapped
+    assert compare(recipe, conversion.megatron, 2) == {}
+    assert not recipe.model.untie_embeddings_and_output_weights
+    path = tmp_path / "converted.yaml"
+    path.write_text(yaml.safe_dump(conversion.recipe), encoding="utf-8")
+    data = yaml.safe_load(recipe_file.read_text())["data"]  # this suite's corpus, bytes
+    local = (
+        f"data.path={data['path']}",
+        f"data.source=[{data['source'][0]}]",
+        "data.tokenizer=byte",
+        "data.split=98,2,0",
+        "checkpoint.keep_last=5",
+    )
+    virtual, flat = tmp_path / "virtual", tmp_path / "flat"
+    _train(path, virtual, *local, "checkpoint.save_initial=true")
+    step0 = virtual / "checkpoints" / "step_000000"
+    _train(
+        path,
+        flat,
+        *local,
+        "parallel.pipeline_model_parallel_size=1",
+        "parallel.virtual_pipeline_model_parallel_size=null",
+        f"checkpoint.load={step0}",
+    )
+    losses = _losses(virtual)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert _losses(flat) == pytest.approx(losses, rel=1e-5)
+    assert _validation(flat) == pytest.approx(_validation(virtual), rel=1e-5)

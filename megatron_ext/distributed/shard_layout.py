@@ -20,7 +20,7 @@ Torch-free: the planner (:mod:`megatron_ext.planner`) uses it as the optimizer d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from megatron_ext.distributed.plan import BucketLayout
 
@@ -33,17 +33,23 @@ def even_counts(numel: int, world: int) -> tuple[int, ...]:
 
 
 def shard_buckets(
-    params: Sequence[tuple[str, int, str]], world: int, bucket_numel: int
+    params: Sequence[tuple[str, int, str]],
+    world: int,
+    bucket_numel: int,
+    alone: Collection[str] = (),
 ) -> list[BucketLayout]:
     """The buckets of ``params`` — ``(name, numel, dtype)`` in forward order — each split over
-    ``world`` ranks (:func:`even_counts`)."""
+    ``world`` ranks (:func:`even_counts`). A name in ``alone`` gets a bucket of its own, so
+    its ranges depend on its size only (a tied embedding's copies on the first and last
+    pipeline stage then split alike, as megatron-core's DDP buckets them)."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     groups: list[list[tuple[str, int, str]]] = [[]]
     size = 0
     for name, numel, dtype in params:
         current = groups[-1]
-        if current and (size + numel > bucket_numel or current[-1][2] != dtype):
+        apart = name in alone or (current and current[-1][0] in alone)
+        if current and (size + numel > bucket_numel or current[-1][2] != dtype or apart):
             groups.append([])
             size = 0
         groups[-1].append((name, numel, dtype))

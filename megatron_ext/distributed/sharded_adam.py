@@ -101,6 +101,10 @@ class ShardedAdamW:
             [(n, p.numel(), str(p.dtype)) for n, p in self.named_params],
             self.world,
             bucket_numel,
+            # a tied embedding's first- and last-stage copies: the same element ranges, so
+            # megatron-core's all-reduce of their gradients (finalize_model_grads) after the
+            # reduce-scatter adds matching ranges
+            alone={n for n, p in self.named_params if getattr(p, "shared_embedding", False)},
         )
         self.buckets = [_Bucket(b, [(n, self._params[n]) for n in b.members]) for b in layouts]
         self._range: dict[str, tuple[int, int]] = {}

@@ -36,6 +36,12 @@ generator
     dispatcher turns its split sizes into NumPy arrays only when moving them off a GPU; on a CPU
     host they stayed tensors, which gloo's ``all_to_all_single`` rejects (expert parallelism).
 
+``LanguageModule.setup_embeddings_and_output_layer`` -> the same, with ``Tensor.cuda`` the
+identity while it runs
+    With tied embeddings over several pipeline stages, the last stage's copy of the word
+    embeddings is all-reduced from the first stage's after ``weight.data = weight.data.cuda()``;
+    on a CPU host the weight stays where it is (``Tensor.cuda`` is restored on return).
+
 Nothing else is patched.  Call it once per process before building the model.
 """
 
@@ -86,10 +92,28 @@ def _get_rng_state(
     return torch.get_rng_state()  # a new tensor: cloned already
 
 
+def _without_cuda_moves(method: Callable[..., object]) -> Callable[..., object]:
+    """``method`` with ``Tensor.cuda`` the identity while it runs (see the module docstring);
+    applied to an already wrapped method, the original is wrapped once."""
+    method = getattr(method, "__wrapped__", method)
+
+    def on_cpu(*args: object, **kwargs: object) -> object:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    on_cpu.__wrapped__ = method  # type: ignore[attr-defined]
+    return on_cpu
+
+
 def _replacements() -> list[tuple[object, str, object]]:
     import megatron.core.pipeline_parallel.schedules as mc_schedules
     import megatron.core.tensor_parallel.random as mc_random
     import megatron.core.transformer.moe.token_dispatcher as mc_dispatcher
+    from megatron.core.models.common.language_module.language_module import LanguageModule
 
     cpu = torch.cpu
     return [
@@ -107,6 +131,11 @@ def _replacements() -> list[tuple[object, str, object]]:
         (mc_random, "_get_cuda_rng_state", _get_rng_state),
         (mc_schedules, "torch", _SchedulesTorch()),
         (mc_dispatcher, "maybe_move_tensor_to_cpu", _to_cpu),
+        (
+            LanguageModule,
+            "setup_embeddings_and_output_layer",
+            _without_cuda_moves(LanguageModule.setup_embeddings_and_output_layer),
+        ),
     ]
 
 

@@ -103,11 +103,7 @@ def apply_parsed(
     if parsed.first_last_layers_bf16:  # Megatron-LM reads the counts only with this switch
         out.set("training.num_layers_at_start_in_bf16", parsed.num_layers_at_start_in_bf16)
         out.set("training.num_layers_at_end_in_bf16", parsed.num_layers_at_end_in_bf16)
-    if parsed.virtual_pipeline_model_parallel_size:  # derived from a layer count or a layout
-        out.set(
-            "parallel.virtual_pipeline_model_parallel_size",
-            int(parsed.virtual_pipeline_model_parallel_size),
-        )
+    _virtual_stages(out, parsed)
     _recompute(out, parsed)
     _decoupled_lr(out, parsed)
     _optimizer_fields(out, args, parsed)
@@ -146,10 +142,7 @@ def _recompute(out: Conversion, parsed: Namespace) -> None:
             out.set("parallel.recompute_method", parsed.recompute_method)
         if parsed.recompute_num_layers not in (None, 1):
             out.set("parallel.recompute_num_layers", int(parsed.recompute_num_layers))
-    for text, reason in list(out.unmapped):
-        if text[2:].split(" ", 1)[0].replace("_", "-") in RECOMPUTE_FLAGS:
-            out.unmapped.remove((text, reason))
-            out.mapped.append(text)
+    _now_mapped(out, RECOMPUTE_FLAGS)
 
 
 def _decoupled_lr(out: Conversion, parsed: Namespace) -> None:
@@ -161,8 +154,33 @@ def _decoupled_lr(out: Conversion, parsed: Namespace) -> None:
     out.set("optimizer.decoupled_lr", float(parsed.decoupled_lr))
     if parsed.decoupled_min_lr is not None:
         out.set("optimizer.decoupled_min_lr", float(parsed.decoupled_min_lr))
+    _now_mapped(out, ("decoupled-lr", "decoupled-min-lr"))
+
+
+#: Megatron-LM's flags that set the virtual pipeline stages (validate_args derives the count)
+VIRTUAL_STAGE_FLAGS = (
+    "num-layers-per-virtual-pipeline-stage",
+    "num-virtual-stages-per-pipeline-rank",
+)
+
+
+def _virtual_stages(out: Conversion, parsed: Namespace) -> None:
+    """The virtual pipeline stages Megatron-LM's ``validate_args`` derived (from a per-stage
+    layer count, a per-rank stage count or a pipeline layout; None for one) into
+    ``parallel.virtual_pipeline_model_parallel_size``."""
+    if not parsed.virtual_pipeline_model_parallel_size:
+        return
+    out.set(
+        "parallel.virtual_pipeline_model_parallel_size",
+        int(parsed.virtual_pipeline_model_parallel_size),
+    )
+    _now_mapped(out, VIRTUAL_STAGE_FLAGS)
+
+
+def _now_mapped(out: Conversion, flags: tuple[str, ...]) -> None:
+    """Move ``flags`` (names without ``--``) from the unmapped list to the mapped one."""
     for text, reason in list(out.unmapped):
-        if text[2:].split(" ", 1)[0].replace("_", "-") in ("decoupled-lr", "decoupled-min-lr"):
+        if text[2:].split(" ", 1)[0].replace("_", "-") in flags:
             out.unmapped.remove((text, reason))
             out.mapped.append(text)
 

@@ -43,6 +43,7 @@ from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.transformer.module import param_is_not_shared
 
+from megatron_ext.megatron.grad_takeover import hand_grad_sync_over
 from megatron_ext.megatron.loss_scale import LossScale
 from megatron_ext.megatron.optimizer_factories import InnerFactory, NamedParams, is_expert_param
 from megatron_ext.megatron.range_state import join_blocks, range_entries
@@ -282,40 +283,9 @@ class MegatronExtOptimizer(MegatronOptimizer):
             return False
         self.grad_norm_fn = None  # each rank now receives only the gradients it updates
         models = list(model) if isinstance(model, (list, tuple)) else [model]
-        chunk_of = {id(p): m for m in models for p in m.parameters()}
         parts = getattr(self.optimizer, "parts", [self.optimizer])
         param_of = dict(zip(self.master_names, self.model_params, strict=True))
-        part_of: dict[torch.nn.Parameter, tuple[Any, str]] = {}
-        parts_of: dict[int, list[Any]] = {id(m): [] for m in models}
-        # parts sharing a DDP buffer (matrices and element-sharded AdamW of one dtype) take
-        # consecutive regions of it: [next free element, parameters bound, parameters held]
-        claimed: dict[int, list[int]] = {}
-        for part in parts:
-            names = [n for n, _ in part.named_params]
-            holder = chunk_of[id(param_of[names[0]])]
-            storage, scale, held = holder.grad_storage([param_of[n] for n in names])
-            parts_of[id(holder)].append(part)
-            slot = claimed.setdefault(id(storage), [0, 0, held])
-            region = storage[slot[0] :]
-            slot[0] += part.grad_numel
-            slot[1] += len(names)
-            before = {n: param_of[n].main_grad.clone() for n in names}  # once, at setup
-            views = part.bind_grad_storage(region, scale)
-            region[: part.grad_numel].zero_()
-            for name in names:
-                p = param_of[name]
-                p.main_grad = views[name].view_as(p)
-                p.main_grad.copy_(before[name])
-                part_of[p] = (part, name)
-        for _, bound, held in claimed.values():
-            if bound != held:
-                raise ValueError(
-                    f"a DDP gradient buffer holds {held} parameters, the optimizer {bound}: "
-                    "the layer-wise gradient sync cannot lay it out (build the optimizer over "
-                    "every parameter of the model)"
-                )
-        for m in models:  # each chunk's finish_grad_sync waits for its own parts
-            m.hand_grad_sync_to(_LayerwiseGradSync(part_of, parts_of[id(m)]))
+        hand_grad_sync_over(parts, param_of, models)
         return True
 
     def grad_sync_bytes(self) -> dict[str, int] | None:
@@ -402,11 +372,14 @@ class MegatronExtOptimizer(MegatronOptimizer):
         }
         state: dict[str, dict[str, Any]] = {}
         for name, st in opt.named_state().items():
-            replica = 0 if opt.saves(name) and tp_main[name] else 1 + dist.get_rank()
+            # the tied output layer's copy of the word embeddings (last pipeline stage) is
+            # written by the first stage, as megatron-core's model state (replica_id (1, ...))
+            first = tp_main[name] and not _pipeline_copy(shards[name])
+            replica = 0 if opt.saves(name) and first else 1 + dist.get_rank()
             tag = self.shard_tag(shards[name])
             flat = _flat_range(opt, name)
             if flat is not None:  # element-sharded (ZeRO-1): this rank's range, in blocks
-                writes = tp_main[name] and flat[0] == 0  # of the step counter: one rank
+                writes = first and flat[0] == 0  # of the step counter: one rank
                 counter = 0 if writes else 1 + dist.get_rank()
                 shape = tuple(self.model_params[self.master_names.index(name)].shape)  # TP shard
                 state[name] = range_entries(
@@ -424,26 +397,14 @@ class MegatronExtOptimizer(MegatronOptimizer):
         return {"layerwise": state}
 
 
+def _pipeline_copy(sh: Any) -> bool:
+    """Whether a model shard is a copy another pipeline stage writes (megatron-core marks the
+    tied output layer's weight on the last stage with ``replica_id`` ``(1, ...)``)."""
+    replica = getattr(sh, "replica_id", 0)
+    return isinstance(replica, tuple) and bool(replica[0])
+
+
 def _flat_range(opt: Any, name: str) -> tuple[int, int] | None:
     """This rank's element range of ``name`` when the wrapped optimizer element-shards it."""
     flat_range = getattr(opt, "flat_range", None)
     return None if flat_range is None else flat_range(name)
-
-
-class _LayerwiseGradSync:
-    """DDP's gradient-sync handler for the layer-wise optimizer's domains: a completed
-    gradient goes to its domain (:meth:`LayerwiseOptimizer.grad_ready`), ``finish`` waits for
-    every domain's reduce-scatters."""
-
-    def __init__(
-        self, part_of: dict[torch.nn.Parameter, tuple[Any, str]], parts: Sequence[Any]
-    ) -> None:
-        self.part_of, self.parts = part_of, parts
-
-    def grad_ready(self, param: torch.nn.Parameter) -> None:
-        part, name = self.part_of[param]
-        part.grad_ready(name)
-
-    def finish(self) -> None:
-        for part in self.parts:
-            part.finish_grad_sync()

@@ -241,6 +241,14 @@ def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None)
             if not domain:
                 continue
             matrices = [(n, p) for n, p in domain if not adamw(n, p)]
+            tied = [n for n, p in matrices if getattr(p, "shared_embedding", False)]
+            if tied:
+                raise ConfigError(
+                    f"optimizer.matrix_routing gives {tied[0]} to {cfg.name}: a word embedding "
+                    "tied to the output layer over pipeline stages is updated on two stages, "
+                    "which must own it alike; route it to adamw (megatron-core's routing does), "
+                    "or set model.untie_embeddings_and_output_weights=true"
+                )
             if matrices:
                 tp_shards = shard_infos_from_attributes([p for _, p in matrices], tp_group())
                 gather = make_allgather_v(group)
