@@ -131,32 +131,48 @@ def test_the_interleaved_schedules_microbatch_groups_are_checked_before_launch()
     _check(raw, world=4)
 
 
-#: a Megatron-LM launch line with virtual stages (tied embeddings, Megatron-LM's default)
+#: a Megatron-LM launch line (tied embeddings, Megatron-LM's default), pipelined 2 ways
 SCRIPT = """torchrun --nproc_per_node 2 pretrain_gpt.py \\
-  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
+  --num-layers {layers} --hidden-size 64 --num-attention-heads 4 --seq-length 32 \\
   --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 \\
   --train-iters 6 --lr-warmup-iters 1 --data-path data/x --tokenizer-type NullTokenizer \\
-  --vocab-size 257 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 \\
+  --vocab-size 257 --pipeline-model-parallel-size 2 {virtual} \\
   --save-interval 3 --eval-interval 3 --eval-iters 1 --save ckpt \\
   --hidden-dropout 0 --attention-dropout 0
 """
+#: (layers, the virtual-stage flags, the virtual stages Megatron-LM derives)
+SCRIPTS = {
+    "layers_per_stage": (4, "--num-layers-per-virtual-pipeline-stage 1", 2),
+    # uneven chunks: the embedding and a layer, two layers, a layer, the loss alone
+    "layout": (4, "--pipeline-model-parallel-layout 'Et|tt|t|L'", 2),
+    # 6 layers + the embedding + the loss over 2 x 4 chunks (one holds only the embedding)
+    "embedding_and_loss_counted": (
+        6,
+        "--num-layers-per-virtual-pipeline-stage 1 --account-for-embedding-in-pipeline-split "
+        "--account-for-loss-in-pipeline-split",
+        4,
+    ),
+}
 
 
-def test_a_converted_script_with_virtual_stages_trains(recipe_file, tmp_path):  # noqa: F811
-    """``recipe from-megatron-args`` on a script with ``--num-layers-per-virtual-pipeline-stage``:
-    the recipe is Megatron-LM's run field by field (virtual stages and ``overlap_p2p_comm``
-    included), and it trains on 2 ranks -- word embeddings tied over the pipeline stages --
-    as the same model does without pipelining from the same weights."""
+@pytest.mark.parametrize("case", list(SCRIPTS))
+def test_a_converted_script_with_virtual_stages_trains(recipe_file, tmp_path, case):  # noqa: F811
+    """``recipe from-megatron-args`` on a script with virtual stages (a layer count per stage,
+    a pipeline layout, the embedding and loss counted as layers): the recipe is Megatron-LM's
+    run field by field (virtual stages and ``overlap_p2p_comm`` included), and it trains on 2
+    ranks -- word embeddings tied over the pipeline stages -- as the same model does without
+    pipelining from the same weights."""
     import yaml
 
     from megatron_ext.megatron.from_megatron import convert
     from megatron_ext.megatron.megatron_args import read_megatron_args
     from megatron_ext.megatron.megatron_compare import compare
 
-    conversion = convert(read_megatron_args(SCRIPT))
+    layers, flags, stages = SCRIPTS[case]
+    conversion = convert(read_megatron_args(SCRIPT.format(layers=layers, virtual=flags)))
     recipe = recipe_from_dict(conversion.recipe)
-    assert recipe.parallel.virtual_pipeline_model_parallel_size == 2
-    assert "--num-layers-per-virtual-pipeline-stage 1" in conversion.mapped
+    assert recipe.parallel.virtual_pipeline_model_parallel_size == stages
+    assert conversion.unmapped == []
     assert compare(recipe, conversion.megatron, 2) == {}
     assert not recipe.model.untie_embeddings_and_output_weights
     path = tmp_path / "converted.yaml"
@@ -178,6 +194,7 @@ def test_a_converted_script_with_virtual_stages_trains(recipe_file, tmp_path):  
         *local,
         "parallel.pipeline_model_parallel_size=1",
         "parallel.virtual_pipeline_model_parallel_size=null",
+        "model.transformer_config={}",
         f"checkpoint.load={step0}",
     )
     losses = _losses(virtual)

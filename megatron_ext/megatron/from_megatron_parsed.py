@@ -290,10 +290,17 @@ def _carried_flags(
     from megatron_ext.megatron.megatron_parse import parse_megatron, transformer_fields
 
     carried = set(changed) | {"rotary_percent"}
+    if out.get("parallel.virtual_pipeline_model_parallel_size"):  # a layout's stage count
+        carried.add("virtual_pipeline_model_parallel_size")
+    written = out.get("model.transformer_config", {})
     for text, reason in list(out.unmapped):
         key = text[2:].split(" ", 1)[0].replace("_", "-")
+        dest = key.replace("-", "_")
         if key == "rotary-percent":
             moved = True
+        elif dest in written and written[dest] == fields.get(dest):
+            moved = True  # the field of its name, with Megatron-LM's value (the flags it is
+            # read with may not parse without it: the embedding counted as a layer)
         else:
             try:
                 without = transformer_fields(
@@ -302,7 +309,7 @@ def _carried_flags(
             except ConfigError:
                 continue  # needed by another flag: its own reason stands
             diff = {n for n in fields.keys() | without.keys() if fields.get(n) != without.get(n)}
-            moved = bool(diff) and diff <= carried | set(out.get("model.transformer_config", {}))
+            moved = bool(diff) and diff <= carried | set(written)
         if moved:
             out.unmapped.remove((text, reason))
             if text in out.model_changing:
