@@ -8,14 +8,15 @@ runs several configurations in one process:
 - *plain*: the script alone (CPU compatibility only; Megatron-LM's parser and
   ``get_megatron_optimizer`` untouched): Megatron-LM's Adam, megatron-core's ``--optimizer
   muon`` (Emerging-Optimizers) at Megatron-LM's default Muon flags (bf16 Newton–Schulz) with
-  learned absolute positions (Megatron-LM's default); at world size 2 also with RoPE and a tiny
-  MoE, and the documented two-line edit (``extra_args_provider=megatron_ext_args``); at world
-  size 1 with fp32 Newton–Schulz;
+  learned absolute positions (Megatron-LM's default); at world size 2 also with RoPE, a tiny
+  MoE, two pipeline stages of two virtual stages each, and the documented two-line edit
+  (``extra_args_provider=megatron_ext_args``); at world size 1 with fp32 Newton–Schulz;
 - *runner*: ``-m megatron_ext.megatron.run_pretrain`` (the zero-edit entry): Adam, the four
-  ``--megatron-ext-optimizer`` choices (Muon and KL-SOAP at world size 1), Muon with RoPE and
-  MoE at world size 2 (fp32 Newton–Schulz at world size 1), and checkpoints: the world-size-2
-  Muon run saves at 5 (and 10) with dropout on, resumed from 5 at world size 2 with dropout and
-  without, and at world size 1 without; ``--ckpt-format torch`` at world size 2 is refused.
+  ``--megatron-ext-optimizer`` choices (Muon and KL-SOAP at world size 1), Muon with RoPE,
+  MoE and virtual pipeline stages at world size 2 (fp32 Newton–Schulz at world size 1), and
+  checkpoints: the world-size-2 Muon run saves at 5 (and 10) with dropout on, resumed from 5
+  at world size 2 with dropout and without, and at world size 1 without; ``--ckpt-format
+  torch`` at world size 2 is refused.
 
 References: the plain runs (Adam identical to the bit; megatron-core's Muon identical to the
 bit, losses and gradient norms, at every iteration) and the uninterrupted run (a resumed run's
@@ -56,6 +57,12 @@ ROPE = ["--position-embedding-type", "rope"]
 # on a view, which autograd refuses): 4 experts, top-2, with the router Muon takes
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+# two pipeline stages of two model chunks each (Megatron-LM's interleaved schedule, its default
+# overlapped p2p), the word embeddings tied over the stages
+VIRTUAL = [
+    *("--pipeline-model-parallel-size", "2", "--num-layers", "4"),
+    *("--num-layers-per-virtual-pipeline-stage", "1"),
+]
 # Newton–Schulz in fp32 (Megatron-LM's default "medium" runs it in bf16)
 HIGH = ["--muon-fp32-matmul-prec", "high"]
 EXT = ("muon", "kl_soap", "mop", "lion")
@@ -85,6 +92,7 @@ def _plain_runs(world_size: int) -> dict[str, list[str]]:
     else:  # RoPE and MoE at world size 2 (the data-parallel path; world size 1 adds nothing)
         runs["mc_muon_rope"] = ["--optimizer", "muon", *ROPE]
         runs["mc_muon_moe"] = ["--optimizer", "muon", *MOE]
+        runs["mc_muon_vp"] = ["--optimizer", "muon", *VIRTUAL]
         # last: the edit installs megatron-ext in this process
         runs["two_line_kl_soap"] = ["--two-line-edit", "--megatron-ext-optimizer", "kl_soap"]
     return runs
@@ -100,6 +108,7 @@ def _runner_runs(ckpt, world_size: int) -> dict[str, list[str]]:
     if world_size == 2:
         runs["muon_rope"] = [*muon, *ROPE]
         runs["muon_moe"] = [*muon, *MOE]
+        runs["muon_vp"] = [*muon, *VIRTUAL]
         # the uninterrupted run saves at 5 and 10 (the parity with megatron-core's Muon, which
         # does not save, shows that saving changes nothing)
         runs["muon"] += ["--save-interval", "5", "--save", str(ckpt)]
@@ -172,12 +181,13 @@ def test_megatron_lms_adam_is_untouched(world, request):
 @pytest.mark.parametrize(
     ("world", "variant"),
     [(w, "") for w in ("one_rank", "two_ranks")]
-    + [("two_ranks", "_rope"), ("two_ranks", "_moe"), ("one_rank", "_high")],
+    + [("two_ranks", "_rope"), ("two_ranks", "_moe"), ("two_ranks", "_vp"), ("one_rank", "_high")],
 )
 def test_ext_muon_equals_megatron_cores_muon(world, variant, request):
     """Megatron-LM's default Muon flags (``--muon-fp32-matmul-prec medium``: bf16 Newton–Schulz,
-    split QKV, spectral scale): learned absolute positions, RoPE, MoE (the router Muon-trained)
-    give the same losses and gradient norms to the bit at every iteration. fp32 Newton–Schulz
+    split QKV, spectral scale): learned absolute positions, RoPE, MoE (the router Muon-trained),
+    virtual pipeline stages (PP=2 x 2 chunks, Megatron-LM's interleaved schedule) give the same
+    losses and gradient norms to the bit at every iteration. fp32 Newton–Schulz
     (``high``, world size 1) within 1e-6 relative (measured 1.1e-7 at iteration 9): megatron-ext
     multiplies matrices of one shape in one batched product, Emerging-Optimizers one by one, and
     fp32 keeps the kernels' last-bit differences that bf16 rounding removes."""

@@ -56,6 +56,7 @@ from megatron_ext.ckpt.select import (
 from megatron_ext.config.schema import CheckpointConfig
 from megatron_ext.distributed.allgather_v import raw_bits
 from megatron_ext.errors import ConfigError
+from megatron_ext.megatron.optimizer_factories import chunk_named_parameters
 from megatron_ext.megatron.save_queue import fork_results_queue
 
 
@@ -220,11 +221,9 @@ def _load_model_state(model: Model, state: dict[str, Any]) -> None:
 
 
 def _named_parameters(model: Model) -> list[tuple[str, torch.nn.Parameter]]:
-    """Every chunk's parameters (``chunk<v>.`` before the names when there are several)."""
-    chunks = _chunks(model)
-    if len(chunks) == 1:
-        return list(chunks[0].named_parameters())
-    return [(f"chunk{v}.{n}", p) for v, c in enumerate(chunks) for n, p in c.named_parameters()]
+    """Every chunk's parameters, named as the optimizer names them (``chunk<v>.`` first when
+    there are several)."""
+    return chunk_named_parameters(_chunks(model))
 
 
 def _sharded_state(

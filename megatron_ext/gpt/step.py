@@ -4,6 +4,7 @@ the optimizer step at the scheduled LR, and the global batch's mean loss."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,8 +69,11 @@ def microbatches(run: GPTRun, step: int, data: Any = None) -> Iterator[dict[str,
 def chunk_iterators(run: GPTRun, make: Callable[[], Iterator[Any]]) -> Any:
     """The schedule's data iterator: ``make()``, or with virtual pipeline stages one per
     model chunk (megatron-core's interleaved schedule reads chunk ``v``'s micro-batches from
-    the ``v``-th; each chunk sees the same micro-batches in the same order)."""
-    return make() if len(run.chunks) == 1 else [make() for _ in run.chunks]
+    the ``v``-th): copies of one ``make()`` (``itertools.tee``), so each micro-batch is read
+    once and every chunk sees the same ones in the same order."""
+    if len(run.chunks) == 1:
+        return make()
+    return list(itertools.tee(make(), len(run.chunks)))
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):

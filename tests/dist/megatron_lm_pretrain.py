@@ -84,7 +84,9 @@ def forward_step(data_iterator, model: GPTModel):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def train_valid_test_datasets_provider(num_samples):
+def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    """Mock GPT data on every rank (``vp_stage``: the model chunk asking, with virtual pipeline
+    stages, as Megatron-LM's ``pretrain_gpt.py`` takes it; every chunk reads the same data)."""
     args = get_args()
     config = GPTDatasetConfig(
         random_seed=args.seed,
@@ -106,7 +108,8 @@ train_valid_test_datasets_provider.is_distributed = True
 def recording_log(original):
     def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw):
         RECORD["iterations"].append(int(iteration))
-        RECORD["loss"].append(float(loss_dict["lm loss"]))
+        if "lm loss" in loss_dict:  # the last pipeline stage's ranks have the loss
+            RECORD["loss"].append(float(loss_dict["lm loss"]))
         RECORD["grad_norm"].append(float(a[2]))  # report_memory_flag, skipped_iter, grad_norm
         return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *a, **kw)
 
@@ -141,8 +144,11 @@ def run(argv: list[str], refused: bool = False) -> dict[str, list[float]]:
         return {"error": str(err)}
     if refused:
         raise AssertionError("the run was expected to be refused")
+    # with pipeline stages only the last stage's ranks saw the loss: every rank gets theirs
+    records: list[dict] = [{}] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(records, dict(RECORD))
     destroy_global_state()  # the next run parses and initialises afresh
-    return dict(RECORD)
+    return next((r for r in records if r["loss"]), records[0])
 
 
 def main() -> None:
