@@ -142,7 +142,7 @@ SCRIPT = """torchrun --nproc_per_node 2 pretrain_gpt.py \\
 """
 #: (layers, the virtual-stage flags, the virtual stages Megatron-LM derives)
 SCRIPTS = {
-    "layers_per_stage": (4, "--num-layers-per-virtual-pipeline-stage 1", 2),
+    # (a layer count per virtual stage alone: test_virtual_stages_train_the_unpipelined_model)
     # uneven chunks: the embedding and a layer, two layers, a layer, the loss alone
     "layout": (4, "--pipeline-model-parallel-layout 'Et|tt|t|L'", 2),
     # 6 layers + the embedding + the loss over 2 x 4 chunks (one holds only the embedding)
@@ -246,3 +246,20 @@ def test_moe_with_expert_parallelism_in_virtual_stages(recipe_file, tmp_path):  
     assert _metric(flat, "grad_norm") == pytest.approx(_metric(virtual, "grad_norm"), rel=1e-4)
     loads = [_metric(r, "moe_tokens_per_expert_max") for r in (virtual, flat)]
     assert loads[0] == loads[1] and len(loads[0][0]) == 4  # every layer, from every chunk
+
+
+def test_the_planner_refuses_virtual_stages_by_name() -> None:
+    """Its activation model is the 1F1B schedule's: a plan of the interleaved one would be
+    wrong, so `megatron-ext plan` refuses it (and the launcher's fit check skips, saying so)."""
+    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
+    from megatron_ext.planner.params import NotModelled, gpt_parameters
+
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    model = ModelConfig(
+        num_layers=4,
+        transformer_config={"overlap_p2p_comm": True, "batch_p2p_comm": False},
+    )
+    with pytest.raises(NotModelled, match="interleaved schedule"):
+        gpt_parameters(model, parallel, vocab_size=256)
