@@ -276,3 +276,31 @@ def test_stage_layers_are_megatron_cores_split(layers: int, stages: int, fields:
         offset = get_transformer_layer_offset(config, pp_rank=rank)
         count = get_num_layers_to_build(config, pp_rank=rank)
         assert stage_layers(model, stages, rank) == range(offset, offset + count), rank
+
+
+def test_a_tied_embedding_over_stages_is_sharded_alone_as_the_trainer_does() -> None:
+    """Tied word embeddings over two pipeline stages: the first stage's embedding and the last
+    stage's output-layer copy are marked (megatron-core's ``shared_embedding``), and the
+    planned element-sharded AdamW gives each a bucket of its own, as the trainer's
+    ``ShardedAdamW`` does, so the two copies split alike over the data-parallel ranks."""
+    from megatron_ext.planner.ownership import optimizer_layout
+
+    model = ModelConfig(num_layers=2, untie_embeddings_and_output_weights=False)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2)
+    first, last = (
+        gpt_parameters(model, parallel, vocab_size=VOCAB, pp_rank=r, seq_length=SEQ) for r in (0, 1)
+    )
+    tied = {p.name for p in first + last if p.shared_embedding}
+    assert tied == {"embedding.word_embeddings.weight", "output_layer.weight"}
+    splits = []
+    for params, name in (
+        (first, "embedding.word_embeddings.weight"),
+        (last, "output_layer.weight"),
+    ):
+        layout = optimizer_layout(params, "adamw", {"adamw": {}}, dp=2, edp=2, bf16=False)
+        (bucket,) = [b for b in layout.dense_shards if name in b.members]
+        assert bucket.members == (name,)
+        splits.append(bucket.counts)
+    assert splits[0] == splits[1]
+    untied = gpt_parameters(ModelConfig(num_layers=2), parallel, vocab_size=VOCAB, pp_rank=0)
+    assert not any(p.shared_embedding for p in untied)  # untied, or one stage: nothing shared

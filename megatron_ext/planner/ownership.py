@@ -116,7 +116,10 @@ def optimizer_layout(
 
     def shards(members: list[PlannedParam], world: int) -> list[BucketLayout]:
         named = [(p.name, p.numel, "param") for p in members if p.name in sharded]
-        return shard_buckets(named, world, BUCKET_NUMEL)
+        # a tied embedding's stage copies in a bucket of their own, as the trainer's
+        # element-sharded AdamW puts them (megatron_ext.distributed.sharded_adam)
+        alone = {p.name for p in members if p.shared_embedding}
+        return shard_buckets(named, world, BUCKET_NUMEL, alone=alone)
 
     dense = [p for p in params if not p.is_expert]
     expert = [p for p in params if p.is_expert]

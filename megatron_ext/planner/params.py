@@ -58,6 +58,9 @@ class PlannedParam:
     is_expert: bool  # megatron-core sets allreduce=False (expert-parallel weights)
     tensor_parallel: bool  # megatron-core's tensor_model_parallel attribute is True
     partition_dim: int | None = None  # the axis TP splits (0 column-, 1 row-parallel), if split
+    #: a word embedding tied to the output layer over pipeline stages (its first- and last-stage
+    #: copies; megatron-core's ``shared_embedding``): the element-sharded AdamW buckets it alone
+    shared_embedding: bool = False
 
     def full_shape(self, tp: int) -> tuple[int, ...]:
         """The whole tensor's shape across the ``tp`` ranks of its TP group."""
@@ -280,9 +283,15 @@ def gpt_parameters(
     first, last = pp_rank == 0, pp_rank == pp - 1
     hidden = model.hidden_size
     params: list[PlannedParam] = []
+    tied_over_stages = not model.untie_embeddings_and_output_weights and pp > 1
     if first:
         word = PlannedParam(
-            "embedding.word_embeddings.weight", (d.vocab // tp, hidden), False, True, 0
+            "embedding.word_embeddings.weight",
+            (d.vocab // tp, hidden),
+            False,
+            True,
+            0,
+            shared_embedding=tied_over_stages,
         )
         params.append(word)
         if model.position_embedding_type == "learned_absolute":
@@ -298,7 +307,14 @@ def gpt_parameters(
         params += _norm("decoder.final_layernorm", hidden, model.normalization == "LayerNorm")
         # tied weights on one stage: the output layer reads the embedding's, it holds none
         if model.untie_embeddings_and_output_weights or not first:
-            output = PlannedParam("output_layer.weight", (d.vocab // tp, hidden), False, True, 0)
+            output = PlannedParam(
+                "output_layer.weight",
+                (d.vocab // tp, hidden),
+                False,
+                True,
+                0,
+                shared_embedding=tied_over_stages,
+            )
             params.append(output)
     return params
 
