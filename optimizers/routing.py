@@ -22,6 +22,7 @@ The overrides come first under both.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,19 @@ from .options import MatrixRouting
 if TYPE_CHECKING:  # route_parameter is torch-free: the planner and the launcher call it
     import torch
 
-__all__ = ["decays_weight", "route_parameter", "weight_decay_groups"]
+__all__ = ["chunk_of", "decays_weight", "route_parameter", "weight_decay_groups"]
+
+#: the trainer's (and the drop-in's) name of a parameter of model chunk ``v`` when a pipeline
+#: rank holds several (virtual pipeline stages): ``chunk<v>.`` before the model's own name
+_CHUNK = re.compile(r"chunk(\d+)\.")
+
+
+def chunk_of(name: str) -> tuple[int | None, str]:
+    """``(v, the model's own name)`` of a ``chunk<v>.``-named parameter; ``(None, name)`` for
+    any other name."""
+    match = _CHUNK.match(name)
+    return (int(match.group(1)), name[match.end() :]) if match else (None, name)
+
 
 _ADAMW_NAME_PARTS = ("embedding", "output_layer", "conv1d", "norm", "router.weight")
 # megatron-core's is_embedding_or_output_parameter (LanguageModule marks these two)
@@ -48,12 +61,15 @@ def route_parameter(
     """Registry name of the optimizer for parameter ``name`` of ``shape``.
 
     Args:
-        name: full parameter name, e.g. ``decoder.layers.0.mlp.linear_fc1.weight``.
+        name: full parameter name, e.g. ``decoder.layers.0.mlp.linear_fc1.weight``; a model
+            chunk's ``chunk<v>.`` before it is left out (:func:`chunk_of`): a parameter routes
+            the same way with and without virtual pipeline stages, overrides included.
         shape: its shape.
         matrix_optimizer: the registered optimizer for hidden matrices (``muon``, ``lion``, ...).
         overrides: ``(glob, optimizer)`` pairs tried first, in order.
         rules: ``megatron_ext`` (the default rules above) or ``megatron_core``.
     """
+    name = chunk_of(name)[1]
     for pattern, optimizer in overrides:
         if fnmatch.fnmatchcase(name, pattern):
             return optimizer

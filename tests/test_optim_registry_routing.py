@@ -144,3 +144,23 @@ def test_routing_rules_and_overrides() -> None:
     name = "decoder.layers.0.self_attention.linear_proj.weight"
     assert route_parameter(name, (32, 32), overrides=overrides) == "adamw"
     assert route_parameter("output_layer.weight", (64, 32), overrides=overrides) == "lion"
+
+
+def test_a_model_chunks_name_routes_as_the_models_own() -> None:
+    """With virtual pipeline stages the trainer and the drop-in name chunk v's parameters
+    ``chunk<v>.<the model's name>``: they route as the model's names do, overrides (anchored
+    globs) and megatron-core's rules included."""
+    from megatron_ext.optimizers.routing import chunk_of, route_parameter
+
+    overrides = [("decoder.layers.0.*", "lion")]
+    for name, shape in (
+        ("decoder.layers.0.mlp.linear_fc1.weight", (64, 32)),
+        ("decoder.layers.1.self_attention.linear_qkv.weight", (96, 32)),
+        ("embedding.word_embeddings.weight", (256, 32)),
+        ("decoder.layers.1.input_layernorm.weight", (32,)),
+    ):
+        for rules in ("megatron_ext", "megatron_core"):
+            own = route_parameter(name, shape, overrides=overrides, rules=rules)
+            assert route_parameter(f"chunk3.{name}", shape, overrides=overrides, rules=rules) == own
+    assert chunk_of("chunk12.output_layer.weight") == (12, "output_layer.weight")
+    assert chunk_of("decoder.chunk1.weight") == (None, "decoder.chunk1.weight")

@@ -59,6 +59,8 @@ def test_text_and_json_give_the_same_figures(capsys: pytest.CaptureFixture[str])
         "seq": 8192,
         "recompute_method": "uniform",
         "recompute_num_layers": 1,
+        "vp": 1,
+        "vp_group": 1,
         "micro_batches": 32,
     }
     stage = figures["stages"][0]

@@ -241,7 +241,8 @@ def _planned_activations(name: str, recompute: str) -> tuple[int, int]:
     overrides = [*overrides, f"parallel.recompute_granularity={recompute}"]
     recipe = load_recipe(source, overrides, world_size=1)
     assert recipe.model.transformer_impl == "local"  # the spec a CPU runs: SDPA, torch norms
-    return stage_activations(recipe, run_layout(recipe, 1), 0, plan_vocab_size(recipe))
+    (chunk,) = stage_activations(recipe, run_layout(recipe, 1), 0, plan_vocab_size(recipe))
+    return chunk
 
 
 def _layers(name: str) -> int:
@@ -279,7 +280,9 @@ def test_full_recomputation_forms_within_15_percent(measured: dict[str, Any], fo
     overrides, starts = FULL_FORMS[form]
     source, case, _ = ACTIVATION_CASES[name]
     recipe = load_recipe(source, [*case, *overrides], world_size=1)
-    kept, rebuild = stage_activations(recipe, run_layout(recipe, 1), 0, plan_vocab_size(recipe))
+    ((kept, rebuild),) = stage_activations(
+        recipe, run_layout(recipe, 1), 0, plan_vocab_size(recipe)
+    )
     assert got["segments"] == len(starts)
     assert _within(kept, got["kept"]), (kept, got)
     assert _within(rebuild, got["rebuild"]), (rebuild, got)

@@ -248,18 +248,73 @@ def test_moe_with_expert_parallelism_in_virtual_stages(recipe_file, tmp_path):  
     assert loads[0] == loads[1] and len(loads[0][0]) == 4  # every layer, from every chunk
 
 
-def test_the_planner_refuses_virtual_stages_by_name() -> None:
-    """Its activation model is the 1F1B schedule's: a plan of the interleaved one would be
-    wrong, so `megatron-ext plan` refuses it (and the launcher's fit check skips, saying so)."""
-    from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
-    from megatron_ext.planner.params import NotModelled, gpt_parameters
+def test_the_planners_schedule_is_megatron_cores() -> None:
+    """The planner's warmup counts and forward order (megatron_ext.planner.schedule) against
+    megatron-core's own ``get_pp_rank_microbatches`` / ``get_schedule_table``, with and without
+    virtual stages, for every rank of 2-8 pipeline stages and 1-19 micro-batches."""
+    from types import SimpleNamespace
 
-    parallel = ParallelConfig(
-        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    from megatron.core.pipeline_parallel.schedules import (
+        get_pp_rank_microbatches,
+        get_schedule_table,
     )
-    model = ModelConfig(
-        num_layers=4,
-        transformer_config={"overlap_p2p_comm": True, "batch_p2p_comm": False},
-    )
-    with pytest.raises(NotModelled, match="interleaved schedule"):
-        gpt_parameters(model, parallel, vocab_size=256)
+
+    from megatron_ext.planner.schedule import schedule_table, warmup
+
+    for pp in (2, 3, 4, 8):
+        for chunks in (1, 2, 3, 4):
+            for micro in range(1, 20):
+                for group in {pp, 2, 3}:
+                    if chunks > 1:
+                        theirs = get_schedule_table(micro, chunks, group)
+                        assert schedule_table(micro, chunks, group) == theirs
+                    for rank in range(pp):
+                        comm = SimpleNamespace(
+                            pp_group=SimpleNamespace(size=lambda pp=pp: pp, rank=lambda r=rank: r),
+                            virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None,
+                        )
+                        _, _, want, _ = get_pp_rank_microbatches(
+                            micro, chunks, group, p2p_communicator=comm
+                        )
+                        assert warmup(pp, rank, micro, chunks, group) == want
+
+
+def test_the_planner_holds_what_the_interleaved_schedule_holds() -> None:
+    """Worked by hand, PP=2 x 2 chunks, 4 micro-batches, rank 0: 4 warmup forwards (chunk 0 of
+    micro-batches 0, 1, then chunk 1 of them), then forward / backward pairs, the backward
+    running the chunks in reverse: 5 passes held at most, two of them chunk 1's at the peak.
+    Rank 1: 2 warmup forwards, then at most 3 passes.
+    Without virtual stages the count is 1F1B's, min(pp - rank, M)."""
+    from megatron_ext.planner.schedule import peak_held
+
+    assert peak_held([1, 10], pp=2, rank=0, micro_batches=4) == (23, 5)
+    # rank 1: 2 warmup forwards, then at most 3 passes (chunk 1's one of them, or none)
+    assert peak_held([1, 10], pp=2, rank=1, micro_batches=4) == (12, 3)
+    for pp, rank, micro in ((4, 0, 8), (4, 3, 8), (4, 0, 2), (8, 2, 16)):
+        assert peak_held([7], pp, rank, micro) == (7 * min(pp - rank, micro), min(pp - rank, micro))
+
+
+def test_the_planner_plans_virtual_stages() -> None:
+    """`megatron-ext plan` with virtual stages: every rank's chunks (their parameters are
+    compared with megatron-core's built chunks in tests/test_planner_params.py), the whole
+    model counted once, the interleaved schedule's held passes, a bubble 1/V of 1F1B's; first
+    and last stage layer counts with virtual stages are refused by name."""
+    from megatron_ext.config import load_recipe
+    from megatron_ext.planner.gpus import GPUS
+    from megatron_ext.planner.inputs import Cluster
+    from megatron_ext.planner.params import NotModelled
+    from megatron_ext.planner.plan import plan_run
+
+    base = ["training.global_batch_size=128", "parallel.pipeline_model_parallel_size=2"]
+    flat = plan_run(load_recipe("tiny_cpu_gpt", base, world_size=8), Cluster(GPUS["h100"], 1, 8))
+    virtual = [*base, "parallel.virtual_pipeline_model_parallel_size=2", OVERLAP]
+    plan = plan_run(load_recipe("tiny_cpu_gpt", virtual, world_size=8), Cluster(GPUS["h100"], 1, 8))
+    assert plan.total_params == flat.total_params
+    assert [s.params for s in plan.stages] == [s.params for s in flat.stages]  # 2 of 4 layers
+    # 4 micro-batches of 8 per rank (DP 4): 1F1B holds 2 on rank 0; interleaved (1·2 + 1·2) + 1
+    assert (flat.stages[0].in_flight, plan.stages[0].in_flight) == (2, 5)
+    assert plan.step.bubble_s == pytest.approx(flat.step.bubble_s / 2)
+    uneven = [*virtual[:-1], "model.transformer_config={overlap_p2p_comm: true, "
+              "batch_p2p_comm: false, num_layers_in_first_pipeline_stage: 2}"]  # fmt: skip
+    with pytest.raises(NotModelled, match="num_layers_in_first_pipeline_stage"):
+        plan_run(load_recipe("tiny_cpu_gpt", uneven, world_size=8), Cluster(GPUS["h100"], 1, 8))

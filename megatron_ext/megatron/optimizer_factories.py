@@ -10,7 +10,6 @@ expert-data-parallel group).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig as McOptimizerConfig
 from megatron_ext.config.optimizer import OptimizerConfig
 from megatron_ext.errors import ConfigError
 from megatron_ext.optimizers.qkv import QKVLayout
+from megatron_ext.optimizers.routing import chunk_of
 from megatron_ext.optimizers.spec import recipe_hyperparameters
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "is_expert_param",
     "layerwise_factory",
     "megatron_optimizer_config",
-    "model_name",
     "model_qkv_layout",
 ]
 
@@ -45,10 +44,6 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 # ``param_groups``, ``state`` and the name-keyed state (``named_state``, ``load_named_state``,
 # ``saves``): the layer-wise optimizer, or the replicated one for plain AdamW.
 InnerFactory = Callable[[NamedParams], Any]
-
-#: what :func:`chunk_named_parameters` puts before a parameter's name with virtual pipeline
-#: stages: ``chunk<virtual stage>.``
-_CHUNK = re.compile(r"chunk(\d+)\.")
 
 
 def chunk_root(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
@@ -65,13 +60,6 @@ def chunk_named_parameters(modules: Sequence[torch.nn.Module]) -> NamedParams:
     return list(chunk_root(modules).named_parameters())
 
 
-def model_name(name: str) -> str:
-    """``name`` without its ``chunk<v>.`` (the name routing rules are written against: the
-    same parameter routes the same way with and without virtual stages)."""
-    match = _CHUNK.match(name)
-    return name[match.end() :] if match else name
-
-
 def chunked_factory(factory: InnerFactory, chunks: int) -> InnerFactory:
     """``factory`` once per model chunk, its parts side by side behind one interface
     (:class:`~megatron_ext.distributed.domains.LayerwiseDomains`): each part's gradients then
@@ -86,10 +74,10 @@ def chunked_factory(factory: InnerFactory, chunks: int) -> InnerFactory:
 
         by_chunk: dict[int, NamedParams] = {}
         for n, p in named:
-            match = _CHUNK.match(n)
-            if match is None:
+            v = chunk_of(n)[0]
+            if v is None:
                 raise ValueError(f"{n}: not a chunk<v>. name (chunk_named_parameters)")
-            by_chunk.setdefault(int(match.group(1)), []).append((n, p))
+            by_chunk.setdefault(v, []).append((n, p))
         parts: list[Any] = []
         for _, chunk in sorted(by_chunk.items()):
             inner = factory(chunk)
@@ -222,7 +210,7 @@ def layerwise_factory(cfg: OptimizerConfig, qkv_layout: QKVLayout | None = None)
                 return True  # its own LR: an AdamW group (both routings put it there anyway)
             return (
                 route_parameter(
-                    model_name(n),
+                    n,
                     tuple(p.shape),
                     matrix_optimizer=cfg.name,
                     rules=cfg.matrix_routing,

@@ -62,7 +62,9 @@ class StagePlan:
     dense: RankLoads | None
     expert: RankLoads | None
     optimizer_flops: float  # the most loaded rank's optimizer step
-    in_flight: int  # micro-batches whose activations are alive at once (1F1B)
+    #: micro-batches whose activations are alive at once at the peak (1F1B); with virtual
+    #: stages, micro-batch x chunk forward passes (megatron_ext.planner.schedule)
+    in_flight: int
     dense_rank: int  # the most loaded rank's ranks in the dense / expert domains
     expert_rank: int
 

@@ -59,6 +59,8 @@ class RunLayout:
     seq: int
     recompute_method: str = "uniform"  # full recomputation's method and layer count
     recompute_num_layers: int = 1
+    vp: int = 1  # model chunks per pipeline rank (virtual pipeline stages)
+    vp_group: int = 1  # the interleaved schedule's micro-batch group (default: pp)
 
     def recomputed_layers(self, layers: int) -> int:
         """How many of a stage's ``layers`` run their forward twice."""
@@ -135,6 +137,8 @@ def run_layout(recipe: Recipe, world: int) -> RunLayout:
         micro_batch=t.micro_batch_size,
         global_batch=t.global_batch_size,
         seq=t.seq_length,
+        vp=p.virtual_pipeline_model_parallel_size or 1,
+        vp_group=recipe.model.transformer_config.get("microbatch_group_size_per_vp_stage") or pp,
     )
 
 

@@ -20,7 +20,7 @@ from megatron_ext.distributed.plan import (
 )
 from megatron_ext.distributed.shard_layout import piece_ranges, shard_buckets
 from megatron_ext.optimizers.options import MatrixRouting
-from megatron_ext.optimizers.routing import route_parameter
+from megatron_ext.optimizers.routing import chunk_of, route_parameter
 from megatron_ext.planner.params import PlannedParam
 
 __all__ = [
@@ -121,15 +121,42 @@ def optimizer_layout(
         alone = {p.name for p in members if p.shared_embedding}
         return shard_buckets(named, world, BUCKET_NUMEL, alone=alone)
 
-    dense = [p for p in params if not p.is_expert]
-    expert = [p for p in params if p.is_expert]
+    # one layer-wise optimizer and one element-sharded AdamW per model chunk, as the trainer
+    # builds them with virtual pipeline stages (chunked_factory): each planned alone
+    chunks = _by_chunk(params)
+    dense = [[p for p in c if not p.is_expert] for c in chunks]
+    expert = [[p for p in c if p.is_expert] for c in chunks]
+    has_expert = any(expert)
     return OptimizerLayout(
         routes,
-        plan(dense, dp),
-        plan(expert, edp) if expert else None,
+        _merged([plan(c, dp) for c in dense], dp),
+        _merged([plan(c, edp) for c in expert], edp) if has_expert else None,
         sharded,
-        shards(dense, dp),
-        shards(expert, edp) if expert else [],
+        [b for c in dense for b in shards(c, dp)],
+        [b for c in expert for b in shards(c, edp)] if has_expert else [],
+    )
+
+
+def _by_chunk(params: Sequence[PlannedParam]) -> list[list[PlannedParam]]:
+    """``params`` split by model chunk (their ``chunk<v>.``), in order; one group without."""
+    groups: dict[int | None, list[PlannedParam]] = {}
+    for p in params:
+        groups.setdefault(chunk_of(p.name)[0], []).append(p)
+    return list(groups.values())
+
+
+def _merged(plans: Sequence[OwnershipPlan | None], world: int) -> OwnershipPlan | None:
+    """The model chunks' ownership plans as one (their names are distinct): owners side by
+    side, per-rank loads summed."""
+    present = [p for p in plans if p is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    return OwnershipPlan(
+        world,
+        {n: r for p in present for n, r in p.owner.items()},
+        [sum(p.compute[r] for p in present) for r in range(world)],
+        [sum(p.memory[r] for p in present) for r in range(world)],
+        [n for p in present for n in p.replicated],
     )
 
 
@@ -147,10 +174,13 @@ def domain_buckets(
     for plan, expert in ((layout.dense, False), (layout.expert, True)):
         if plan is None:
             continue
-        members = [
-            (p.name, p.numel, "param")
-            for p in params
-            if p.is_expert == expert and p.name not in layout.sharded
-        ]
-        out.append((plan, bucket_layout(members, plan, BUCKET_NUMEL)))
+        buckets = []
+        for chunk in _by_chunk(params):  # each chunk's optimizer buckets its own
+            members = [
+                (p.name, p.numel, "param")
+                for p in chunk
+                if p.is_expert == expert and p.name not in layout.sharded
+            ]
+            buckets += bucket_layout(members, plan, BUCKET_NUMEL)
+        out.append((plan, buckets))
     return out

@@ -25,7 +25,7 @@ What megatron-core does, and this module follows:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_ext.errors import ConfigError
 from megatron_ext.gpt.recipe import check_model_layout, uneven_pipeline_split
@@ -214,16 +214,22 @@ def _layer(prefix: str, d: _Dims, moe: bool) -> list[PlannedParam]:
     return params + mlp
 
 
-def stage_layers(model: ModelConfig, pp: int, pp_rank: int) -> range:
-    """The global layer indices of pipeline stage ``pp_rank``, as megatron-core 0.19 splits
-    them without virtual stages (``get_num_layers_to_build``, ``get_transformer_layer_offset``):
-    evenly; with ``num_layers_in_first/last_pipeline_stage`` (in ``model.transformer_config``)
-    those counts on the first / last stage and the rest evenly between; with
+def stage_layers(
+    model: ModelConfig, pp: int, pp_rank: int, vp_stage: int = 0, vp: int = 1
+) -> range:
+    """The global layer indices of pipeline stage ``pp_rank`` (its virtual stage ``vp_stage``
+    of ``vp``), as megatron-core 0.19 splits them (``get_num_layers_to_build``,
+    ``get_transformer_layer_offset``): evenly over the ``pp·vp`` model stages, chunk ``v`` of
+    rank ``r`` being stage ``v·pp + r``; without virtual stages also with
+    ``num_layers_in_first/last_pipeline_stage`` (in ``model.transformer_config``), those counts
+    on the first / last stage and the rest evenly between; with
     ``account_for_embedding/loss_in_pipeline_split`` the embedding / loss counted as a layer of
-    the first / last stage. A pipeline layout is :class:`NotModelled` (:func:`check_plannable`)."""
-    counts = _stage_counts(model, pp)
-    start = sum(counts[:pp_rank])
-    return range(start, start + counts[pp_rank])
+    the first / last model stage. A pipeline layout, and first/last counts with virtual
+    stages, are :class:`NotModelled` (:func:`check_plannable`)."""
+    counts = _stage_counts(model, pp * vp)
+    stage = vp_stage * pp + pp_rank
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 def _stage_counts(model: ModelConfig, pp: int) -> list[int]:
@@ -258,8 +264,26 @@ def gpt_parameters(
     pp_rank: int = 0,
     seq_length: int | None = None,
 ) -> list[PlannedParam]:
-    """In named_parameters() order, for pipeline stage pp_rank (embedding on the first stage,
-    final norm + output layer on the last; layers split as megatron-core splits them).
+    """Pipeline rank ``pp_rank``'s parameters: its chunks' (:func:`chunk_parameters`) in
+    order."""
+    chunks = chunk_parameters(
+        model, parallel, vocab_size=vocab_size, pp_rank=pp_rank, seq_length=seq_length
+    )
+    return [p for chunk in chunks for p in chunk]
+
+
+def chunk_parameters(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    vocab_size: int,
+    pp_rank: int = 0,
+    seq_length: int | None = None,
+) -> list[list[PlannedParam]]:
+    """Per model chunk of pipeline rank pp_rank (one without virtual stages), in
+    named_parameters() order (embedding on the first stage's first chunk, final norm + output
+    layer on the last stage's last chunk; layers split as megatron-core splits them; with
+    virtual stages each name starts with ``chunk<v>.``, as the trainer names them).
 
     ``model`` is resolved (a ``moe_preset`` already expanded, as the recipe loader does);
     ``vocab_size`` is the tokenizer's (``model.vocab_size`` wins), padded as the builder pads
@@ -280,20 +304,32 @@ def gpt_parameters(
             model.vocab_size or vocab_size, model.make_vocab_size_divisible_by, tp
         ),
     )
-    first, last = pp_rank == 0, pp_rank == pp - 1
-    hidden = model.hidden_size
-    params: list[PlannedParam] = []
+    vp = parallel.virtual_pipeline_model_parallel_size or 1
     tied_over_stages = not model.untie_embeddings_and_output_weights and pp > 1
+    chunks = []
+    for v in range(vp):
+        first, last = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vp - 1
+        params = _chunk(d, stage_layers(model, pp, pp_rank, v, vp), first, last, seq_length)
+        for i, p in enumerate(params):  # marked; named as the trainer names several chunks
+            shared = tied_over_stages and p.name in (_WORD, _OUTPUT)
+            params[i] = replace(p, name=f"chunk{v}.{p.name}" if vp > 1 else p.name)
+            params[i] = replace(params[i], shared_embedding=shared)
+        chunks.append(params)
+    return chunks
+
+
+_WORD, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+def _chunk(
+    d: _Dims, layers: range, first: bool, last: bool, seq_length: int | None
+) -> list[PlannedParam]:
+    """One model chunk's parameters (``layers``: its global layer indices; ``first``/``last``:
+    whether it holds the embedding / the final norm and output layer)."""
+    model, tp, hidden = d.model, d.tp, d.model.hidden_size
+    params: list[PlannedParam] = []
     if first:
-        word = PlannedParam(
-            "embedding.word_embeddings.weight",
-            (d.vocab // tp, hidden),
-            False,
-            True,
-            0,
-            shared_embedding=tied_over_stages,
-        )
-        params.append(word)
+        params.append(PlannedParam(_WORD, (d.vocab // tp, hidden), False, True, 0))
         if model.position_embedding_type == "learned_absolute":
             assert seq_length is not None  # check_plannable
             position = PlannedParam(
@@ -301,21 +337,13 @@ def gpt_parameters(
             )
             params.append(position)
     pattern = moe_layer_pattern(model)
-    for local, layer in enumerate(stage_layers(model, pp, pp_rank)):
+    for local, layer in enumerate(layers):
         params += _layer(f"decoder.layers.{local}", d, pattern[layer])
     if last:
         params += _norm("decoder.final_layernorm", hidden, model.normalization == "LayerNorm")
         # tied weights on one stage: the output layer reads the embedding's, it holds none
         if model.untie_embeddings_and_output_weights or not first:
-            output = PlannedParam(
-                "output_layer.weight",
-                (d.vocab // tp, hidden),
-                False,
-                True,
-                0,
-                shared_embedding=tied_over_stages,
-            )
-            params.append(output)
+            params.append(PlannedParam(_OUTPUT, (d.vocab // tp, hidden), False, True, 0))
     return params
 
 
@@ -353,15 +381,21 @@ def check_plannable(
             "layers by megatron-core's counts (even, first/last stage counts, embedding and "
             "loss counted as layers), not by a layout (plan the recipe without it)"
         )
-    if p.virtual_pipeline_model_parallel_size:
+    first_last = [
+        f
+        for f in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+        if m.transformer_config.get(f) is not None
+    ]
+    if p.virtual_pipeline_model_parallel_size and first_last:
         raise NotModelled(
-            "parallel.virtual_pipeline_model_parallel_size: the planner models one model chunk "
-            "per pipeline rank and the 1F1B schedule's in-flight micro-batches, not the "
-            "interleaved schedule's chunks (plan the recipe without virtual stages)"
+            f"model.transformer_config.{first_last[0]} with virtual pipeline stages: the "
+            "planner splits the first/last stage's counts over one chunk per rank only (plan "
+            "the recipe without virtual stages, or with an even split)"
         )
-    if pp > 1 and uneven_pipeline_split(m) and sum(_stage_counts(m, pp)) != m.num_layers:
+    stages = pp * (p.virtual_pipeline_model_parallel_size or 1)
+    if pp > 1 and uneven_pipeline_split(m) and sum(_stage_counts(m, stages)) != m.num_layers:
         raise ConfigError(
-            f"model.num_layers={m.num_layers} do not split over {pp} pipeline stages by "
+            f"model.num_layers={m.num_layers} do not split over {stages} pipeline stages by "
             f"model.transformer_config's {', '.join(uneven_pipeline_split(m))}: megatron-core "
             "needs the remaining layers divisible by the remaining stages"
         )

@@ -37,6 +37,8 @@ def _memory(plan: Plan, s: StagePlan) -> list[str]:
     for route, nbytes in sorted(m.optimizer_state.items()):
         lines.append(_row(f"optimizer state: {route}", _gb(nbytes)))
     many = "es" if s.in_flight > 1 else ""
+    if plan.layout.vp > 1:  # a pass is one micro-batch through one model chunk
+        many += " x chunk"
     lines += [
         _row("static (the above)", _gb(m.static), f"mean rank {_gb(s.mean_static).strip()}"),
         _row(
@@ -138,7 +140,8 @@ def format_plan(plan: Plan) -> str:
     head = [
         f"plan: {plan.recipe} on {c.nodes} x {c.gpus_per_node} {c.gpu.name} "
         f"({c.world} GPUs), optimizer={plan.optimizer}, precision={plan.precision}",
-        f"  {plan.total_params / 1e9:.2f}B parameters; TP={lay.tp} PP={lay.pp} CP={lay.cp} "
+        f"  {plan.total_params / 1e9:.2f}B parameters; TP={lay.tp} PP={lay.pp}"
+        f"{f' x {lay.vp} chunks' if lay.vp > 1 else ''} CP={lay.cp} "
         f"EP={lay.ep} DP={lay.dp} (expert DP {lay.edp}), sequence_parallel="
         f"{str(lay.sequence_parallel).lower()}; micro-batch {lay.micro_batch} x "
         f"{lay.micro_batches} per rank, global batch {lay.global_batch} x {lay.seq} tokens",

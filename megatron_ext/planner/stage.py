@@ -24,6 +24,7 @@ from megatron_ext.planner.params import (
     padded_vocab_size,
     stage_layers,
 )
+from megatron_ext.planner.schedule import peak_held
 from megatron_ext.run.precision import half_parameters
 
 __all__ = ["plan_stage", "stage_activations"]
@@ -110,15 +111,19 @@ def plan_stage(
 
     dense_rank = max(range(lay.dp), key=load)
     expert_rank = dense_rank * lay.cp // lay.ep if has_expert else 0
-    kept, rebuild = stage_activations(recipe, lay, stage, vocab)
-    in_flight = min(lay.pp - stage, lay.micro_batches)
+    # the forward passes the (interleaved) 1F1B schedule holds at once, each its chunk's bytes
+    chunks = stage_activations(recipe, lay, stage, vocab)
+    held, in_flight = peak_held(
+        [kept for kept, _ in chunks], lay.pp, stage, lay.micro_batches, lay.vp_group
+    )
+    rebuild = max(rebuilt for _, rebuilt in chunks)
     memory = rank_memory(
         params,
         layout,
         dense_rank=dense_rank,
         expert_rank=expert_rank,
         bf16=bf16,
-        activations=kept * in_flight + rebuild,
+        activations=held + rebuild,
         tp=lay.tp,
         tp_mode=opt.tp_mode,
     )
@@ -162,9 +167,12 @@ def plan_stage(
     )
 
 
-def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) -> tuple[int, int]:
-    """(bytes one micro-batch keeps for backward on ``stage``, bytes recomputation rebuilds at
-    a time), :func:`~.activations.activation_bytes` at the run's sizes."""
+def stage_activations(
+    recipe: Recipe, lay: RunLayout, stage: int, vocab: int
+) -> list[tuple[int, int]]:
+    """Per model chunk of pipeline stage ``stage`` (one without virtual stages): (bytes one
+    micro-batch keeps for backward, bytes recomputation rebuilds at a time),
+    :func:`~.activations.activation_bytes` at the run's sizes."""
     m = planned_model(recipe)
     shape = ActivationShape(
         seq=lay.seq,
@@ -179,14 +187,17 @@ def stage_activations(recipe: Recipe, lay: RunLayout, stage: int, vocab: int) ->
         recompute_method=lay.recompute_method,
         recompute_num_layers=lay.recompute_num_layers,
     )
-    return activation_bytes(
-        m,
-        shape,
-        stage_layers(m, lay.pp, stage),
-        first_stage=stage == 0,
-        last_stage=stage == lay.pp - 1,
-        vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
-    )
+    return [
+        activation_bytes(
+            m,
+            shape,
+            stage_layers(m, lay.pp, stage, v, lay.vp),
+            first_stage=stage == 0 and v == 0,
+            last_stage=stage == lay.pp - 1 and v == lay.vp - 1,
+            vocab=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, lay.tp),
+        )
+        for v in range(lay.vp)
+    ]
 
 
 def _model_parallel_bytes(
@@ -203,11 +214,13 @@ def _model_parallel_bytes(
     back per micro-batch at each boundary the stage touches."""
     t = lay.seq * lay.micro_batch // lay.cp
     h = m.hidden_size
-    layers = stage_layers(m, lay.pp, stage)
+    chunks = [stage_layers(m, lay.pp, stage, v, lay.vp) for v in range(lay.vp)]
+    layers = [i for chunk in chunks for i in chunk]
     micro = lay.micro_batches
     if lay.tp > 1:
         per_collective = 2 * (lay.tp - 1) * t * h * element_bytes // lay.tp
-        collectives = 4 * len(layers) + 2 * lay.recomputed_layers(len(layers))
+        recomputed = sum(lay.recomputed_layers(len(chunk)) for chunk in chunks)
+        collectives = 4 * len(layers) + 2 * recomputed
         tp_bytes = collectives * per_collective * micro
         comm.tensor_parallel = (tp_bytes, tp_bytes)
     if m.num_moe_experts and lay.ep > 1:
@@ -216,8 +229,11 @@ def _model_parallel_bytes(
         copies = t * m.moe_router_topk * (lay.ep - 1) // lay.ep
         ep_bytes = 4 * copies * h * element_bytes * moe_layers * micro
         comm.expert_all_to_all = (ep_bytes, ep_bytes)
-    if lay.pp > 1:
-        boundaries = (stage > 0) + (stage < lay.pp - 1)
+    if lay.pp > 1:  # each chunk's, model stage v·pp + stage of pp·vp
+        stages = lay.pp * lay.vp
+        boundaries = sum(
+            (s > 0) + (s < stages - 1) for s in (v * lay.pp + stage for v in range(lay.vp))
+        )
         shard = lay.tp if lay.sequence_parallel else 1
         pp_bytes = boundaries * t * h * element_bytes // shard * micro
         comm.pipeline = (pp_bytes, pp_bytes)

@@ -58,13 +58,17 @@ def step_time(
     micro_batches: int,
     comm_exposed: dict[str, tuple[int, float]],
     gather: tuple[int, float],
+    vp: int = 1,
 ) -> StepTime:
     """``model_flops``: this rank's training FLOPs of a step; ``comm_exposed``: per collective
     (bytes sent, link GB/s) not overlapped; ``gather``: the parameter all-gather's (bytes, GB/s),
-    hidden behind the forward (a third of the compute) as far as it lasts."""
+    hidden behind the forward (a third of the compute) as far as it lasts; ``vp``: model chunks
+    per pipeline rank (the interleaved schedule's bubble is ``1/vp`` of 1F1B's: Narayanan et
+    al., 2021, "Efficient large-scale language model training on GPU clusters using
+    Megatron-LM", section 2.2.2)."""
     rate = peak_tflops * 1e12 * mfu
     compute = model_flops / rate
-    bubble = compute * (pp - 1) / micro_batches if pp > 1 else 0.0
+    bubble = compute * (pp - 1) / (micro_batches * vp) if pp > 1 else 0.0
     exposed = sum(nbytes / (gbps * 1e9) for nbytes, gbps in comm_exposed.values() if nbytes)
     gather_s = gather[0] / (gather[1] * 1e9) if gather[0] else 0.0
     forward = compute / 3

@@ -1,7 +1,8 @@
-"""Run under torchrun (gloo, 2 ranks): the parameters real GPT models hold at TP=2, EP=2, PP=2.
+"""Run under torchrun (gloo, 2 ranks): the parameters real GPT models hold at TP=2, EP=2, PP=2
+(also with virtual stages).
 
 For each case of :data:`CASES` every rank joins megatron-core's model-parallel groups at the
-case's sizes, builds the model with :func:`megatron_ext.megatron.model.build_gpt_model` (local
+case's sizes, builds the model with :func:`megatron_ext.megatron.model.build_gpt_chunks` (local
 spec; tied embeddings over stages without the initial weight copy, see :func:`_no_embedding_copy`)
 and records ``named_parameters()`` as :func:`describe` does, then leaves the groups for
 the next case. Rank r writes ``OUT_DIR/rank{r}.json``: ``{case: {"pp_rank": int, "params":
@@ -31,6 +32,8 @@ _BASE: dict[str, Any] = {
     "transformer_impl": "local",
 }
 _MOE: dict[str, Any] = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16}
+#: virtual stages on 2 pipeline ranks need it (megatron_ext.gpt.recipe)
+_OVERLAP = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
 
 #: case -> (ModelConfig fields, ParallelConfig fields)
 CASES: dict[str, tuple[dict[str, Any], dict[str, int]]] = {
@@ -93,6 +96,31 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, int]]] = {
         },
         {"pipeline_model_parallel_size": 2},
     ),
+    # virtual stages: 2 chunks per rank (layers 0, 2 | 1, 3 ... of 8), a MoE pattern, tied
+    "pp2_vp2_tied_moe_pattern": (
+        {
+            **_BASE,
+            **_MOE,
+            "num_layers": 8,
+            "moe_layer_freq": [1, 0, 0, 1, 1, 0, 1, 0],
+            "untie_embeddings_and_output_weights": False,
+            "transformer_config": _OVERLAP,
+        },
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+    ),
+    # 6 layers + the embedding + the loss over 2 x 4 chunks: one holds only the embedding
+    "pp2_vp4_embedding_and_loss_counted": (
+        {
+            **_BASE,
+            "num_layers": 6,
+            "transformer_config": {
+                **_OVERLAP,
+                "account_for_embedding_in_pipeline_split": True,
+                "account_for_loss_in_pipeline_split": True,
+            },
+        },
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 4},
+    ),
 }
 
 
@@ -130,7 +158,8 @@ def main(out_dir: str) -> None:
 
     from megatron_ext.gpt.sections import ModelConfig, ParallelConfig
     from megatron_ext.megatron.cpu_compat import apply_cpu_compat
-    from megatron_ext.megatron.model import build_gpt_model
+    from megatron_ext.megatron.model import build_gpt_chunks
+    from megatron_ext.megatron.optimizer_factories import chunk_root
     from tests.dist.ending import leave
 
     torch.set_num_threads(1)
@@ -142,15 +171,16 @@ def main(out_dir: str) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
         )
         model_parallel_cuda_manual_seed(1234)
         model = ModelConfig(**fields)
         with _no_embedding_copy(model, parallel):
-            gpt = build_gpt_model(model, parallel, "fp32", VOCAB, SEQ)
+            chunks = build_gpt_chunks(model, parallel, "fp32", VOCAB, SEQ)
         got[case] = {
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "params": describe(gpt),
+            "params": describe(chunk_root(chunks)),  # chunk<v>. names, as the trainer's
         }
         parallel_state.destroy_model_parallel()
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(got))
