@@ -318,3 +318,20 @@ def test_the_planner_plans_virtual_stages() -> None:
               "batch_p2p_comm: false, num_layers_in_first_pipeline_stage: 2}"]  # fmt: skip
     with pytest.raises(NotModelled, match="num_layers_in_first_pipeline_stage"):
         plan_run(load_recipe("tiny_cpu_gpt", uneven, world_size=8), Cluster(GPUS["h100"], 1, 8))
+
+
+def test_the_held_passes_are_what_megatron_cores_schedule_holds(tmp_path) -> None:
+    """Measured: megatron-core's interleaved schedule running a GPT-trainer step (PP=2 x 2
+    chunks, 2, 4 and 6 micro-batches) holds at most as many forward passes on each rank as
+    the planner's replay says (tests/dist/interleaved_held.py counts them)."""
+    import json
+
+    from megatron_ext.planner.schedule import peak_held
+    from tests.conftest import DIST, run_torchrun
+    from tests.dist.interleaved_held import MICRO_BATCHES
+
+    run_torchrun(DIST / "interleaved_held.py", 2, str(tmp_path))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        want = {str(m): peak_held([1, 1], 2, rank, m)[1] for m in MICRO_BATCHES}
+        assert got == want, (rank, got, want)
