@@ -92,6 +92,11 @@ def _get_rng_state(
     return torch.get_rng_state()  # a new tensor: cloned already
 
 
+def tensor_stays(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """``Tensor.cuda`` on a CPU host: the tensor itself (also :mod:`.cpu_compat_training`'s)."""
+    return self
+
+
 def _without_cuda_moves(method: Callable[..., object]) -> Callable[..., object]:
     """``method`` with ``Tensor.cuda`` the identity while it runs (see the module docstring);
     applied to an already wrapped method, the original is wrapped once."""
@@ -99,7 +104,7 @@ def _without_cuda_moves(method: Callable[..., object]) -> Callable[..., object]:
 
     def on_cpu(*args: object, **kwargs: object) -> object:
         cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        torch.Tensor.cuda = tensor_stays  # type: ignore[method-assign]
         try:
             return method(*args, **kwargs)
         finally:

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.megatron.cpu_compat import CpuPatches
+from megatron_ext.megatron.cpu_compat import CpuPatches, tensor_stays
 
 __all__ = ["apply_training_cpu_compat", "replaced_calls"]
 
@@ -169,10 +169,6 @@ class _TorchView:
         return _factory(value) if name in _FACTORIES else value
 
 
-def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return self
-
-
 def _module_cuda(self: torch.nn.Module, device: object = None) -> torch.nn.Module:
     return self
 
@@ -228,7 +224,7 @@ def _replacements() -> list[tuple[object, str, object]]:
     ]
     return [
         *out,
-        (torch.Tensor, "cuda", _tensor_cuda),
+        (torch.Tensor, "cuda", tensor_stays),
         (torch.nn.Module, "cuda", _module_cuda),
         (mc_clip, "clip_grad_by_total_norm_fp32", _clip_fp32),
         (mc_optimizer, "clip_grad_by_total_norm_fp32", _clip_fp32),

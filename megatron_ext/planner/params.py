@@ -310,11 +310,16 @@ def chunk_parameters(
     for v in range(vp):
         first, last = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vp - 1
         params = _chunk(d, stage_layers(model, pp, pp_rank, v, vp), first, last, seq_length)
-        for i, p in enumerate(params):  # marked; named as the trainer names several chunks
-            shared = tied_over_stages and p.name in (_WORD, _OUTPUT)
-            params[i] = replace(p, name=f"chunk{v}.{p.name}" if vp > 1 else p.name)
-            params[i] = replace(params[i], shared_embedding=shared)
-        chunks.append(params)
+        chunks.append(
+            [  # named as the trainer names several chunks; a tied embedding's copies marked
+                replace(
+                    p,
+                    name=f"chunk{v}.{p.name}" if vp > 1 else p.name,
+                    shared_embedding=tied_over_stages and p.name in (_WORD, _OUTPUT),
+                )
+                for p in params
+            ]
+        )
     return chunks
 
 
