@@ -165,7 +165,8 @@ def plot_curves(
     ylabel: str,
     title: str = "",
 ) -> None:
-    """The one plot writer: each series a line, a legend when several are named, atomically."""
+    """The one plot writer: each series a line (a one-point series a marker), a legend when
+    several are named, atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +175,8 @@ def plot_curves(
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for label, points in series.items():
         xs, ys = zip(*points, strict=True) if points else ((), ())
-        ax.plot(xs, ys, lw=1.2, label=label or None)
+        # a lone point (e.g. one validation at the end) draws no line: mark it
+        ax.plot(xs, ys, lw=1.2, label=label or None, marker="o" if len(points) == 1 else None)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
