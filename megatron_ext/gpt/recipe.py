@@ -32,6 +32,7 @@ __all__ = [
     "check_gpt",
     "check_gpt_sections",
     "check_model_layout",
+    "microbatch_group",
     "uneven_pipeline_split",
 ]
 
@@ -260,6 +261,14 @@ def _check_stages(
     _check_interleaving(p, model, batches, mbs * dp)
 
 
+def microbatch_group(m: ModelConfig, p: ParallelConfig) -> int:
+    """The interleaved schedule's micro-batch group: megatron-core's
+    ``microbatch_group_size_per_vp_stage`` (in ``model.transformer_config``), else the
+    pipeline size (its default)."""
+    given = m.transformer_config.get("microbatch_group_size_per_vp_stage")
+    return int(given or p.pipeline_model_parallel_size)
+
+
 def _check_interleaving(
     p: ParallelConfig, model: ModelConfig, batches: list[tuple[str, int]], per_microbatch: int
 ) -> None:
@@ -270,7 +279,7 @@ def _check_interleaving(
     if p.virtual_pipeline_model_parallel_size is None:
         return
     pp = p.pipeline_model_parallel_size
-    group = model.transformer_config.get("microbatch_group_size_per_vp_stage") or pp
+    group = microbatch_group(model, p)
     for where, batch in batches:
         count = batch // per_microbatch
         if count % group and count % group < pp:

@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron_ext.config.schema import Recipe
 from megatron_ext.errors import ConfigError
+from megatron_ext.gpt.recipe import microbatch_group
 from megatron_ext.planner.gpus import DEFAULT_RESERVE_BYTES, GpuSpec
 from megatron_ext.planner.params import NotModelled
 
@@ -138,7 +139,7 @@ def run_layout(recipe: Recipe, world: int) -> RunLayout:
         global_batch=t.global_batch_size,
         seq=t.seq_length,
         vp=p.virtual_pipeline_model_parallel_size or 1,
-        vp_group=recipe.model.transformer_config.get("microbatch_group_size_per_vp_stage") or pp,
+        vp_group=microbatch_group(recipe.model, p),
     )
 
 
